@@ -1,0 +1,47 @@
+# rolloutd — `make run` and `make test` do all the set-up on a fresh machine.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast lint format bench bench-quick proto docs clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	@scripts/setup.sh $(VENV)
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/rolloutd serve
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not vllm and not process" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	cd proto && ../$(VENV)/bin/buf lint
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+bench-quick: $(STAMP)
+	$(PY) benchmarks/run_all.py --quick
+
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+docs: $(STAMP)
+	$(PY) scripts/gen_docs.py
+
+clean:
+	rm -rf $(VENV) .rolloutd .pytest_cache .mypy_cache .ruff_cache

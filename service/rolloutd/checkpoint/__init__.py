@@ -1,0 +1,1 @@
+"""Snapshots of the buffer and controller state: format, store, checkpointer and restore."""

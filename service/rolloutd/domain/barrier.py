@@ -1,0 +1,85 @@
+"""The mutation barrier: mutations share it, a checkpoint holds it exclusively with writer priority.
+
+A readers-writer lock on one asyncio loop. Mutations (readers) run concurrently with each other;
+``exclusive()`` waits for active mutations to drain and, from the moment it asks, makes new
+mutations wait (writer priority), so a checkpoint is never starved by a steady stream of mutations.
+A mutation that had to wait is reported with its kind and wait time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from rolloutd.domain.mutation import MutationKind
+
+BlockedCallback = Callable[[MutationKind, float], None]
+
+
+@dataclass
+class ExclusiveTiming:
+    """Filled in by ``exclusive()``: how long the drain took, when the hold started."""
+
+    wait_s: float = 0.0
+    acquired_at: float = 0.0
+
+
+class MutationBarrier:
+    def __init__(self, on_blocked: BlockedCallback | None = None) -> None:
+        self._active = 0
+        self._writers_waiting = 0
+        self._writer_active = False
+        self._cond = asyncio.Condition()
+        self._on_blocked = on_blocked
+
+    @property
+    def active_mutations(self) -> int:
+        return self._active
+
+    @property
+    def exclusive_held(self) -> bool:
+        return self._writer_active
+
+    @asynccontextmanager
+    async def mutation(self, kind: MutationKind) -> AsyncIterator[None]:
+        if not isinstance(kind, MutationKind):
+            raise TypeError(f"mutation kind must be a MutationKind, got {kind!r}")
+        async with self._cond:
+            if self._writer_active or self._writers_waiting:
+                started = time.perf_counter()
+                await self._cond.wait_for(
+                    lambda: not self._writer_active and not self._writers_waiting
+                )
+                if self._on_blocked is not None:
+                    self._on_blocked(kind, time.perf_counter() - started)
+            self._active += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[ExclusiveTiming]:
+        timing = ExclusiveTiming()
+        started = time.perf_counter()
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self._active == 0 and not self._writer_active)
+            finally:
+                self._writers_waiting -= 1
+            self._writer_active = True
+        timing.wait_s = time.perf_counter() - started
+        timing.acquired_at = time.perf_counter()
+        try:
+            yield timing
+        finally:
+            async with self._cond:
+                self._writer_active = False
+                self._cond.notify_all()

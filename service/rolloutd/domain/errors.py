@@ -1,0 +1,35 @@
+"""Domain errors. The API maps each class to one gRPC status code in one table."""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of errors a caller can act on."""
+
+
+class InvalidArgument(RolloutError):
+    """A request field is out of range or malformed; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotFound(RolloutError):
+    """The named lease, snapshot or group does not exist."""
+
+
+class ResourceExhausted(RolloutError):
+    """Backpressure: the request would exceed a configured limit; retry later."""
+
+
+class Unavailable(RolloutError):
+    """The service is restoring, draining or not ready; retry later or elsewhere."""
+
+
+class FailedPrecondition(RolloutError):
+    """The request conflicts with the service's state (e.g. a rewind past the window)."""
+
+
+class InvariantError(RuntimeError):
+    """An internal invariant does not hold. Never caught: it must fail loudly."""

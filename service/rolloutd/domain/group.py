@@ -1,0 +1,94 @@
+"""Groups and samples: the unit a trainer fetches is a group of N sibling samples of one prompt."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    """Where a dataset prompt sits in the sampler's stream: pass ``epoch``, index ``offset``."""
+
+    epoch: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"({self.epoch}, {self.offset})"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt. ``messages`` (chat) is rendered by the engine's tokenizer; else ``text`` is used."""
+
+    prompt_id: str
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[dict[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One finished sibling. Immutable: the buffer and snapshots share it by reference."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: str
+    policy_version: int
+    prompt_token_ids: tuple[int, ...]
+    seed: int
+    started_at: float
+    finished_at: float
+
+
+class GroupState(enum.Enum):
+    """Lifecycle of a group; a group is in exactly one state."""
+
+    GENERATING = "generating"
+    COMMITTED = "committed"
+    LEASED = "leased"
+    ACKED = "acked"
+
+
+@dataclass
+class Group:
+    """A prompt and its N siblings as they are generated, buffered, leased and acknowledged.
+
+    Invariants: ``len(samples) <= group_size``; state is COMMITTED or later only when every
+    sibling is staged; ``lease_id`` is set exactly while LEASED or ACKED; ``ack_step`` only when ACKED.
+    """
+
+    group_id: int
+    prompt: Prompt
+    position: Position | None
+    group_size: int
+    policy_version: int
+    admitted_at: float
+    seed: int
+    samples: dict[int, Sample] = field(default_factory=dict)
+    state: GroupState = GroupState.GENERATING
+    committed_at: float | None = None
+    lease_id: str | None = None
+    ack_step: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) == self.group_size
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(self.group_size) if i not in self.samples]
+
+    def sibling_seed(self, index: int) -> int:
+        """Each sibling has its own seed, derived so a re-run after a restart is reproducible."""
+        return (self.seed * 1_000_003 + index) % (2**31 - 1)
+
+    def ordered_samples(self) -> list[Sample]:
+        return [self.samples[i] for i in sorted(self.samples)]
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples.values())

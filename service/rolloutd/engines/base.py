@@ -1,0 +1,78 @@
+"""The seam between the controller and whatever generates tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from rolloutd.domain.group import Prompt, Sample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by every sibling; each sibling brings its own seed."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sibling of one group: its own engine request with its own seed."""
+
+    request_id: str
+    group_id: int
+    index: int
+    prompt: Prompt
+    seed: int
+    params: SamplingParams
+    trace_headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Cumulative since engine start (tokens) or instantaneous (requests, KV-cache usage)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_running: int = 0
+    requests_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class EngineError(RuntimeError):
+    """A request failed but the engine lives on; the sibling may be retried."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more requests; the service must stop."""
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the controller needs from an engine.
+
+    ``generate`` returns a finished :class:`Sample` stamped with the policy version of the
+    weights that produced it; it raises ``asyncio.CancelledError`` when aborted.
+    ``update_weights`` must not interleave with token generation: new samples started after it
+    returns carry ``version``.
+    """
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def generate(self, request: GenerationRequest) -> Sample: ...
+
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    async def update_weights(self, path: str, version: int) -> None: ...
+
+    def counters(self) -> EngineCounters: ...
+
+    @property
+    def policy_version(self) -> int: ...

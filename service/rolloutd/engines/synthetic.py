@@ -1,0 +1,117 @@
+"""A deterministic engine for tests and for benchmarks that isolate the service's own overhead.
+
+Token ids are a pure function of (prompt, seed, policy version), so a re-run of a sibling after a
+restart reproduces it exactly. Time to finish is a latency drawn from a seeded distribution plus
+``tokens / tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from rolloutd.domain.group import Sample
+from rolloutd.engines.base import EngineCounters, GenerationRequest
+
+_VOCAB = 32_000
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Shape of the synthetic workload."""
+
+    tokens_per_s: float = 2_000.0
+    """Generation speed of one request; 0 means instant."""
+    latency_s: float = 0.0
+    """Median extra latency before the first token."""
+    latency_sigma: float = 0.0
+    """Log-normal spread of that latency (0: constant)."""
+    min_tokens: int = 8
+    """Shortest completion; lengths are uniform in [min_tokens, max_tokens]."""
+
+
+class SyntheticEngine:
+    name = "synthetic"
+
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        self._config = config or SyntheticConfig()
+        self._version = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._paused = asyncio.Event()
+        self._paused.set()
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        await self.abort(list(self._running))
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            requests_running=len(self._running),
+        )
+
+    async def generate(self, request: GenerationRequest) -> Sample:
+        await self._paused.wait()
+        started = time.time()
+        version = self._version
+        digest = hashlib.blake2b(
+            f"{request.prompt.text}|{request.seed}|{version}".encode(), digest_size=8
+        ).digest()
+        rng = random.Random(int.from_bytes(digest, "little"))
+        cfg = self._config
+        max_tokens = request.params.max_tokens
+        length = rng.randint(min(cfg.min_tokens, max_tokens), max_tokens)
+        prompt_ids = tuple(b % _VOCAB for b in request.prompt.text.encode()[:512])
+        token_ids = tuple(rng.randrange(3, _VOCAB) for _ in range(length))
+        logprobs = tuple(-rng.expovariate(2.0) for _ in range(length))
+        delay = cfg.latency_s * (math.exp(rng.gauss(0, cfg.latency_sigma)) if cfg.latency_sigma else 1)
+        if cfg.tokens_per_s > 0:
+            delay += length / cfg.tokens_per_s
+        task = asyncio.current_task()
+        assert task is not None
+        self._prompt_tokens += len(prompt_ids)
+        try:
+            self._running[request.request_id] = task  # type: ignore[assignment]
+            if delay > 0:
+                await asyncio.sleep(delay)
+        finally:
+            self._running.pop(request.request_id, None)
+        self._generation_tokens += length
+        return Sample(
+            index=request.index,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            text=" ".join(f"t{t}" for t in token_ids[:8]),
+            finish_reason="length" if length == max_tokens else "stop",
+            policy_version=version,
+            prompt_token_ids=prompt_ids,
+            seed=request.seed,
+            started_at=started,
+            finished_at=time.time(),
+        )
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            task = self._running.pop(rid, None)
+            if task is not None:
+                task.cancel()
+
+    async def update_weights(self, path: str, version: int) -> None:
+        self._paused.clear()
+        try:
+            self._version = version
+        finally:
+            self._paused.set()
