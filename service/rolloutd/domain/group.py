@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +31,19 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Sample:
-    """One finished sibling. Immutable: the buffer and snapshots share it by reference."""
+    """One finished sibling, shared by reference between the buffer and snapshots: never mutate it.
+
+    Token ids (``array('i')``, int32) and logprobs (``array('f')``, float32, one per generated
+    token) are buffers, so snapshot segments are built without touching tokens one by one.
+    """
 
     index: int
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    token_ids: array[int]
+    logprobs: array[float]
     text: str
     finish_reason: str
     policy_version: int
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: array[int]
     seed: int
     started_at: float
     finished_at: float

@@ -12,6 +12,7 @@ import hashlib
 import math
 import random
 import time
+from array import array
 from dataclasses import dataclass
 
 from rolloutd.domain.group import Sample
@@ -74,9 +75,9 @@ class SyntheticEngine:
         cfg = self._config
         max_tokens = request.params.max_tokens
         length = rng.randint(min(cfg.min_tokens, max_tokens), max_tokens)
-        prompt_ids = tuple(b % _VOCAB for b in request.prompt.text.encode()[:512])
-        token_ids = tuple(rng.randrange(3, _VOCAB) for _ in range(length))
-        logprobs = tuple(-rng.expovariate(2.0) for _ in range(length))
+        prompt_ids = array("i", (b % _VOCAB for b in request.prompt.text.encode()[:512]))
+        token_ids = array("i", (rng.randrange(3, _VOCAB) for _ in range(length)))
+        logprobs = array("f", (-rng.expovariate(2.0) for _ in range(length)))
         delay = cfg.latency_s * (math.exp(rng.gauss(0, cfg.latency_sigma)) if cfg.latency_sigma else 1)
         if cfg.tokens_per_s > 0:
             delay += length / cfg.tokens_per_s
