@@ -87,7 +87,7 @@ class LimitsConfig(_Section):
     max_in_flight: int = Field(16, gt=0)
     """Most groups generating at once."""
     buffer_capacity: int = Field(256, gt=0)
-    """Most groups held at once (generating, ready, leased or acked-unfinalized)."""
+    """Most groups generating, ready or leased at once (acked ones are bounded by rewind_window)."""
     max_staleness: int = Field(4, ge=0)
     """Groups more than this many policy versions old are evicted."""
     lease_timeout_s: float = Field(300.0, gt=0)
@@ -243,7 +243,9 @@ def load_config(
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {p}: not valid YAML: {exc}") from exc
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p}: must be a mapping of keys, not {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {p}: must be a mapping of keys, not {type(loaded).__name__}"
+            )
         tree = loaded
     tree = _merge(tree, env_overrides(os.environ if environ is None else environ))
     for dotted, value in (overrides or {}).items():

@@ -78,7 +78,9 @@ class SyntheticEngine:
         prompt_ids = array("i", (b % _VOCAB for b in request.prompt.text.encode()[:512]))
         token_ids = array("i", (rng.randrange(3, _VOCAB) for _ in range(length)))
         logprobs = array("f", (-rng.expovariate(2.0) for _ in range(length)))
-        delay = cfg.latency_s * (math.exp(rng.gauss(0, cfg.latency_sigma)) if cfg.latency_sigma else 1)
+        delay = cfg.latency_s * (
+            math.exp(rng.gauss(0, cfg.latency_sigma)) if cfg.latency_sigma else 1
+        )
         if cfg.tokens_per_s > 0:
             delay += length / cfg.tokens_per_s
         task = asyncio.current_task()

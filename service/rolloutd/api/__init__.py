@@ -1,0 +1,1 @@
+"""Adapters to the outside: the gRPC servicer, proto<->domain conversion, the admin HTTP app."""

@@ -1,0 +1,130 @@
+"""Proto <-> domain conversion, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason
+from rolloutd.domain.controller import ControllerStatus
+from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.v1 import rollout_pb2 as pb
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_ID_CHARS = 512
+
+OUTCOMES = {
+    Outcome.COMPLETED: pb.CHECKPOINT_OUTCOME_COMPLETED,
+    Outcome.SKIPPED: pb.CHECKPOINT_OUTCOME_SKIPPED,
+    Outcome.FAILED: pb.CHECKPOINT_OUTCOME_FAILED,
+}
+REASONS: dict[Reason, Any] = {
+    r: pb.CheckpointReason.Value(f"CHECKPOINT_REASON_{r.name}") for r in Reason
+}
+
+
+def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
+def sample_to_proto(s: Sample) -> pb.Sample:
+    return pb.Sample(
+        index=s.index,
+        token_ids=s.token_ids,
+        logprobs=s.logprobs,
+        text=s.text,
+        finish_reason=s.finish_reason,
+        policy_version=s.policy_version,
+        prompt_token_ids=s.prompt_token_ids,
+        seed=s.seed,
+        started_at=s.started_at,
+        finished_at=s.finished_at,
+    )
+
+
+def group_to_proto(g: Group) -> pb.Group:
+    position = g.position
+    return pb.Group(
+        group_id=g.group_id,
+        prompt_id=g.prompt.prompt_id,
+        epoch=position.epoch if position else 0,
+        offset=position.offset if position else 0,
+        source=pb.PROMPT_SOURCE_DATASET if position else pb.PROMPT_SOURCE_SUBMITTED,
+        samples=[sample_to_proto(s) for s in g.ordered_samples()],
+        prompt_text=g.prompt.text,
+        metadata=_struct(g.prompt.metadata),
+        policy_version=g.policy_version,
+        admitted_at=g.admitted_at,
+        committed_at=g.committed_at or 0.0,
+    )
+
+
+def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
+    field = f"prompts[{i}]"
+    if not p.prompt_id:
+        raise InvalidArgument(f"{field}.prompt_id", "must not be empty")
+    if len(p.prompt_id) > MAX_PROMPT_ID_CHARS:
+        raise InvalidArgument(
+            f"{field}.prompt_id", f"must be at most {MAX_PROMPT_ID_CHARS} characters"
+        )
+    messages = tuple({"role": m.role, "content": m.content} for m in p.messages)
+    for j, m in enumerate(messages):
+        if not m["role"] or not m["content"].strip():
+            raise InvalidArgument(f"{field}.messages[{j}]", "role and content must not be empty")
+    if not p.text.strip() and not messages:
+        raise InvalidArgument(f"{field}.text", "must not be empty (or give messages)")
+    text = p.text if p.text.strip() else "\n".join(m["content"] for m in messages)
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InvalidArgument(f"{field}.text", f"must be at most {MAX_PROMPT_CHARS} characters")
+    metadata = json_format.MessageToDict(p.metadata) if p.HasField("metadata") else {}
+    return Prompt(prompt_id=p.prompt_id, text=text, metadata=metadata, messages=messages)
+
+
+def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
+    from rolloutd.checkpoint.report import RowKind, SizePart
+
+    return pb.CheckpointResponse(
+        outcome=OUTCOMES[r.outcome],
+        reason=REASONS[r.reason],
+        sequence=r.sequence or 0,
+        phase_seconds=r.phase_seconds(),
+        rows_written=r.rows.get(RowKind.NEW, 0),
+        bytes_written=r.size_bytes.get(SizePart.TOTAL, 0),
+        message="" if r.error is None else str(r.error),
+    )
+
+
+def status_to_proto(s: ControllerStatus, engine: str, state: int) -> pb.GetStatusResponse:
+    c = s.counters
+    return pb.GetStatusResponse(
+        state=state,  # type: ignore[arg-type]
+        engine=engine,
+        policy_version=s.policy_version,
+        group_size=s.group_size,
+        buffer=pb.BufferStatus(
+            generating=s.buffer.generating,
+            committed=s.buffer.committed,
+            leased=s.buffer.leased,
+            acked=s.buffer.acked,
+            capacity=s.capacity,
+            max_in_flight=s.max_in_flight,
+        ),
+        inflight_samples=s.inflight_samples,
+        pending_prompts=s.pending_prompts,
+        cursor_epoch=s.cursor_epoch,
+        cursor_offset=s.cursor_offset,
+        dataset_exhausted=s.dataset_exhausted,
+        counters=pb.Counters(
+            admitted_groups=c.admitted_groups,
+            committed_groups=c.committed_groups,
+            acked_groups=c.acked_groups,
+            finalized_groups=c.finalized_groups,
+            evicted_groups=c.evicted_groups,
+            committed_tokens=c.committed_tokens,
+            requeued_groups=c.requeued_groups,
+        ),
+    )

@@ -1,0 +1,169 @@
+"""The gRPC servicer: decode, call the domain, encode. Nothing else lives here."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from rolloutd.api import convert
+from rolloutd.api.errors import status_of
+from rolloutd.checkpoint.report import CheckpointReport
+from rolloutd.domain.controller import Controller
+from rolloutd.domain.errors import InvalidArgument, RolloutError, Unavailable
+from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.sampler import Admission
+from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPTS_PER_SUBMIT = 10_000
+
+SERVING_STATES = {s: pb.ServingState.Value(f"SERVING_STATE_{s.name}") for s in ServingState}
+
+
+class Host(Protocol):
+    """What the servicer needs from the running service beyond the controller."""
+
+    @property
+    def state(self) -> ServingState: ...
+
+    @property
+    def engine_name(self) -> str: ...
+
+    async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport: ...
+
+    def last_checkpoint(self) -> pb.CheckpointStatus: ...
+
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+def rpc(*, mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    """Authorizes mutating calls, refuses work unless serving, maps domain errors to status codes."""
+
+    def decorate(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        @wraps(handler)
+        async def wrapper(
+            self: RolloutServicer, request: Req, context: grpc.aio.ServicerContext
+        ) -> Resp:
+            if mutating:
+                await self._authorize(context)
+            try:
+                if mutating and not self._host.state.ready:
+                    raise Unavailable(f"the service is {self._host.state.value}; retry later")
+                return await handler(self, request, context)
+            except RolloutError as exc:
+                await context.abort(status_of(exc), str(exc))
+                raise AssertionError("unreachable") from None
+
+        return wrapper
+
+    return decorate
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    def __init__(self, controller: Controller, host: Host, auth_token: str | None = None) -> None:
+        self._controller = controller
+        self._host = host
+        self._token = auth_token.encode() if auth_token else None
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._token is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        given = str(metadata.get("authorization", ""))
+        if not given.startswith("Bearer ") or not hmac.compare_digest(
+            given[7:].encode(), self._token
+        ):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
+
+    @rpc(mutating=True)
+    async def FetchGroups(
+        self, request: pb.FetchGroupsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FetchGroupsResponse:
+        leased = await self._controller.fetch(request.max_groups, request.wait_ms, request.consumer)
+        if leased is None:
+            return pb.FetchGroupsResponse()
+        lease, groups = leased
+        return pb.FetchGroupsResponse(
+            lease_id=lease.lease_id,
+            groups=[convert.group_to_proto(g) for g in groups],
+            lease_expires_at=lease.expires_at,
+        )
+
+    @rpc(mutating=True)
+    async def AckGroups(
+        self, request: pb.AckGroupsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckGroupsResponse:
+        result = await self._controller.ack(request.lease_id, request.trainer_step)
+        return pb.AckGroupsResponse(
+            acked_groups=result.acked_groups, already_acked=result.already_acked
+        )
+
+    @rpc(mutating=True)
+    async def SubmitPrompts(
+        self, request: pb.SubmitPromptsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SubmitPromptsResponse:
+        if not request.prompts:
+            raise InvalidArgument("prompts", "must not be empty")
+        if len(request.prompts) > MAX_PROMPTS_PER_SUBMIT:
+            raise InvalidArgument("prompts", f"at most {MAX_PROMPTS_PER_SUBMIT} per call")
+        admissions = [
+            Admission(convert.prompt_from_proto(p, i), None) for i, p in enumerate(request.prompts)
+        ]
+        accepted, duplicates = await self._controller.submit(admissions)
+        return pb.SubmitPromptsResponse(accepted=accepted, duplicates=duplicates)
+
+    @rpc(mutating=True)
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        started = time.perf_counter()
+        evicted = await self._controller.update_weights(request.version, request.weights_path)
+        return pb.UpdateWeightsResponse(
+            policy_version=self._controller.policy_version,
+            evicted_groups=evicted,
+            seconds=time.perf_counter() - started,
+        )
+
+    @rpc(mutating=True)
+    async def Checkpoint(
+        self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckpointResponse:
+        step = request.trainer_step if request.HasField("trainer_step") else None
+        if step is not None and step < 0:
+            raise InvalidArgument("trainer_step", f"must be >= 0, got {step}")
+        if len(request.tag) > 128:
+            raise InvalidArgument("tag", "must be at most 128 characters")
+        report = await self._host.checkpoint(request.tag, step)
+        return convert.checkpoint_to_proto(report)
+
+    @rpc(mutating=True)
+    async def Rewind(
+        self, request: pb.RewindRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RewindResponse:
+        result = await self._controller.rewind(request.trainer_step)
+        return pb.RewindResponse(
+            redelivered_groups=result.redelivered_groups,
+            readmitted_prompts=result.readmitted_prompts,
+        )
+
+    @rpc(mutating=False)
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatusResponse:
+        response = convert.status_to_proto(
+            self._controller.status(), self._host.engine_name, SERVING_STATES[self._host.state]
+        )
+        response.counters.generation_tokens = self._controller.engine.counters().generation_tokens
+        response.last_checkpoint.CopyFrom(self._host.last_checkpoint())
+        return response

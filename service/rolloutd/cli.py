@@ -1,0 +1,137 @@
+"""The ``rolloutd`` command: serve, trainer, tiny-model, checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from rolloutd import __version__
+from rolloutd.config import ConfigError, load_config
+
+SERVE_FLAGS: dict[str, tuple[str, Any]] = {
+    # flag dest: (config key, type)
+    "engine": ("engine.kind", str),
+    "model": ("engine.model", str),
+    "dataset": ("dataset.path", str),
+    "group_size": ("group_size", int),
+    "epochs": ("dataset.epochs", int),
+    "grpc_port": ("grpc.port", int),
+    "http_port": ("http.port", int),
+    "checkpoint_dir": ("checkpoint.dir", str),
+    "checkpoint_interval": ("checkpoint.interval_s", float),
+    "restore": ("restore", str),
+    "max_tokens": ("engine.max_tokens", int),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rolloutd", description="Rollout service for RL post-training of LLMs."
+    )
+    parser.add_argument("--version", action="version", version=f"rolloutd {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the service")
+    serve.add_argument("--config", help="YAML config file")
+    serve.add_argument("--engine", choices=["vllm", "synthetic"])
+    serve.add_argument(
+        "--model", help="local Hugging Face model directory (default: the tiny model)"
+    )
+    serve.add_argument(
+        "--dataset", help="JSONL or Parquet prompt file (default: bundled arithmetic set)"
+    )
+    serve.add_argument("--group-size", type=int, help="siblings per prompt")
+    serve.add_argument("--epochs", type=int, help="stop admitting after this many passes")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (0: pick a free one)")
+    serve.add_argument("--http-port", type=int, help="admin HTTP port (0: pick a free one)")
+    serve.add_argument("--checkpoint-dir", help="snapshot directory or fsspec URL")
+    serve.add_argument(
+        "--checkpoint-interval", type=float, help="seconds between checkpoints (0: off)"
+    )
+    serve.add_argument("--restore", help="latest, none, a sequence number or a tag")
+    serve.add_argument("--max-tokens", type=int, help="longest completion per sibling")
+
+    trainer = sub.add_parser("trainer", help="example trainer: fetch, train, ack, report progress")
+    trainer.add_argument(
+        "--target", default="localhost:50051", help="comma-separated host:port list"
+    )
+    trainer.add_argument("--groups-per-step", type=int, default=8)
+    trainer.add_argument("--steps", type=int, help="stop after this many steps")
+    trainer.add_argument("--train-s", type=float, default=0.0, help="simulated seconds per step")
+    trainer.add_argument(
+        "--checkpoint-every", type=int, default=0, help="Checkpoint(step) every N steps"
+    )
+    trainer.add_argument("--idle-exit-s", type=float, default=30.0)
+    trainer.add_argument("--token", help="bearer token")
+
+    tiny = sub.add_parser("tiny-model", help="build the tiny random Llama model into DIR")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    ckpt = sub.add_parser("checkpoints", help="list, show or verify snapshots", add_help=False)
+    ckpt.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rolloutd.server import RolloutService
+
+    overrides = {
+        key: getattr(args, dest)
+        for dest, (key, _) in SERVE_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"rolloutd: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        service = RolloutService(config)
+        await service.start()
+        return await service.run_until_stopped()
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "trainer":
+        from rolloutd.trainer import TrainerConfig, run
+
+        cfg = TrainerConfig(
+            endpoints=args.target.split(","),
+            groups_per_step=args.groups_per_step,
+            steps=args.steps,
+            train_s=args.train_s,
+            checkpoint_every=args.checkpoint_every,
+            idle_exit_s=args.idle_exit_s,
+            token=args.token,
+        )
+        run(cfg, out=lambda line: print(line, flush=True))
+        return 0
+    if args.command == "tiny-model":
+        from rolloutd.engines.tiny_model import build_tiny_model
+
+        print(build_tiny_model(args.dir, seed=args.seed))
+        return 0
+    if args.command == "checkpoints":
+        from rolloutd.checkpoint.inspect import main as checkpoints_main
+
+        return checkpoints_main(args.args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

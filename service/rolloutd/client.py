@@ -1,0 +1,215 @@
+"""Python trainer client: several endpoints, retries with backoff, W3C context propagation.
+
+Fetches go round-robin over the endpoints (one rolloutd per GPU node); an ack goes back to the
+endpoint that issued the lease. Calls that are safe to repeat (every RPC here: acks and prompt
+submissions are idempotent) are retried on UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED
+with exponential backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from functools import partial
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import struct_pb2
+
+from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Groups leased from one endpoint; ack it with :meth:`RolloutClient.ack`."""
+
+    lease_id: str
+    endpoint: str
+    groups: Sequence[pb.Group]
+    expires_at: float
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        secure: bool = False,
+        interceptors: Iterable[grpc.UnaryUnaryClientInterceptor] | None = None,
+    ) -> None:
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise ValueError("at least one endpoint is required")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout_s
+        self._retries = retries
+        self._backoff = backoff_s
+        self._max_backoff = max_backoff_s
+        self._next = 0
+        if interceptors is None:
+            interceptors = _default_interceptors()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.RolloutServiceStub] = {}
+        for ep in self.endpoints:
+            channel = (
+                grpc.secure_channel(ep, grpc.ssl_channel_credentials())
+                if secure
+                else grpc.insecure_channel(ep)
+            )
+            channel = grpc.intercept_channel(channel, *interceptors)
+            self._channels[ep] = channel
+            self._stubs[ep] = pb_grpc.RolloutServiceStub(channel)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+    def _call(self, endpoint: str, fn: Callable[[pb_grpc.RolloutServiceStub], T]) -> T:
+        delay = self._backoff
+        for attempt in range(self._retries + 1):
+            try:
+                return fn(self._stubs[endpoint])
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if code not in RETRYABLE or attempt == self._retries:
+                    raise
+                log.debug("%s: %s, retrying in %.2fs", endpoint, code.name, delay)
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, self._max_backoff)
+        raise AssertionError("unreachable")
+
+    def _kw(self, extra_s: float = 0.0) -> dict[str, Any]:
+        return {"timeout": self._timeout + extra_s, "metadata": self._metadata}
+
+    def fetch(self, max_groups: int = 1, wait_ms: int = 1000, consumer: str = "") -> Lease | None:
+        """Leases up to ``max_groups`` groups from the next endpoint that has some."""
+        request = pb.FetchGroupsRequest(max_groups=max_groups, wait_ms=wait_ms, consumer=consumer)
+        n = len(self.endpoints)
+        for i in range(n):
+            ep = self.endpoints[(self._next + i) % n]
+            # Only the last endpoint tried waits; the others are asked without waiting.
+            req = (
+                request
+                if i == n - 1
+                else pb.FetchGroupsRequest(max_groups=max_groups, consumer=consumer)
+            )
+            try:
+                response: pb.FetchGroupsResponse = self._call(
+                    ep, partial(_fetch, request=req, kw=self._kw(req.wait_ms / 1000))
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in RETRYABLE and i < n - 1:  # type: ignore[attr-defined]
+                    continue
+                raise
+            if response.lease_id:
+                self._next = (self._next + i + 1) % n
+                return Lease(response.lease_id, ep, response.groups, response.lease_expires_at)
+        self._next = (self._next + 1) % n
+        return None
+
+    def ack(self, lease: Lease, trainer_step: int) -> pb.AckGroupsResponse:
+        request = pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=trainer_step)
+        return self._call(lease.endpoint, lambda s: s.AckGroups(request, **self._kw()))
+
+    def submit_prompts(self, prompts: Sequence[dict[str, Any]]) -> pb.SubmitPromptsResponse:
+        """Prompts as dicts ``{prompt_id, text | messages, metadata}``, spread over the endpoints."""
+        n = len(self.endpoints)
+        accepted = duplicates = 0
+        for i, ep in enumerate(self.endpoints):
+            share = [_prompt(p) for p in prompts[i::n]]
+            if share:
+                r: pb.SubmitPromptsResponse = self._call(
+                    ep,
+                    partial(_submit, request=pb.SubmitPromptsRequest(prompts=share), kw=self._kw()),
+                )
+                accepted, duplicates = accepted + r.accepted, duplicates + r.duplicates
+        return pb.SubmitPromptsResponse(accepted=accepted, duplicates=duplicates)
+
+    def checkpoint(
+        self, trainer_step: int | None = None, tag: str = ""
+    ) -> dict[str, pb.CheckpointResponse]:
+        """Snapshots every endpoint; call when the trainer saves its checkpoint ``trainer_step``."""
+        request = pb.CheckpointRequest(tag=tag)
+        if trainer_step is not None:
+            request.trainer_step = trainer_step
+        return {
+            ep: self._call(ep, lambda s: s.Checkpoint(request, **self._kw(60)))
+            for ep in self.endpoints
+        }
+
+    def rewind(self, trainer_step: int) -> dict[str, pb.RewindResponse]:
+        request = pb.RewindRequest(trainer_step=trainer_step)
+        return {
+            ep: self._call(ep, lambda s: s.Rewind(request, **self._kw())) for ep in self.endpoints
+        }
+
+    def update_weights(
+        self, version: int, weights_path: str
+    ) -> dict[str, pb.UpdateWeightsResponse]:
+        request = pb.UpdateWeightsRequest(version=version, weights_path=weights_path)
+        return {
+            ep: self._call(ep, lambda s: s.UpdateWeights(request, **self._kw(600)))
+            for ep in self.endpoints
+        }
+
+    def status(self) -> dict[str, pb.GetStatusResponse]:
+        return {
+            ep: self._call(ep, lambda s: s.GetStatus(pb.GetStatusRequest(), **self._kw()))
+            for ep in self.endpoints
+        }
+
+
+def _fetch(
+    stub: pb_grpc.RolloutServiceStub, request: pb.FetchGroupsRequest, kw: dict[str, Any]
+) -> Any:
+    return stub.FetchGroups(request, **kw)
+
+
+def _submit(
+    stub: pb_grpc.RolloutServiceStub, request: pb.SubmitPromptsRequest, kw: dict[str, Any]
+) -> Any:
+    return stub.SubmitPrompts(request, **kw)
+
+
+def _prompt(p: dict[str, Any]) -> pb.Prompt:
+    metadata = struct_pb2.Struct()
+    metadata.update(p.get("metadata") or {})
+    return pb.Prompt(
+        prompt_id=str(p["prompt_id"]),
+        text=p.get("text", ""),
+        metadata=metadata,
+        messages=[
+            pb.ChatMessage(role=m["role"], content=m["content"]) for m in p.get("messages", ())
+        ],
+    )
+
+
+def _default_interceptors() -> list[grpc.UnaryUnaryClientInterceptor]:
+    return []

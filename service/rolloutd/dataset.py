@@ -1,0 +1,99 @@
+"""Prompt files: JSONL or Parquet, one prompt a row.
+
+A row has ``prompt`` (text) or ``messages`` (chat, rendered by the engine's tokenizer), an optional
+``id`` (else the row index) and optional ``metadata`` (any JSON, returned with the group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from rolloutd.domain.group import Prompt
+
+BUNDLED = "bundled:arithmetic"
+
+
+class DatasetError(ValueError):
+    """The prompt file cannot be used; the message names the file and row."""
+
+
+def _prompt(row: Any, index: int, where: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: row {index} is not an object")
+    text = row.get("prompt")
+    messages = row.get("messages")
+    if text is None and messages is None:
+        raise DatasetError(f"{where}: row {index} has neither 'prompt' nor 'messages'")
+    if text is not None and (not isinstance(text, str) or not text.strip()):
+        raise DatasetError(f"{where}: row {index}: 'prompt' must be non-empty text")
+    chat: tuple[dict[str, str], ...] = ()
+    if messages is not None:
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise DatasetError(
+                f"{where}: row {index}: 'messages' must be a list of {{role, content}}"
+            )
+        chat = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    metadata = row.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        metadata = {"value": metadata}
+    prompt_id = str(row["id"]) if row.get("id") is not None else str(index)
+    fallback = "\n".join(m["content"] for m in chat)
+    return Prompt(
+        prompt_id=prompt_id,
+        text=text if text is not None else fallback,
+        metadata=metadata,
+        messages=chat,
+    )
+
+
+def load_prompts(path: str | None) -> tuple[list[Prompt], str]:
+    """Returns the prompts and a content digest (part of the snapshot fingerprint)."""
+    if path is None or path == BUNDLED:
+        data = resources.files("rolloutd").joinpath("data/arithmetic.jsonl").read_bytes()
+        return _from_jsonl(data, BUNDLED), hashlib.sha256(data).hexdigest()[:16]
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"dataset {p}: {exc.strerror}") from exc
+    if p.suffix == ".parquet":
+        import io
+
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(io.BytesIO(data)).to_pylist()
+        prompts = [_prompt(r, i, str(p)) for i, r in enumerate(rows)]
+    else:
+        prompts = _from_jsonl(data, str(p))
+    if not prompts:
+        raise DatasetError(f"dataset {p}: no prompts")
+    ids = [pr.prompt_id for pr in prompts]
+    if len(set(ids)) != len(ids):
+        raise DatasetError(f"dataset {p}: prompt ids are not unique")
+    return prompts, hashlib.sha256(data).hexdigest()[:16]
+
+
+def _from_jsonl(data: bytes, where: str) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for lineno, line in enumerate(data.decode().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: line {lineno + 1} is not JSON: {exc.msg}") from exc
+        prompts.append(_prompt(row, len(prompts), where))
+    return prompts

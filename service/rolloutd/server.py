@@ -1,0 +1,196 @@
+"""The composition root: builds every component from the config, serves, shuts down in order.
+
+Shutdown (SIGTERM/SIGINT, idempotent): health NOT_SERVING, stop accepting RPCs with a grace
+period, stop generation, final checkpoint, stop the engine, flush telemetry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rolloutd.api.servicer import RolloutServicer
+from rolloutd.checkpoint.report import CheckpointReport
+from rolloutd.config import Config
+from rolloutd.dataset import load_prompts
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.errors import Unavailable
+from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.sampler import Sampler
+from rolloutd.engines.base import GenerationEngine, SamplingParams
+from rolloutd.engines.factory import build_engine
+from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+
+@dataclass(frozen=True)
+class Addresses:
+    grpc: str
+    http: str | None
+
+
+def controller_config(config: Config) -> ControllerConfig:
+    lim, eng = config.limits, config.engine
+    return ControllerConfig(
+        group_size=config.group_size,
+        max_in_flight=lim.max_in_flight,
+        buffer_capacity=lim.buffer_capacity,
+        max_staleness=lim.max_staleness,
+        lease_timeout_s=lim.lease_timeout_s,
+        rewind_window=lim.rewind_window,
+        max_fetch_groups=lim.max_fetch_groups,
+        max_wait_ms=lim.max_wait_ms,
+        seed=config.dataset.seed,
+        sampling=SamplingParams(eng.max_tokens, eng.temperature, eng.top_p),
+    )
+
+
+class RolloutService:
+    """One running rolloutd: engine, controller, gRPC server, and their lifecycle."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        engine: GenerationEngine | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.config = config
+        prompts, self.dataset_digest = load_prompts(config.dataset.path)
+        self.engine = engine or build_engine(config.engine)
+        self.observer = observer or NullObserver()
+        sampler = Sampler(
+            prompts,
+            seed=config.dataset.seed,
+            shuffle=config.dataset.shuffle,
+            epochs=config.dataset.epochs,
+            max_pending=config.limits.max_pending_prompts,
+        )
+        self.controller = Controller(
+            controller_config(config), self.engine, sampler, observer=self.observer
+        )
+        self._state = ServingState.STARTING
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._stopping = asyncio.Event()
+        self._stopped = False
+        self.addresses: Addresses | None = None
+        tls = config.grpc
+        self._credentials = (
+            grpc.ssl_server_credentials(
+                [(Path(tls.tls_key).read_bytes(), Path(tls.tls_cert).read_bytes())]
+            )
+            if tls.tls_cert and tls.tls_key
+            else None
+        )
+
+    # --- Host protocol of the servicer -----------------------------------------------------
+
+    @property
+    def state(self) -> ServingState:
+        return self._state
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport:
+        raise Unavailable("checkpointing is not configured")
+
+    def last_checkpoint(self) -> pb.CheckpointStatus:
+        return pb.CheckpointStatus()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def _set_state(self, state: ServingState) -> None:
+        self._state = state
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if state.ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+        log.info("state: %s", state.value)
+
+    async def start(self) -> Addresses:
+        await self._set_state(ServingState.STARTING)
+        cfg = self.config.grpc
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_mb * 2**20),
+            ("grpc.max_send_message_length", cfg.max_message_mb * 2**20),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_RolloutServiceServicer_to_server(
+            RolloutServicer(self.controller, self, self.config.auth.token), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        address = f"{cfg.host}:{cfg.port}"
+        if self._credentials is not None:
+            port = server.add_secure_port(address, self._credentials)
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        await self.engine.start()
+        self.controller.start()
+        await self._set_state(ServingState.SERVING)
+        self.addresses = Addresses(grpc=f"{cfg.host}:{port}", http=None)
+        log.info(
+            "listening: grpc=%s engine=%s group_size=%d",
+            self.addresses.grpc,
+            self.engine.name,
+            self.config.group_size,
+        )
+        return self.addresses
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run_until_stopped(self) -> int:
+        """Serves until SIGTERM/SIGINT or a fatal controller error; returns an exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        dead = asyncio.create_task(self.controller.wait_dead())
+        stop = asyncio.create_task(self._stopping.wait())
+        done, _ = await asyncio.wait({dead, stop}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (dead, stop):
+            t.cancel()
+        await self.shutdown()
+        return 1 if dead in done else 0
+
+    async def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        started = time.perf_counter()
+        await self._set_state(ServingState.DRAINING)
+        await self.controller.begin_drain()
+        if self._server is not None:
+            await self._server.stop(self.config.grpc.grace_s)
+        await self.controller.stop()
+        await self.engine.stop()
+        log.info("stopped in %.2fs", time.perf_counter() - started)

@@ -1,0 +1,336 @@
+from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PromptSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROMPT_SOURCE_UNSPECIFIED: _ClassVar[PromptSource]
+    PROMPT_SOURCE_DATASET: _ClassVar[PromptSource]
+    PROMPT_SOURCE_SUBMITTED: _ClassVar[PromptSource]
+
+class CheckpointOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_OUTCOME_UNSPECIFIED: _ClassVar[CheckpointOutcome]
+    CHECKPOINT_OUTCOME_COMPLETED: _ClassVar[CheckpointOutcome]
+    CHECKPOINT_OUTCOME_SKIPPED: _ClassVar[CheckpointOutcome]
+    CHECKPOINT_OUTCOME_FAILED: _ClassVar[CheckpointOutcome]
+
+class CheckpointReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_REASON_UNSPECIFIED: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_COMPLETED: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_NO_CHANGES: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_IN_PROGRESS: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_RESTORING: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_SHUTTING_DOWN: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_IO_ERROR: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_TIMEOUT: _ClassVar[CheckpointReason]
+    CHECKPOINT_REASON_INVARIANT_ERROR: _ClassVar[CheckpointReason]
+
+class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
+    SERVING_STATE_STARTING: _ClassVar[ServingState]
+    SERVING_STATE_RESTORING: _ClassVar[ServingState]
+    SERVING_STATE_SERVING: _ClassVar[ServingState]
+    SERVING_STATE_NOT_READY: _ClassVar[ServingState]
+    SERVING_STATE_DRAINING: _ClassVar[ServingState]
+PROMPT_SOURCE_UNSPECIFIED: PromptSource
+PROMPT_SOURCE_DATASET: PromptSource
+PROMPT_SOURCE_SUBMITTED: PromptSource
+CHECKPOINT_OUTCOME_UNSPECIFIED: CheckpointOutcome
+CHECKPOINT_OUTCOME_COMPLETED: CheckpointOutcome
+CHECKPOINT_OUTCOME_SKIPPED: CheckpointOutcome
+CHECKPOINT_OUTCOME_FAILED: CheckpointOutcome
+CHECKPOINT_REASON_UNSPECIFIED: CheckpointReason
+CHECKPOINT_REASON_COMPLETED: CheckpointReason
+CHECKPOINT_REASON_NO_CHANGES: CheckpointReason
+CHECKPOINT_REASON_IN_PROGRESS: CheckpointReason
+CHECKPOINT_REASON_RESTORING: CheckpointReason
+CHECKPOINT_REASON_SHUTTING_DOWN: CheckpointReason
+CHECKPOINT_REASON_IO_ERROR: CheckpointReason
+CHECKPOINT_REASON_TIMEOUT: CheckpointReason
+CHECKPOINT_REASON_INVARIANT_ERROR: CheckpointReason
+SERVING_STATE_UNSPECIFIED: ServingState
+SERVING_STATE_STARTING: ServingState
+SERVING_STATE_RESTORING: ServingState
+SERVING_STATE_SERVING: ServingState
+SERVING_STATE_NOT_READY: ServingState
+SERVING_STATE_DRAINING: ServingState
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("prompt_id", "text", "metadata", "messages")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    text: str
+    metadata: _struct_pb2.Struct
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    text: str
+    finish_reason: str
+    policy_version: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    started_at: float
+    finished_at: float
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    prompt_id: str
+    epoch: int
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    offset: int
+    source: PromptSource
+    prompt_text: str
+    metadata: _struct_pb2.Struct
+    policy_version: int
+    admitted_at: float
+    committed_at: float
+    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ...) -> None: ...
+
+class FetchGroupsRequest(_message.Message):
+    __slots__ = ("max_groups", "wait_ms", "consumer")
+    MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    max_groups: int
+    wait_ms: int
+    consumer: str
+    def __init__(self, max_groups: _Optional[int] = ..., wait_ms: _Optional[int] = ..., consumer: _Optional[str] = ...) -> None: ...
+
+class FetchGroupsResponse(_message.Message):
+    __slots__ = ("lease_id", "groups", "lease_expires_at")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    lease_expires_at: float
+    def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., lease_expires_at: _Optional[float] = ...) -> None: ...
+
+class AckGroupsRequest(_message.Message):
+    __slots__ = ("lease_id", "trainer_step")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    trainer_step: int
+    def __init__(self, lease_id: _Optional[str] = ..., trainer_step: _Optional[int] = ...) -> None: ...
+
+class AckGroupsResponse(_message.Message):
+    __slots__ = ("acked_groups", "already_acked")
+    ACKED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_ACKED_FIELD_NUMBER: _ClassVar[int]
+    acked_groups: int
+    already_acked: bool
+    def __init__(self, acked_groups: _Optional[int] = ..., already_acked: _Optional[bool] = ...) -> None: ...
+
+class SubmitPromptsRequest(_message.Message):
+    __slots__ = ("prompts",)
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ...) -> None: ...
+
+class SubmitPromptsResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "weights_path")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    weights_path: str
+    def __init__(self, version: _Optional[int] = ..., weights_path: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "evicted_groups", "seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    evicted_groups: int
+    seconds: float
+    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("trainer_step", "tag")
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    trainer_step: int
+    tag: str
+    def __init__(self, trainer_step: _Optional[int] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("outcome", "reason", "sequence", "phase_seconds", "rows_written", "bytes_written", "message")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    outcome: CheckpointOutcome
+    reason: CheckpointReason
+    sequence: int
+    phase_seconds: _containers.ScalarMap[str, float]
+    rows_written: int
+    bytes_written: int
+    message: str
+    def __init__(self, outcome: _Optional[_Union[CheckpointOutcome, str]] = ..., reason: _Optional[_Union[CheckpointReason, str]] = ..., sequence: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., rows_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RewindRequest(_message.Message):
+    __slots__ = ("trainer_step",)
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    trainer_step: int
+    def __init__(self, trainer_step: _Optional[int] = ...) -> None: ...
+
+class RewindResponse(_message.Message):
+    __slots__ = ("redelivered_groups", "readmitted_prompts")
+    REDELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    READMITTED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    redelivered_groups: int
+    readmitted_prompts: int
+    def __init__(self, redelivered_groups: _Optional[int] = ..., readmitted_prompts: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BufferStatus(_message.Message):
+    __slots__ = ("generating", "committed", "leased", "acked", "capacity", "max_in_flight")
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    generating: int
+    committed: int
+    leased: int
+    acked: int
+    capacity: int
+    max_in_flight: int
+    def __init__(self, generating: _Optional[int] = ..., committed: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., max_in_flight: _Optional[int] = ...) -> None: ...
+
+class CheckpointStatus(_message.Message):
+    __slots__ = ("sequence", "outcome", "reason", "attempted_at", "completed_at", "tag", "consecutive_failures")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    outcome: CheckpointOutcome
+    reason: CheckpointReason
+    attempted_at: float
+    completed_at: float
+    tag: str
+    consecutive_failures: int
+    def __init__(self, sequence: _Optional[int] = ..., outcome: _Optional[_Union[CheckpointOutcome, str]] = ..., reason: _Optional[_Union[CheckpointReason, str]] = ..., attempted_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., tag: _Optional[str] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
+
+class Counters(_message.Message):
+    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups")
+    ADMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ACKED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FINALIZED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    admitted_groups: int
+    committed_groups: int
+    acked_groups: int
+    finalized_groups: int
+    evicted_groups: int
+    committed_tokens: int
+    generation_tokens: int
+    requeued_groups: int
+    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    state: ServingState
+    engine: str
+    policy_version: int
+    group_size: int
+    buffer: BufferStatus
+    inflight_samples: int
+    pending_prompts: int
+    cursor_epoch: int
+    cursor_offset: int
+    dataset_exhausted: bool
+    last_checkpoint: CheckpointStatus
+    counters: Counters
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...

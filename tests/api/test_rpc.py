@@ -1,0 +1,130 @@
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rolloutd.v1 import rollout_pb2 as pb
+
+
+async def test_fetch_returns_whole_groups_with_token_ids_and_a_lease(serve):
+    _, stub = await serve(group_size=3)
+    r = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=2, wait_ms=5000, consumer="t"))
+    assert r.lease_id and 1 <= len(r.groups) <= 2
+    for g in r.groups:
+        assert len(g.samples) == 3
+        assert sorted(s.index for s in g.samples) == [0, 1, 2]
+        for s in g.samples:
+            assert len(s.token_ids) > 0 and len(s.logprobs) == len(s.token_ids)
+        assert g.source == pb.PROMPT_SOURCE_DATASET
+        assert "answer" in g.metadata.fields
+    ack = await stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1))
+    assert ack.acked_groups == len(r.groups) and not ack.already_acked
+    again = await stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1))
+    assert again.already_acked
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.FetchGroupsRequest(max_groups=0), "max_groups"),
+        (pb.FetchGroupsRequest(max_groups=-3), "max_groups"),
+        (pb.FetchGroupsRequest(max_groups=2**40), "max_groups"),
+        (pb.FetchGroupsRequest(max_groups=1, wait_ms=-1), "wait_ms"),
+    ],
+)
+async def test_malformed_fetch_is_invalid_argument_naming_the_field(serve, request_, field):
+    _, stub = await serve()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.FetchGroups(request_)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+
+
+async def test_unknown_lease_is_not_found_and_empty_lease_invalid(serve):
+    _, stub = await serve()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.AckGroups(pb.AckGroupsRequest(lease_id="nope", trainer_step=1))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.AckGroups(pb.AckGroupsRequest(lease_id="", trainer_step=1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_submitted_prompts_are_served_first_and_bad_ones_refused(serve):
+    _, stub = await serve(
+        **{
+            "limits.max_in_flight": 1,
+            "limits.buffer_capacity": 1,
+            "engine.synthetic.tokens_per_s": 200,
+        }
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitPrompts(
+            pb.SubmitPromptsRequest(prompts=[pb.Prompt(prompt_id="a", text="  ")])
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompts[0].text" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=[pb.Prompt(text="hi")]))
+    assert "prompt_id" in info.value.details()
+    p = pb.Prompt(prompt_id="mine", text="What is 2+2?")
+    p.metadata.update({"answer": 4})
+    r = await stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=[p, p]))
+    assert (r.accepted, r.duplicates) == (1, 1)
+    seen = []
+    for _ in range(3):
+        f = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=5000))
+        seen.extend(f.groups)
+        await stub.AckGroups(pb.AckGroupsRequest(lease_id=f.lease_id, trainer_step=1))
+    mine = [g for g in seen if g.prompt_id == "mine"]
+    assert mine and mine[0].source == pb.PROMPT_SOURCE_SUBMITTED
+    assert mine[0].metadata.fields["answer"].number_value == 4
+
+
+async def test_backpressure_on_submit_is_resource_exhausted(serve):
+    _, stub = await serve(**{"limits.max_pending_prompts": 2})
+    prompts = [pb.Prompt(prompt_id=str(i), text="q") for i in range(3)]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=prompts))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_status_and_health(serve):
+    service, stub = await serve()
+    status = await stub.GetStatus(pb.GetStatusRequest())
+    assert status.state == pb.SERVING_STATE_SERVING
+    assert status.engine == "synthetic" and status.group_size == 4
+    assert status.buffer.capacity == 16
+    channel = grpc.aio.insecure_channel(service.addresses.grpc)
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "rolloutd.v1.RolloutService"):
+        r = await health.Check(health_pb2.HealthCheckRequest(service=name))
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    await channel.close()
+
+
+async def test_bearer_token_required_on_mutating_calls(serve):
+    _service, stub = await serve(**{"auth.token": "s3cret"})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    r = await stub.FetchGroups(
+        pb.FetchGroupsRequest(max_groups=1, wait_ms=3000),
+        metadata=(("authorization", "Bearer s3cret"),),
+    )
+    assert r.lease_id
+    await stub.GetStatus(pb.GetStatusRequest())  # read-only: no token needed
+
+
+async def test_update_weights_bumps_version_and_new_samples_carry_it(serve):
+    _, stub = await serve()
+    r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path="/w1"))
+    assert r.policy_version == 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path="/w1"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    versions = set()
+    for _ in range(6):
+        f = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=4, wait_ms=3000))
+        versions |= {s.policy_version for g in f.groups for s in g.samples if g.policy_version == 1}
+        await stub.AckGroups(pb.AckGroupsRequest(lease_id=f.lease_id, trainer_step=1))
+    assert versions == {1}

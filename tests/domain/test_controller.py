@@ -1,0 +1,158 @@
+import asyncio
+
+import pytest
+
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.sampler import Sampler
+from tests.fakes import GatedEngine, settle
+
+PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(50)]
+
+
+def make(engine, **kw):
+    cfg = ControllerConfig(
+        **{"group_size": 3, "max_in_flight": 4, "buffer_capacity": 8, "reap_interval_s": 0.02, **kw}
+    )
+    return Controller(cfg, engine, Sampler(PROMPTS, seed=0, epochs=kw.pop("epochs", None)))
+
+
+@pytest.fixture
+async def running():
+    controllers = []
+
+    def start(engine, **kw):
+        c = make(engine, **kw)
+        c.start()
+        controllers.append(c)
+        return c
+
+    yield start
+    for c in controllers:
+        await c.stop()
+
+
+async def test_admission_stops_at_max_in_flight(running):
+    engine = GatedEngine()
+    c = running(engine, max_in_flight=2)
+    await settle(lambda: len(engine.requests) == 6)
+    await asyncio.sleep(0.05)
+    assert len(engine.requests) == 6  # 2 groups x 3 siblings, nothing more admitted
+    assert c.status().buffer.generating == 2
+    engine.release(3)
+    await settle(lambda: c.status().buffer.committed == 1)
+    await settle(lambda: len(engine.requests) == 9)  # a third group was admitted
+
+
+async def test_buffer_capacity_bounds_groups_held(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, buffer_capacity=5, max_in_flight=5)
+    await settle(lambda: c.status().buffer.committed == 5)
+    await asyncio.sleep(0.05)
+    assert len(c.buffer.groups) == 5
+    assert c.counters.admitted_groups == 5
+
+
+async def test_each_sibling_is_its_own_request_with_its_own_seed(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, max_in_flight=1, buffer_capacity=1)
+    leased = await c.fetch(1, 2000, "t")
+    assert leased is not None
+    _, [group] = leased
+    assert sorted(s.index for s in group.ordered_samples()) == [0, 1, 2]
+    seeds = {r.seed for r in engine.requests if r.group_id == group.group_id}
+    assert len(seeds) == 3
+    assert group.state is GroupState.LEASED
+
+
+async def test_lease_expiry_makes_groups_available_again(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, lease_timeout_s=0.05, buffer_capacity=2, max_in_flight=2)
+    lease, groups = await c.fetch(2, 2000, "t")
+    await settle(lambda: c.status().buffer.committed == 2)
+    assert c.counters.requeued_groups == 2
+    with pytest.raises(NotFound):
+        await c.ack(lease.lease_id, 1)
+    _lease2, groups2 = await c.fetch(2, 100, "t")
+    assert [g.group_id for g in groups2] == [g.group_id for g in groups]
+
+
+async def test_ack_is_idempotent_and_rewind_window_finalizes(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, rewind_window=1, buffer_capacity=8, max_in_flight=4)
+    leases = []
+    for step in (1, 2, 3):
+        lease, _ = await c.fetch(1, 2000, "t")
+        r = await c.ack(lease.lease_id, step)
+        assert r.acked_groups == 1 and not r.already_acked
+        leases.append(lease)
+    again = await c.ack(leases[2].lease_id, 3)
+    assert again.already_acked and again.acked_groups == 1
+    # window 1: acks at steps <= 3 - 1 = 2 finalized by themselves
+    assert c.finalized_through == 2 and c.counters.finalized_groups == 2
+    finalized_again = await c.ack(leases[0].lease_id, 1)
+    assert finalized_again.already_acked
+    with pytest.raises(FailedPrecondition, match="finalized"):
+        await c.rewind(1)
+
+
+async def test_rewind_redelivers_exactly_the_groups_acked_after_the_step(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, rewind_window=10, buffer_capacity=8, max_in_flight=4)
+    acked = {}
+    for step in (1, 2, 3):
+        lease, groups = await c.fetch(1, 2000, "t")
+        await c.ack(lease.lease_id, step)
+        acked[step] = groups[0].group_id
+    result = await c.rewind(1)
+    assert result.redelivered_groups == 2
+    lease, groups = await c.fetch(2, 100, "t")
+    assert [g.group_id for g in groups] == [acked[2], acked[3]]
+
+
+async def test_update_weights_evicts_stale_groups_and_readmits_their_prompts(running):
+    engine = GatedEngine()
+    c = running(engine, max_staleness=0, max_in_flight=2)
+    await settle(lambda: len(engine.requests) == 6)
+    old = {r.group_id for r in engine.requests}
+    evicted = await c.update_weights(1, "/weights")
+    assert evicted == 2 and c.policy_version == 1
+    assert c.counters.evicted_groups == 2
+    assert len(engine.aborted) == 6
+    await settle(lambda: len({r.group_id for r in engine.requests} - old) == 2)
+    new = [r for r in engine.requests if r.group_id not in old]
+    old_prompts = {r.prompt.prompt_id for r in engine.requests if r.group_id in old}
+    assert {r.prompt.prompt_id for r in new} == old_prompts  # the same prompts, generated again
+
+
+@pytest.mark.parametrize(
+    ("max_groups", "wait_ms", "field"),
+    [(0, 0, "max_groups"), (-1, 0, "max_groups"), (10**9, 0, "max_groups"), (1, -5, "wait_ms")],
+)
+async def test_fetch_validates_its_arguments(running, max_groups, wait_ms, field):
+    c = running(GatedEngine())
+    with pytest.raises(InvalidArgument) as info:
+        await c.fetch(max_groups, wait_ms, "t")
+    assert info.value.field == field
+
+
+async def test_fetch_returns_none_after_waiting_when_nothing_is_ready(running):
+    c = running(GatedEngine())
+    assert await c.fetch(1, 30, "t") is None
+
+
+async def test_update_weights_requires_a_newer_version(running):
+    c = running(GatedEngine())
+    with pytest.raises(InvalidArgument, match="greater than"):
+        await c.update_weights(0, "/w")
+
+
+async def test_acking_frees_capacity_and_admission_resumes(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, buffer_capacity=1, max_in_flight=1, rewind_window=100)
+    for step in range(1, 4):
+        lease, _groups = await c.fetch(1, 2000, "t")
+        await c.ack(lease.lease_id, step)
+    assert c.counters.acked_groups == 3
+    assert c.status().buffer.acked == 3  # kept for a rewind, without blocking admission

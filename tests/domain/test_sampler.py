@@ -1,0 +1,61 @@
+import pytest
+
+from rolloutd.domain.errors import ResourceExhausted
+from rolloutd.domain.group import Position, Prompt
+from rolloutd.domain.sampler import Admission, Sampler
+
+PROMPTS = [Prompt(f"p{i}", f"text {i}") for i in range(10)]
+
+
+def drain(sampler, n):
+    return [sampler.next() for _ in range(n)]
+
+
+def test_same_seed_same_order_and_epochs_differ():
+    a = [x.prompt.prompt_id for x in drain(Sampler(PROMPTS, seed=3), 20)]
+    b = [x.prompt.prompt_id for x in drain(Sampler(PROMPTS, seed=3), 20)]
+    assert a == b
+    assert sorted(a[:10]) == sorted(p.prompt_id for p in PROMPTS)  # each epoch is a permutation
+    assert a[:10] != a[10:]  # a fresh permutation per epoch
+    assert a != [x.prompt.prompt_id for x in drain(Sampler(PROMPTS, seed=4), 20)]
+
+
+def test_cursor_positions_and_epoch_limit():
+    s = Sampler(PROMPTS, seed=0, epochs=2)
+    positions = [x.position for x in drain(s, 20)]
+    assert positions[0] == Position(0, 0) and positions[9] == Position(0, 9)
+    assert positions[10] == Position(1, 0)
+    assert s.exhausted and s.next() is None and not s.has_next()
+
+
+def test_restored_cursor_continues_exactly():
+    s = Sampler(PROMPTS, seed=1)
+    drain(s, 13)
+    state = s.state()
+    rest = [x.prompt.prompt_id for x in drain(s, 9)]
+    t = Sampler(PROMPTS, seed=1)
+    t.load_state(state)
+    assert t.cursor == Position(1, 3)
+    assert [x.prompt.prompt_id for x in drain(t, 9)] == rest
+
+
+def test_submitted_prompts_first_idempotent_and_bounded():
+    s = Sampler(PROMPTS, seed=0, max_pending=3)
+    assert s.submit([Prompt("x", "a"), Prompt("y", "b"), Prompt("x", "a")]) == (2, 1)
+    assert s.submit([Prompt("x", "a")]) == (0, 1)
+    with pytest.raises(ResourceExhausted, match="max_pending_prompts=3"):
+        s.submit([Prompt("z1", "c"), Prompt("z2", "d")])
+    first = s.next()
+    assert first.prompt.prompt_id == "x" and first.position is None
+    assert s.next().prompt.prompt_id == "y"
+    assert s.next().position == Position(0, 0)
+
+
+def test_readmitted_prompts_come_first_and_survive_state():
+    s = Sampler(PROMPTS, seed=0)
+    a = s.next()
+    s.readmit(Admission(a.prompt, a.position))
+    t = Sampler(PROMPTS, seed=0)
+    t.load_state(s.state())
+    again = t.next()
+    assert again.position == a.position and again.prompt == a.prompt

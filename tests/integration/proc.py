@@ -1,0 +1,84 @@
+"""Runs the real ``rolloutd serve`` CLI as a subprocess and finds its addresses in its log."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+)(?: http=(?P<http>\S+))?")
+
+
+class ServeProcess:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = log_path
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        self._listening = threading.Event()
+        self.grpc: str | None = None
+        self.http: str | None = None
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        log = self.log_path.open("a") if self.log_path else None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if log:
+                log.write(line)
+                log.flush()
+            m = LISTENING.search(line)
+            if m:
+                _host, port = m["grpc"].rsplit(":", 1)
+                self.grpc = f"127.0.0.1:{port}"
+                if m["http"]:
+                    self.http = f"127.0.0.1:{m['http'].rsplit(':', 1)[1]}"
+                self._listening.set()
+        if log:
+            log.close()
+
+    def wait_listening(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not self._listening.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rolloutd did not start (exit {self.proc.poll()}):\n{self.output}"
+                )
+        assert self.grpc is not None
+        return self.grpc
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the service and any engine process it started)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)

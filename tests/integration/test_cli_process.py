@@ -1,0 +1,99 @@
+"""The real CLI in a subprocess: grpcurl through reflection, hostile bytes, SIGTERM shutdown."""
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.proc import ServeProcess
+
+pytestmark = pytest.mark.process
+
+GRPCURL = shutil.which("grpcurl") or str(Path(__file__).parents[2] / ".venv" / "bin" / "grpcurl")
+
+
+def grpcurl(addr, *args):
+    out = subprocess.run(
+        [GRPCURL, "-plaintext", *args[:-1], addr, args[-1]] if args else [GRPCURL, addr],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return out
+
+
+@pytest.fixture
+def served(tmp_path):
+    p = ServeProcess(
+        [
+            "--engine",
+            "synthetic",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--group-size",
+            "3",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-interval",
+            "0",
+        ],
+        cwd=tmp_path,
+    )
+    addr = p.wait_listening()
+    yield p, addr
+    if p.proc.poll() is None:
+        p.kill()
+
+
+def test_grpcurl_lists_services_health_and_fetches_groups(served):
+    _p, addr = served
+    listed = grpcurl(addr, "list")
+    assert listed.returncode == 0, listed.stderr
+    services = listed.stdout.split()
+    assert "rolloutd.v1.RolloutService" in services and "grpc.health.v1.Health" in services
+    health = grpcurl(addr, "grpc.health.v1.Health/Check")
+    assert json.loads(health.stdout)["status"] == "SERVING"
+    fetched = grpcurl(
+        addr, "-d", '{"max_groups": 2, "wait_ms": 5000}', "rolloutd.v1.RolloutService/FetchGroups"
+    )
+    assert fetched.returncode == 0, fetched.stderr
+    body = json.loads(fetched.stdout)
+    assert body["lease_id"]
+    for group in body["groups"]:
+        assert len(group["samples"]) == 3
+        assert all(s["token_ids"] for s in group["samples"])
+    bad = grpcurl(addr, "-d", '{"max_groups": 0}', "rolloutd.v1.RolloutService/FetchGroups")
+    assert "InvalidArgument" in bad.stderr and "max_groups" in bad.stderr
+
+
+def test_random_bytes_and_http1_change_nothing(served):
+    p, addr = served
+    host, port = addr.rsplit(":", 1)
+    for payload in (
+        bytes(range(256)) * 8,
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 64,
+    ):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            s.settimeout(2)
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                s.recv(4096)
+    assert p.proc.poll() is None
+    health = grpcurl(addr, "grpc.health.v1.Health/Check")
+    assert json.loads(health.stdout)["status"] == "SERVING"
+    status = grpcurl(addr, "rolloutd.v1.RolloutService/GetStatus")
+    assert json.loads(status.stdout)["state"] == "SERVING_STATE_SERVING"
+
+
+def test_sigterm_shuts_down_in_order(served):
+    p, _addr = served
+    assert p.terminate() == 0
+    out = p.output
+    assert out.index("state: draining") < out.index("stopped in")
