@@ -93,6 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         service = RolloutService(config)
+        service.install_signal_handlers()
         await service.start()
         return await service.run_until_stopped()
 

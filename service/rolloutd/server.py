@@ -17,12 +17,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rolloutd.api.convert import OUTCOMES, REASONS
 from rolloutd.api.servicer import RolloutServicer
-from rolloutd.checkpoint.report import CheckpointReport
+from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
+from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.errors import Unavailable
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.sampler import Sampler
@@ -79,9 +82,32 @@ class RolloutService:
             epochs=config.dataset.epochs,
             max_pending=config.limits.max_pending_prompts,
         )
+        ckpt = config.checkpoint
+        self.store = SnapshotStore(ckpt.dir, ckpt.storage_options)
+        self.journal = AckJournal(self.store)
         self.controller = Controller(
-            controller_config(config), self.engine, sampler, observer=self.observer
+            controller_config(config),
+            self.engine,
+            sampler,
+            observer=self.observer,
+            journal=self.journal,
         )
+        self.fingerprint = config.semantic_fingerprint(self.dataset_digest)
+        self.checkpointer = Checkpointer(
+            self.controller,
+            self.store,
+            self.journal,
+            CheckpointerConfig(
+                interval_s=ckpt.interval_s,
+                keep_latest=ckpt.keep_latest,
+                max_consecutive_failures=ckpt.max_consecutive_failures,
+                timeout_s=ckpt.timeout_s,
+                compact_segments=ckpt.compact_segments,
+            ),
+            self.fingerprint,
+            observer=self.observer,
+        )
+        self._periodic: asyncio.Task[None] | None = None
         self._state = ServingState.STARTING
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -108,10 +134,43 @@ class RolloutService:
         return self.engine.name
 
     async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport:
-        raise Unavailable("checkpointing is not configured")
+        report = await self.checkpointer.checkpoint(Trigger.ON_DEMAND, tag, trainer_step)
+        await self._follow_checkpoint_health()
+        return report
 
     def last_checkpoint(self) -> pb.CheckpointStatus:
-        return pb.CheckpointStatus()
+        c = self.checkpointer
+        status = pb.CheckpointStatus(
+            sequence=c.sequence,
+            consecutive_failures=c.consecutive_failures,
+            completed_at=c.last_success_at,
+        )
+        if c.last_attempt is not None:
+            status.outcome = OUTCOMES[c.last_attempt.outcome]
+            status.reason = REASONS[c.last_attempt.reason]
+            status.attempted_at = c.last_attempt.ended_ns / 1e9
+            status.tag = c.last_attempt.tag
+        return status
+
+    async def _follow_checkpoint_health(self) -> None:
+        """Repeated checkpoint failures make the service not-ready; a success makes it ready."""
+        if self._state is ServingState.SERVING and self.checkpointer.failing:
+            log.error(
+                "%d checkpoint failures in a row: not ready, admission paused",
+                self.checkpointer.consecutive_failures,
+            )
+            await self.controller.set_admitting(False)
+            await self._set_state(ServingState.NOT_READY)
+        elif self._state is ServingState.NOT_READY and not self.checkpointer.failing:
+            await self.controller.set_admitting(True)
+            await self._set_state(ServingState.SERVING)
+
+    async def _periodic_checkpoints(self) -> None:
+        interval = self.config.checkpoint.interval_s
+        while True:
+            await asyncio.sleep(interval)
+            await self.checkpointer.checkpoint(Trigger.PERIODIC)
+            await self._follow_checkpoint_health()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -125,6 +184,12 @@ class RolloutService:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, status)
         log.info("state: %s", state.value)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT request an orderly shutdown, also while still starting or restoring."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
 
     async def start(self) -> Addresses:
         await self._set_state(ServingState.STARTING)
@@ -155,7 +220,25 @@ class RolloutService:
         await server.start()
         self._server = server
         await self.engine.start()
+        if self.config.restore != "none":
+            await self._set_state(ServingState.RESTORING)
+            self.checkpointer.restoring = True
+            try:
+                await restore(
+                    self.controller,
+                    self.store,
+                    self.checkpointer,
+                    self.config.restore,
+                    self.fingerprint,
+                    Granularity(self.config.recovery.granularity),
+                )
+            finally:
+                self.checkpointer.restoring = False
         self.controller.start()
+        if self.config.checkpoint.interval_s > 0:
+            self._periodic = asyncio.create_task(
+                self._periodic_checkpoints(), name="rolloutd-checkpoints"
+            )
         await self._set_state(ServingState.SERVING)
         self.addresses = Addresses(grpc=f"{cfg.host}:{port}", http=None)
         log.info(
@@ -171,9 +254,6 @@ class RolloutService:
 
     async def run_until_stopped(self) -> int:
         """Serves until SIGTERM/SIGINT or a fatal controller error; returns an exit code."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
         dead = asyncio.create_task(self.controller.wait_dead())
         stop = asyncio.create_task(self._stopping.wait())
         done, _ = await asyncio.wait({dead, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -191,6 +271,16 @@ class RolloutService:
         await self.controller.begin_drain()
         if self._server is not None:
             await self._server.stop(self.config.grpc.grace_s)
+        if self._periodic is not None:
+            self._periodic.cancel()
         await self.controller.stop()
+        self.checkpointer.shutting_down = True
+        final = await self.checkpointer.checkpoint(Trigger.SHUTDOWN)
+        if final.outcome is Outcome.FAILED:
+            log.error(
+                "final checkpoint failed: %s; restart restores snapshot %d",
+                final.error,
+                self.checkpointer.sequence,
+            )
         await self.engine.stop()
         log.info("stopped in %.2fs", time.perf_counter() - started)

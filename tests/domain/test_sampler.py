@@ -31,7 +31,7 @@ def test_cursor_positions_and_epoch_limit():
 def test_restored_cursor_continues_exactly():
     s = Sampler(PROMPTS, seed=1)
     drain(s, 13)
-    state = s.state()
+    state = s.capture().state()
     rest = [x.prompt.prompt_id for x in drain(s, 9)]
     t = Sampler(PROMPTS, seed=1)
     t.load_state(state)
@@ -56,6 +56,25 @@ def test_readmitted_prompts_come_first_and_survive_state():
     a = s.next()
     s.readmit(Admission(a.prompt, a.position))
     t = Sampler(PROMPTS, seed=0)
-    t.load_state(s.state())
+    t.load_state(s.capture().state())
     again = t.next()
     assert again.position == a.position and again.prompt == a.prompt
+
+
+def test_capture_is_a_stable_cut_while_the_sampler_moves_on():
+    s = Sampler(PROMPTS, seed=0)
+    s.submit([Prompt("a", "x")])
+    cut = s.capture()
+    s.submit([Prompt("b", "y")])
+    s.next()
+    state = cut.state()
+    assert [p["id"] for p in state["submitted"]] == ["a"] and state["submitted_head"] == 0
+
+
+def test_skipped_positions_are_never_admitted():
+    s = Sampler(PROMPTS, seed=0, epochs=1)
+    s.skip(Admission(PROMPTS[0], Position(0, 1)))
+    s.skip(Admission(PROMPTS[0], Position(0, 2)))
+    positions = [a.position for a in iter(s.next, None)]
+    assert Position(0, 1) not in positions and Position(0, 2) not in positions
+    assert len(positions) == len(PROMPTS) - 2

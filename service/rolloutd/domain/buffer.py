@@ -208,6 +208,26 @@ class RolloutBuffer:
         self.acks[lease_id] = record
         return record, False
 
+    def apply_journaled_ack(self, record: AckRecord) -> list[int]:
+        """Replays an ack found in the journal after a restore; returns ids of groups no snapshot
+        held (they were admitted and acked after it). Idempotent."""
+        if record.lease_id in self.acks or record.lease_id in self.finalized_leases:
+            return []
+        present = tuple(gid for gid in record.group_ids if gid in self.groups)
+        for gid in present:
+            g = self.groups[gid]
+            if g.state is GroupState.COMMITTED:
+                self._ready.remove(gid)
+            elif g.state is not GroupState.LEASED:
+                raise InvariantError(f"journaled ack of group {gid} in state {g.state.value}")
+            g.state, g.lease_id, g.ack_step = GroupState.ACKED, record.lease_id, record.trainer_step
+            self._dirty[gid] = g
+        self.leases.pop(record.lease_id, None)
+        self.acks[record.lease_id] = AckRecord(
+            record.lease_id, present, record.trainer_step, record.acked_at
+        )
+        return [gid for gid in record.group_ids if gid not in self.groups]
+
     def expired_leases(self, now: float) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.expires_at <= now]
 

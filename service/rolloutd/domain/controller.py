@@ -16,16 +16,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from rolloutd.domain.barrier import MutationBarrier
-from rolloutd.domain.buffer import AckRecord, BufferCounts, Lease, RolloutBuffer
+from rolloutd.domain.buffer import AckRecord, BufferCounts, BufferDelta, Lease, RolloutBuffer
 from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolloutd.domain.group import Group, GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted, NullObserver, Observer
-from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.sampler import Admission, Sampler, SamplerCapture
 from rolloutd.engines.base import (
     EngineDeadError,
     EngineError,
@@ -101,6 +101,21 @@ class RewindResult:
 
 
 @dataclass(frozen=True)
+class ControllerCapture:
+    """A consistent cut of everything a snapshot holds, taken under the exclusive hold."""
+
+    buffer: BufferDelta
+    sampler: SamplerCapture
+    next_group_id: int
+    policy_version: int
+    weights_path: str | None
+    max_acked_step: int
+    finalized_through: int
+    counters: Counters
+    lost_acks: tuple[tuple[int, tuple[Admission, ...]], ...]
+
+
+@dataclass(frozen=True)
 class ControllerStatus:
     policy_version: int
     group_size: int
@@ -159,6 +174,11 @@ class Controller:
             asyncio.create_task(self._admission_loop(), name="rolloutd-admission"),
             asyncio.create_task(self._lease_reaper(), name="rolloutd-lease-reaper"),
         ]
+
+    async def set_admitting(self, admitting: bool) -> None:
+        """Pauses or resumes admission (the service is not ready, or ready again)."""
+        self._admitting = admitting and not self._draining and self.fatal is None
+        await self._notify()
 
     async def begin_drain(self) -> None:
         """Stops admission and releases waiting fetches; generation in progress continues."""
@@ -481,6 +501,39 @@ class Controller:
             self.observer.groups_evicted(len(stale))
             await self._notify()
         return len(stale)
+
+    # --- snapshots -------------------------------------------------------------------------
+
+    def capture(self) -> ControllerCapture:
+        """O(changes since the last capture). Call only while holding the barrier exclusively."""
+        if not self.barrier.exclusive_held:
+            raise RuntimeError("capture() needs the exclusive hold of the barrier")
+        return ControllerCapture(
+            buffer=self.buffer.capture(),
+            sampler=self.sampler.capture(),
+            next_group_id=self.next_group_id,
+            policy_version=self.policy_version,
+            weights_path=self.weights_path,
+            max_acked_step=self.max_acked_step,
+            finalized_through=self.finalized_through,
+            counters=replace(self.counters),
+            lost_acks=tuple((step, tuple(adm)) for step, adm in self.lost_acks),
+        )
+
+    def generating_groups(self) -> list[Group]:
+        return [g for g in self.buffer.groups.values() if g.state is GroupState.GENERATING]
+
+    async def resume_group(self, group: Group, *, rerun_all: bool) -> list[int]:
+        """After a restore: generate a group's missing siblings (or all of them); returns them."""
+        if rerun_all and group.samples:
+            async with self.barrier.mutation(MutationKind.RESTORE):
+                self.buffer.drop_samples(group.group_id)
+        missing = group.missing
+        if not missing:
+            await self._commit(group)
+        else:
+            self.dispatch(group, missing)
+        return missing
 
     # --- introspection ---------------------------------------------------------------------
 

@@ -44,9 +44,16 @@ class Sampler:
         self._cursor = Position(0, 0)
         self._order_epoch = -1
         self._order: list[int] = []
-        self._submitted: deque[Prompt] = deque()
+        self._submitted: list[Prompt] = []
+        """Every prompt ever submitted, append-only: a captured prefix never changes."""
+        self._submitted_head = 0
+        """Prompts before this index have been admitted."""
         self._submitted_ids: set[str] = set()
         self._readmit: deque[Admission] = deque()
+        self._skip: set[Position] = set()
+        """Positions never to admit again: their groups were acked but lost in a crash."""
+        self._skip_ids: set[str] = set()
+        """Submitted prompt ids never to admit again, for the same reason."""
 
     @property
     def cursor(self) -> Position:
@@ -55,7 +62,7 @@ class Sampler:
 
     @property
     def pending(self) -> int:
-        return len(self._submitted) + len(self._readmit)
+        return len(self._submitted) - self._submitted_head + len(self._readmit)
 
     @property
     def exhausted(self) -> bool:
@@ -78,26 +85,31 @@ class Sampler:
         return self._prompts[self.order(position.epoch)[position.offset]]
 
     def has_next(self) -> bool:
-        return bool(self._readmit or self._submitted) or (
-            not self.exhausted and bool(self._prompts)
-        )
+        return self.pending > 0 or (not self.exhausted and bool(self._prompts))
 
     def next(self) -> Admission | None:
         if self._readmit:
             return self._readmit.popleft()
-        if self._submitted:
-            return Admission(self._submitted.popleft(), None)
-        if self.exhausted or not self._prompts:
-            return None
-        position = self._cursor
-        prompt = self.prompt_at(position)
-        offset = position.offset + 1
-        self._cursor = (
-            Position(position.epoch + 1, 0)
-            if offset == len(self._prompts)
-            else Position(position.epoch, offset)
-        )
-        return Admission(prompt, position)
+        while self._submitted_head < len(self._submitted):
+            self._submitted_head += 1
+            prompt = self._submitted[self._submitted_head - 1]
+            if prompt.prompt_id in self._skip_ids:
+                self._skip_ids.discard(prompt.prompt_id)
+                continue
+            return Admission(prompt, None)
+        while not self.exhausted and self._prompts:
+            position = self._cursor
+            offset = position.offset + 1
+            self._cursor = (
+                Position(position.epoch + 1, 0)
+                if offset == len(self._prompts)
+                else Position(position.epoch, offset)
+            )
+            if position in self._skip:
+                self._skip.discard(position)
+                continue
+            return Admission(self.prompt_at(position), position)
+        return None
 
     def submit(self, prompts: Iterable[Prompt]) -> tuple[int, int]:
         """Queues new prompts; returns (accepted, duplicates). All or nothing on overflow."""
@@ -114,9 +126,16 @@ class Sampler:
                 f"{self.pending} prompts are waiting for admission; accepting {len(fresh)} more "
                 f"would exceed limits.max_pending_prompts={self._max_pending}"
             )
-        self._submitted.extend(fresh)
+        self._submitted.extend(fresh)  # append-only: captured prefixes stay valid
         self._submitted_ids.update(p.prompt_id for p in fresh)
         return len(fresh), duplicates
+
+    def skip(self, admission: Admission) -> None:
+        """Never admit this again: its group was acknowledged, though no snapshot held it."""
+        if admission.position is None:
+            self._skip_ids.add(admission.prompt.prompt_id)
+        elif admission.position >= self._cursor:
+            self._skip.add(admission.position)
 
     def readmit(self, admission: Admission) -> None:
         """Admit this prompt again first (its group was lost, evicted or rewound past durability)."""
@@ -124,34 +143,64 @@ class Sampler:
 
     # --- state for snapshots ---------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "cursor": [self._cursor.epoch, self._cursor.offset],
-            "submitted": [prompt_state(p) for p in self._submitted],
-            "submitted_ids": sorted(self._submitted_ids),
-            "readmit": [
-                {
-                    "prompt": prompt_state(a.prompt),
-                    "position": None
-                    if a.position is None
-                    else [a.position.epoch, a.position.offset],
-                }
-                for a in self._readmit
-            ],
-        }
+    def capture(self) -> SamplerCapture:
+        """O(1) apart from the small readmit and skip queues; call under the exclusive hold."""
+        return SamplerCapture(
+            self._cursor,
+            self._submitted,
+            self._submitted_head,
+            len(self._submitted),
+            tuple(self._readmit),
+            tuple(self._skip),
+            tuple(self._skip_ids),
+        )
 
     def load_state(self, state: dict[str, Any]) -> None:
         epoch, offset = state["cursor"]
         self._cursor = Position(int(epoch), int(offset))
-        self._submitted = deque(prompt_from_state(p) for p in state["submitted"])
-        self._submitted_ids = set(state["submitted_ids"])
+        self._submitted = [prompt_from_state(p) for p in state["submitted"]]
+        self._submitted_head = int(state["submitted_head"])
+        self._submitted_ids = {p.prompt_id for p in self._submitted}
         self._readmit = deque(
-            Admission(
-                prompt_from_state(a["prompt"]),
-                None if a["position"] is None else Position(*a["position"]),
-            )
+            Admission(prompt_from_state(a["prompt"]), _position(a["position"]))
             for a in state["readmit"]
         )
+        self._skip = {Position(*p) for p in state["skip"]}
+        self._skip_ids = set(state["skip_ids"])
+
+
+@dataclass(frozen=True)
+class SamplerCapture:
+    cursor: Position
+    submitted: list[Prompt]
+    """The sampler's append-only list, shared: only ``submitted[:submitted_len]`` belongs here."""
+    submitted_head: int
+    submitted_len: int
+    readmit: tuple[Admission, ...]
+    skip: tuple[Position, ...]
+    skip_ids: tuple[str, ...]
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able; built outside the hold."""
+        return {
+            "cursor": [self.cursor.epoch, self.cursor.offset],
+            "submitted": [prompt_state(p) for p in self.submitted[: self.submitted_len]],
+            "submitted_head": self.submitted_head,
+            "readmit": [
+                {"prompt": prompt_state(a.prompt), "position": _position_state(a.position)}
+                for a in self.readmit
+            ],
+            "skip": [[p.epoch, p.offset] for p in self.skip],
+            "skip_ids": list(self.skip_ids),
+        }
+
+
+def _position(value: list[int] | None) -> Position | None:
+    return None if value is None else Position(int(value[0]), int(value[1]))
+
+
+def _position_state(p: Position | None) -> list[int] | None:
+    return None if p is None else [p.epoch, p.offset]
 
 
 def prompt_state(p: Prompt) -> dict[str, Any]:

@@ -1,0 +1,340 @@
+"""The checkpointer: incremental snapshots of the buffer and controller state, in five phases.
+
+1. ``barrier_wait``   ask for the barrier exclusively; in-flight mutations drain, new ones wait.
+2. ``exclusive_hold`` capture a consistent cut: the rows staged and removed since the last
+                      snapshot, changed group metadata, sampler cursor, leases, acks, counters.
+                      No I/O and no serialization: pointer work proportional to the delta only.
+3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment.
+4. ``sidecar_write``  write controller state as JSON.
+5. ``commit``         fsync and publish atomically; then retention.
+
+A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its delta
+back to the buffer, so the next attempt still writes everything since the last success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rolloutd.checkpoint import state as sidecar_state
+from rolloutd.checkpoint.faults import FaultPoint, fault_point
+from rolloutd.checkpoint.format import Manifest, RowIdSet, SegmentEntry
+from rolloutd.checkpoint.report import (
+    CheckpointPhase,
+    CheckpointReport,
+    Outcome,
+    PhaseClock,
+    Reason,
+    RowKind,
+    SizePart,
+    Trigger,
+)
+from rolloutd.checkpoint.store import SnapshotStore, keep_tagged
+from rolloutd.domain.buffer import AckRecord, GroupMeta
+from rolloutd.domain.controller import Controller, ControllerCapture
+from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.group import Group
+from rolloutd.domain.observer import NullObserver, Observer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    interval_s: float = 60.0
+    """Seconds between periodic checkpoints; 0 disables them."""
+    keep_latest: int = 3
+    """Snapshots kept besides those tagged with a trainer step still inside the rewind window."""
+    max_consecutive_failures: int = 3
+    """Failed attempts in a row after which the service turns not-ready."""
+    timeout_s: float = 120.0
+    """An attempt taking longer fails with reason ``timeout``."""
+    compact_segments: int = 8
+    """A snapshot listing more segments than this is compacted into one."""
+
+
+class AckJournal:
+    """Makes each ack durable in the store before ``AckGroups`` returns.
+
+    Records carry a position; a snapshot records the last position it includes (``acks_through``)
+    and restore replays the records after it.
+    """
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self._store = store
+
+    @property
+    def position(self) -> int:
+        """Position of the last durable record; no I/O, so it can be read under the hold."""
+        return self._store.journal_position
+
+    async def append(self, record: AckRecord, groups: list[Group]) -> None:
+        payload = {
+            **sidecar_state.ack_to_json(record),
+            "groups": [
+                {
+                    "group_id": g.group_id,
+                    "prompt": sidecar_state.prompt_state(g.prompt),
+                    "position": None
+                    if g.position is None
+                    else [g.position.epoch, g.position.offset],
+                }
+                for g in groups
+            ],
+        }
+        await asyncio.to_thread(self._store.append_ack, payload)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        controller: Controller,
+        store: SnapshotStore,
+        journal: AckJournal,
+        config: CheckpointerConfig,
+        fingerprint: Mapping[str, Any],
+        *,
+        observer: Observer | None = None,
+    ) -> None:
+        self.controller = controller
+        self.store = store
+        self.journal = journal
+        self.config = config
+        self.fingerprint = dict(fingerprint)
+        self.observer: Observer = observer or NullObserver()
+        self._lock = asyncio.Lock()
+        self._groups: dict[int, GroupMeta] = {}
+        """Every live group's metadata as of the last completed snapshot."""
+        self._parent: Manifest | None = None
+        self.restoring = False
+        self.shutting_down = False
+        self.consecutive_failures = 0
+        self.last_attempt: CheckpointReport | None = None
+        self.last_success: CheckpointReport | None = None
+        self.last_success_at = time.time()
+        """Wall-clock time of the last completed snapshot (start-up until there is one)."""
+
+    def adopt(self, manifest: Manifest, groups: dict[int, GroupMeta]) -> None:
+        """Continue incrementally from a restored snapshot."""
+        self._parent, self._groups = manifest, dict(groups)
+
+    @property
+    def sequence(self) -> int:
+        return 0 if self._parent is None else self._parent.sequence
+
+    def since_success_s(self) -> float:
+        return time.time() - self.last_success_at
+
+    async def checkpoint(
+        self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
+    ) -> CheckpointReport:
+        """One attempt; never raises for I/O trouble or timeouts (they are its outcome)."""
+        started = time.time_ns()
+        skip = self._skip_reason(trigger)
+        if skip is not None:
+            return self._report(
+                CheckpointReport(
+                    trigger,
+                    Outcome.SKIPPED,
+                    skip,
+                    started,
+                    time.time_ns(),
+                    tag=tag,
+                    trainer_step=trainer_step,
+                )
+            )
+        async with self._lock:
+            if trainer_step is not None:
+                await self.controller.finalize(trainer_step)
+            clock = PhaseClock()
+            report = CheckpointReport(
+                trigger,
+                Outcome.FAILED,
+                Reason.IO_ERROR,
+                started,
+                started,
+                tag=tag,
+                trainer_step=trainer_step,
+                phases=clock.phases,
+            )
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self._attempt(
+                        clock, report, force=trigger is not Trigger.PERIODIC or bool(tag)
+                    )
+            except TimeoutError as exc:
+                report.outcome, report.reason, report.error = Outcome.FAILED, Reason.TIMEOUT, exc
+            except OSError as exc:
+                report.outcome, report.reason, report.error = Outcome.FAILED, Reason.IO_ERROR, exc
+            except InvariantError as exc:
+                report.outcome, report.reason, report.error = (
+                    Outcome.FAILED,
+                    Reason.INVARIANT_ERROR,
+                    exc,
+                )
+                report.ended_ns = time.time_ns()
+                self._report(report)
+                raise
+            report.ended_ns = time.time_ns()
+            return self._report(report)
+
+    def _skip_reason(self, trigger: Trigger) -> Reason | None:
+        if self.restoring:
+            return Reason.RESTORING
+        if self.shutting_down and trigger is not Trigger.SHUTDOWN:
+            return Reason.SHUTTING_DOWN
+        if self._lock.locked():
+            return Reason.IN_PROGRESS
+        return None
+
+    async def _attempt(self, clock: PhaseClock, report: CheckpointReport, *, force: bool) -> None:
+        barrier = self.controller.barrier
+        with clock.phase(CheckpointPhase.BARRIER_WAIT):
+            hold = barrier.exclusive()
+            await hold.__aenter__()
+            fault_point(FaultPoint.BARRIER_WAIT)
+        try:
+            with clock.phase(CheckpointPhase.EXCLUSIVE_HOLD):
+                capture = self.controller.capture()
+                acks_through = self.journal.position
+                fault_point(FaultPoint.EXCLUSIVE_HOLD)
+        finally:
+            await hold.__aexit__(None, None, None)
+        delta = capture.buffer
+        if (
+            delta.empty
+            and not force
+            and acks_through == (self._parent.acks_through if self._parent else 0)
+        ):
+            report.outcome, report.reason = Outcome.SKIPPED, Reason.NO_CHANGES
+            return
+        try:
+            manifest, groups = await self._write(clock, capture, acks_through, report)
+        except BaseException:
+            self.controller.buffer.restore_uncaptured(delta)
+            raise
+        self._parent, self._groups = manifest, groups
+        report.outcome, report.reason, report.sequence = (
+            Outcome.COMPLETED,
+            Reason.COMPLETED,
+            manifest.sequence,
+        )
+        report.rows = {
+            RowKind.NEW: manifest.new_rows,
+            RowKind.REMOVED: manifest.removed_rows,
+            RowKind.LIVE: manifest.live_rows,
+        }
+        written_segments = manifest.written_bytes - manifest.sidecar.size
+        report.size_bytes = {
+            SizePart.SEGMENTS: written_segments,
+            SizePart.SIDECAR: manifest.sidecar.size,
+            SizePart.TOTAL: manifest.written_bytes,
+        }
+
+    async def _write(
+        self,
+        clock: PhaseClock,
+        capture: ControllerCapture,
+        acks_through: int,
+        report: CheckpointReport,
+    ) -> tuple[Manifest, dict[int, GroupMeta]]:
+        delta = capture.buffer
+        sequence = self.sequence + 1
+        removed = set(delta.removed_rows)
+        new_rows = [row for row in delta.new_rows if row[0] not in removed]
+        with clock.phase(CheckpointPhase.BUFFER_SAVE):
+            segments = _apply_removed(self._parent.segments if self._parent else (), removed)
+            if new_rows:
+                segments.append(
+                    await asyncio.to_thread(self.store.write_segment, sequence, new_rows)
+                )
+        with clock.phase(CheckpointPhase.SIDECAR_WRITE):
+            groups = dict(self._groups)
+            for gid, meta in delta.groups.items():
+                if meta is None:
+                    groups.pop(gid, None)
+                else:
+                    groups[gid] = meta
+            state = sidecar_state.sidecar(capture, groups)
+            sidecar = await asyncio.to_thread(self.store.write_sidecar, sequence, state)
+        with clock.phase(CheckpointPhase.COMMIT):
+            manifest = Manifest(
+                sequence=sequence,
+                parent=self._parent.sequence if self._parent else None,
+                created_at=time.time(),
+                segments=tuple(segments),
+                sidecar=sidecar,
+                acks_through=acks_through,
+                tag=report.tag,
+                trainer_step=report.trainer_step,
+                fingerprint=self.fingerprint,
+                new_rows=len(new_rows),
+                removed_rows=len(delta.removed_rows),
+            )
+            if len(manifest.segments) > self.config.compact_segments:
+                manifest = await asyncio.to_thread(self.store.compact, manifest)
+            await asyncio.to_thread(self.store.publish, manifest)
+            oldest_step = capture.max_acked_step - self.controller.config.rewind_window
+            await asyncio.to_thread(
+                self.store.retire, self.config.keep_latest, keep_tagged(oldest_step)
+            )
+        return manifest, groups
+
+    def _report(self, report: CheckpointReport) -> CheckpointReport:
+        self.last_attempt = report
+        if report.outcome is Outcome.COMPLETED:
+            self.consecutive_failures = 0
+            self.last_success, self.last_success_at = report, report.ended_ns / 1e9
+        elif report.outcome is Outcome.FAILED:
+            self.consecutive_failures += 1
+            log.error(
+                "checkpoint failed (%s, %d in a row): %s",
+                report.reason.value,
+                self.consecutive_failures,
+                report.error,
+            )
+        if report.outcome is not Outcome.SKIPPED or report.reason is not Reason.NO_CHANGES:
+            log.info(
+                "checkpoint %s/%s seq=%s trigger=%s %.1f ms rows=%s bytes=%s",
+                report.outcome.value,
+                report.reason.value,
+                report.sequence,
+                report.trigger.value,
+                report.seconds * 1e3,
+                report.rows.get(RowKind.NEW, 0),
+                report.size_bytes.get(SizePart.TOTAL, 0),
+            )
+        self.observer.checkpoint_attempted(report)
+        return report
+
+    @property
+    def failing(self) -> bool:
+        return self.consecutive_failures >= self.config.max_consecutive_failures
+
+
+def _apply_removed(segments: tuple[SegmentEntry, ...], removed: set[int]) -> list[SegmentEntry]:
+    """Marks removed rows in the segments that hold them; drops segments left with no live row."""
+    if not removed:
+        return list(segments)
+    ids = np.fromiter(removed, dtype=np.int64, count=len(removed))
+    out = []
+    for seg in segments:
+        hit = ids[seg.row_ids.mask(ids)]
+        if hit.size:
+            seg = SegmentEntry(
+                seg.file,
+                seg.rows,
+                seg.row_ids,
+                seg.removed.union(RowIdSet.from_ids(hit)),
+                seg.written_by,
+            )
+        if seg.live_rows:
+            out.append(seg)
+    return out

@@ -1,0 +1,279 @@
+"""Checkpointer and restore against a real store on disk, with a gated fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.report import (
+    CheckpointPhase,
+    Disposition,
+    Outcome,
+    Reason,
+    RecoveryState,
+    RowKind,
+    Trigger,
+)
+from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.sampler import Sampler
+from tests.fakes import GatedEngine, settle
+
+PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(40)]
+FINGERPRINT = {"model": "tiny", "group_size": 2}
+
+
+class Node:
+    """One controller + store + checkpointer, as a process would have them."""
+
+    def __init__(self, root, *, engine=None, fingerprint=FINGERPRINT, **limits):
+        cfg = {
+            "group_size": 2,
+            "max_in_flight": 3,
+            "buffer_capacity": 6,
+            "rewind_window": 100,
+            "reap_interval_s": 0.02,
+            **limits,
+        }
+        self.engine = engine or GatedEngine(auto=True)
+        self.store = SnapshotStore(str(root))
+        self.journal = AckJournal(self.store)
+        self.controller = Controller(
+            ControllerConfig(**cfg),
+            self.engine,
+            Sampler(PROMPTS, seed=1, epochs=1),
+            journal=self.journal,
+        )
+        self.checkpointer = Checkpointer(
+            self.controller,
+            self.store,
+            self.journal,
+            CheckpointerConfig(keep_latest=2),
+            fingerprint,
+        )
+
+    async def restore(
+        self, spec="latest", granularity=Granularity.SIBLING, fingerprint=FINGERPRINT
+    ):
+        return await restore(
+            self.controller, self.store, self.checkpointer, spec, fingerprint, granularity
+        )
+
+    async def checkpoint(self, **kw):
+        return await self.checkpointer.checkpoint(Trigger.ON_DEMAND, **kw)
+
+
+@pytest.fixture
+async def nodes(tmp_path):
+    made: list[Node] = []
+
+    def make(**kw):
+        node = Node(tmp_path / "store", **kw)
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        await node.controller.stop()
+
+
+async def test_snapshots_are_incremental(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    first = await a.checkpoint()
+    assert first.outcome is Outcome.COMPLETED and first.rows[RowKind.NEW] == 12
+    assert [p.phase for p in first.phases] == list(CheckpointPhase)
+    lease, groups = await a.controller.fetch(1, 100, "t")
+    await a.controller.ack(lease.lease_id, 1)
+    await a.controller.finalize(1)  # one group (2 rows) removed, a new one admitted
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    second = await a.checkpoint()
+    assert second.rows[RowKind.NEW] == 2 and second.rows[RowKind.REMOVED] == 2
+    assert second.rows[RowKind.LIVE] == 12
+    assert (
+        0
+        < second.size_bytes[next(iter(second.size_bytes))]
+        < first.size_bytes[next(iter(first.size_bytes))]
+    )
+    periodic = await a.checkpointer.checkpoint(Trigger.PERIODIC)
+    assert (periodic.outcome, periodic.reason) == (Outcome.SKIPPED, Reason.NO_CHANGES)
+
+
+async def test_the_hold_does_no_io(nodes):
+    a = nodes()
+    calls = []
+    for name in ("write_segment", "write_sidecar", "publish", "retire", "append_ack"):
+        real = getattr(a.store, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append((_name, a.controller.barrier.exclusive_held))
+            return _real(*args, **kw)
+
+        setattr(a.store, name, spy)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    await a.checkpoint()
+    assert {n for n, _ in calls} >= {"write_segment", "write_sidecar", "publish"}
+    assert not any(held for _, held in calls)
+
+
+async def test_restore_brings_back_every_state(nodes):
+    engine = GatedEngine()
+    a = nodes(engine=engine, max_in_flight=3, buffer_capacity=6)
+    a.controller.start()
+    await settle(lambda: len(engine.requests) == 6)
+    engine.release(4)  # two groups complete
+    await settle(lambda: a.controller.status().buffer.committed == 2)
+    engine.release(1)  # a third group has one sibling staged
+    await settle(lambda: sum(len(g.samples) for g in a.controller.generating_groups()) == 1)
+    acked_lease, acked = await a.controller.fetch(1, 100, "t")
+    await a.controller.ack(acked_lease.lease_id, 7)
+    leased_lease, leased = await a.controller.fetch(1, 100, "t")
+    report = await a.checkpoint()
+    assert report.outcome is Outcome.COMPLETED
+    cursor = a.controller.sampler.cursor
+    unfinished = a.controller.generating_groups()
+    staged = sum(len(g.samples) for g in unfinished)
+    assert staged == 1 and len(unfinished) == 3  # the partial group plus two admitted meanwhile
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    r = await b.restore()
+    assert r.sequence == report.sequence
+    assert r.groups[RecoveryState.ACKED] == 1 and r.groups[RecoveryState.LEASED] == 1
+    assert r.groups[RecoveryState.UNFINISHED] == len(unfinished)
+    assert r.siblings == {
+        Disposition.REUSED: staged,
+        Disposition.RERUN: 2 * len(unfinished) - staged,
+    }
+    await settle(
+        lambda: len(b.engine.requests) == 2 * len(unfinished) - staged
+    )  # only the missing ones
+    assert b.controller.sampler.cursor == cursor
+    g_acked = b.controller.buffer.groups[acked[0].group_id]
+    assert g_acked.state is GroupState.ACKED and g_acked.ack_step == 7
+    assert (
+        b.controller.buffer.groups[leased[0].group_id].state is GroupState.COMMITTED
+    )  # available again
+    assert (
+        await b.controller.ack(acked_lease.lease_id, 7)
+    ).already_acked  # idempotent across restarts
+    rewound = await b.controller.rewind(6)
+    assert rewound.redelivered_groups == 1
+
+
+async def test_granularity_group_reruns_whole_groups(nodes):
+    engine = GatedEngine()
+    a = nodes(engine=engine, max_in_flight=1, buffer_capacity=1)
+    a.controller.start()
+    await settle(lambda: len(engine.requests) == 2)
+    engine.release(1)
+    await settle(lambda: sum(len(g.samples) for g in a.controller.generating_groups()) == 1)
+    await a.checkpoint()
+    await a.controller.stop()
+    b = nodes(engine=GatedEngine())
+    r = await b.restore(granularity=Granularity.GROUP)
+    assert r.siblings == {Disposition.REUSED: 0, Disposition.RERUN: 2}
+    await settle(lambda: len(b.engine.requests) == 2)
+    assert sorted(req.index for req in b.engine.requests) == [0, 1]
+
+
+async def test_acks_journaled_after_the_snapshot_are_applied(nodes):
+    a = nodes(max_in_flight=2, buffer_capacity=4)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 4)
+    await a.checkpoint()
+    in_snapshot = await a.controller.fetch(1, 100, "t")
+    await a.controller.ack(in_snapshot[0].lease_id, 3)
+    # a group admitted and acked after the snapshot: its rows were never durable
+    await settle(
+        lambda: a.controller.status().buffer.committed == 4 and a.controller.next_group_id > 5
+    )
+    ready = [g for g in a.controller.buffer.groups.values() if g.state is GroupState.COMMITTED]
+    newest = max(ready, key=lambda g: g.group_id)
+    while True:
+        lease, groups = await a.controller.fetch(1, 100, "t")
+        await a.controller.ack(lease.lease_id, 4)
+        if groups[0].group_id == newest.group_id:
+            break
+    await a.controller.stop()
+
+    b = nodes()
+    await b.restore()
+    assert b.controller.buffer.groups[in_snapshot[1][0].group_id].state is GroupState.ACKED
+    assert newest.group_id not in b.controller.buffer.groups
+    b.controller.start()
+    delivered = []
+    while (leased := await b.controller.fetch(4, 300, "t")) is not None:
+        delivered += [g.position for g in leased[1]]
+        await b.controller.ack(leased[0].lease_id, 5)
+    assert newest.position not in delivered  # its position is never admitted again
+    assert in_snapshot[1][0].position not in delivered
+    rewound = await b.controller.rewind(3)
+    assert rewound.readmitted_prompts >= 1  # the lost group's prompt comes back on a rewind
+
+
+async def test_changed_configuration_is_refused_with_the_differing_keys(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 1)
+    await a.checkpoint()
+    await a.controller.stop()
+    b = nodes()
+    with pytest.raises(RestoreRefused, match=r"group_size: snapshot 2 != now 4"):
+        await b.restore(fingerprint={**FINGERPRINT, "group_size": 4})
+
+
+async def test_a_corrupt_newest_snapshot_falls_back_with_a_reason(nodes, tmp_path):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    first = await a.checkpoint()
+    await a.controller.fetch(1, 100, "t")
+    second = await a.checkpoint()
+    await a.controller.stop()
+    [newest] = (tmp_path / "store" / "sidecars").glob(f"{second.sequence:020d}-*")
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    b = nodes()
+    r = await b.restore()
+    assert r.sequence == first.sequence
+    assert [s.sequence for s in r.skipped] == [second.sequence] and r.skipped[0].reason
+
+
+async def test_io_errors_are_failed_attempts_and_count_in_a_row(nodes, tmp_path):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 1)
+
+    def broken(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    a.store.write_segment = broken
+    for expected in (1, 2, 3):
+        r = await a.checkpoint()
+        assert (r.outcome, r.reason) == (Outcome.FAILED, Reason.IO_ERROR)
+        assert a.checkpointer.consecutive_failures == expected
+    assert a.checkpointer.failing
+    del a.store.write_segment  # the disk has room again: the next attempt writes everything
+    r = await a.checkpoint()
+    assert r.outcome is Outcome.COMPLETED and not a.checkpointer.failing
+    staged = sum(len(g.samples) for g in a.controller.buffer.groups.values())
+    assert r.rows[RowKind.NEW] == r.rows[RowKind.LIVE] == staged  # nothing lost by the failures
+
+
+async def test_concurrent_attempt_is_skipped_in_progress(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 1)
+    first, second = await asyncio.gather(a.checkpoint(), a.checkpoint())
+    assert {(first.outcome, first.reason), (second.outcome, second.reason)} == {
+        (Outcome.COMPLETED, Reason.COMPLETED),
+        (Outcome.SKIPPED, Reason.IN_PROGRESS),
+    }
