@@ -1,1 +1,14 @@
-"""OpenTelemetry adapters: SDK setup, the metric catalogue, and the observer that feeds them."""
+"""OpenTelemetry adapters: SDK setup, the metric catalogue, and the observer that feeds them.
+
+- :mod:`~rolloutd.telemetry.providers`: ``setup_telemetry()`` -> :class:`Telemetry` (providers
+  from the ``OTEL_*`` environment, the Prometheus registry, bounded shutdown);
+- :mod:`~rolloutd.telemetry.observer`: :class:`TelemetryObserver`, the domain's observer;
+- :mod:`~rolloutd.telemetry.sources`: the snapshots behind the observable instruments;
+- :mod:`~rolloutd.telemetry.interceptors`: gRPC server and client tracing;
+- :mod:`~rolloutd.telemetry.catalogue`, :mod:`~rolloutd.telemetry.metrics`,
+  :mod:`~rolloutd.telemetry.spans`, :mod:`~rolloutd.telemetry.prometheus`,
+  :mod:`~rolloutd.telemetry.throttle`.
+
+Nothing is re-exported here, so the client library can import the interceptors without loading
+the SDK's exporters.
+"""

@@ -8,6 +8,8 @@ against it.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from rolloutd.checkpoint.report import (
@@ -21,6 +23,7 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
+from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
 
 
@@ -30,6 +33,26 @@ class Kind(enum.Enum):
     GAUGE = "gauge"
     OBSERVABLE_COUNTER = "observable_counter"
     OBSERVABLE_GAUGE = "observable_gauge"
+
+
+class EngineRequestState(enum.Enum):
+    """Where an engine request sits in the engine's scheduler."""
+
+    RUNNING = "running"
+    WAITING = "waiting"
+
+
+REASON_OUTCOME: Mapping[Reason, Outcome] = {
+    Reason.COMPLETED: Outcome.COMPLETED,
+    Reason.NO_CHANGES: Outcome.SKIPPED,
+    Reason.IN_PROGRESS: Outcome.SKIPPED,
+    Reason.RESTORING: Outcome.SKIPPED,
+    Reason.SHUTTING_DOWN: Outcome.SKIPPED,
+    Reason.IO_ERROR: Outcome.FAILED,
+    Reason.TIMEOUT: Outcome.FAILED,
+    Reason.INVARIANT_ERROR: Outcome.FAILED,
+}
+"""The outcome each reason belongs to; the attempt counter starts at zero only for these pairs."""
 
 
 class Area(enum.Enum):
@@ -68,10 +91,23 @@ class Instrument:
     """Attribute keys and every value they take; counters start at zero for each combination."""
     open_attributes: tuple[str, ...] = ()
     """Attribute keys whose values are not enumerable (e.g. the engine name)."""
+    valid: Callable[[Mapping[str, str]], bool] | None = None
+    """Restricts the cross product of ``attributes`` to the combinations that can occur."""
+    valid_doc: str = ""
+    """What ``valid`` admits, in words (for the generated documentation)."""
 
     @property
     def buckets(self) -> tuple[float, ...] | None:
         return SECONDS_BUCKETS if self.kind is Kind.HISTOGRAM and self.unit == "s" else None
+
+    def attribute_sets(self) -> list[dict[str, str]]:
+        """Every known combination of attribute values (one empty set when there are none)."""
+        keys = list(self.attributes)
+        combos = (
+            dict(zip(keys, values, strict=True))
+            for values in itertools.product(*(self.attributes[k] for k in keys))
+        )
+        return [c for c in combos if self.valid is None or self.valid(c)]
 
 
 PHASE_ATTR = "phase"
@@ -107,7 +143,8 @@ GROUP_QUEUE = Instrument(
 )  # fmt: skip
 CHECKPOINT_DURATION = Instrument(
     "rolloutd.checkpoint.duration", Kind.HISTOGRAM, "s",
-    "Duration of each checkpoint phase, and of the whole attempt (phase=total).",
+    "Duration of each checkpoint phase, and of the whole attempt (phase=total) for attempts "
+    "that ran (completed or failed; skipped attempts are only counted in attempts).",
     Area.CHECKPOINT_LATENCY, attributes={PHASE_ATTR: _values(CheckpointPhase, TOTAL)},
 )  # fmt: skip
 MUTATION_BLOCKED = Instrument(
@@ -126,6 +163,9 @@ CHECKPOINT_ATTEMPTS = Instrument(
     attributes={
         "outcome": _values(Outcome), "reason": _values(Reason), "trigger": _values(Trigger),
     },
+    valid=lambda a: REASON_OUTCOME[Reason(a["reason"])].value == a["outcome"],
+    valid_doc="each reason occurs with one outcome: "
+    + ", ".join(f"{r.value} → {o.value}" for r, o in REASON_OUTCOME.items()),
 )  # fmt: skip
 CHECKPOINT_CONSECUTIVE_FAILURES = Instrument(
     "rolloutd.checkpoint.consecutive_failures", Kind.OBSERVABLE_GAUGE, "{attempt}",
@@ -172,7 +212,7 @@ CHECKPOINT_SIZE = Instrument(
 BUFFER_GROUPS = Instrument(
     "rolloutd.buffer.groups", Kind.OBSERVABLE_GAUGE, "{group}",
     "Groups held by the service, by state.", Area.DRILL_DOWN,
-    attributes={"state": ("generating", "committed", "leased", "acked")},
+    attributes={"state": _values(GroupState)},
 )  # fmt: skip
 INFLIGHT_SAMPLES = Instrument(
     "rolloutd.inflight.samples", Kind.OBSERVABLE_GAUGE, "{sample}",
@@ -181,7 +221,7 @@ INFLIGHT_SAMPLES = Instrument(
 ENGINE_REQUESTS = Instrument(
     "rolloutd.engine.requests", Kind.OBSERVABLE_GAUGE, "{request}",
     "Engine requests running or waiting in its scheduler.", Area.DRILL_DOWN,
-    attributes={"state": ("running", "waiting")}, open_attributes=("engine",),
+    attributes={"state": _values(EngineRequestState)}, open_attributes=("engine",),
 )  # fmt: skip
 ENGINE_KV_CACHE_USAGE = Instrument(
     "rolloutd.engine.kv_cache.usage", Kind.OBSERVABLE_GAUGE, "1",

@@ -1,0 +1,274 @@
+"""The admin HTTP app: liveness, readiness, Prometheus ``/metrics``, status and checkpoints.
+
+Thin like the gRPC servicer: it asks :class:`AdminState` (implemented by the composition root) and
+encodes the answer. Handlers that read the state run on the event loop, like the rest of the
+service; only ``/metrics`` runs on a worker thread, since a scrape collects every instrument.
+
+It runs on uvicorn inside the service's own event loop (:class:`AdminServer`), never installs
+signal handlers or logging configuration, and binds its socket itself so a port in use is an
+``OSError`` for the caller rather than an exit of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, status
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from pydantic import BaseModel, Field
+
+from rolloutd import __version__
+from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason, Trigger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One restorable snapshot, newest first in listings."""
+
+    sequence: int
+    tag: str
+    trainer_step: int | None
+    created_unix_s: float
+    """Wall-clock time the snapshot was published."""
+    rows: int
+    """Rows live in the snapshot."""
+    size_bytes: int
+    """Bytes of every file the snapshot references."""
+
+
+class AdminState(Protocol):
+    """What the admin app needs from the service."""
+
+    def live(self) -> bool:
+        """False once the service cannot recover by itself (engine dead, loop wedged)."""
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason): not ready while restoring, after repeated checkpoint failures, or
+        draining; the reason says which."""
+
+    def status(self) -> Mapping[str, Any]:
+        """The ``GetStatus`` answer as JSON-compatible data."""
+
+    def checkpoints(self) -> Sequence[SnapshotInfo]:
+        """Restorable snapshots, newest first."""
+
+    async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport:
+        """Runs one on-demand checkpoint attempt and reports how it went."""
+
+
+class Health(BaseModel):
+    live: bool
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reason: str = Field(description="Why the service is not ready; empty when ready.")
+
+
+class CheckpointRequest(BaseModel):
+    tag: str = Field("", max_length=256, description="Label stored with the snapshot.")
+    trainer_step: int | None = Field(
+        None, ge=0, description="Trainer checkpoint step: acks up to it are finalized."
+    )
+
+
+class CheckpointResult(BaseModel):
+    outcome: Outcome
+    reason: Reason
+    trigger: Trigger
+    sequence: int | None = Field(description="Snapshot sequence; null when none was written.")
+    tag: str
+    trainer_step: int | None
+    seconds: float = Field(description="Duration of the whole attempt.")
+    phase_seconds: dict[str, float] = Field(description="Duration of each phase that ran.")
+    error: str | None = Field(description="What went wrong, for a failed attempt.")
+
+    @classmethod
+    def from_report(cls, report: CheckpointReport) -> CheckpointResult:
+        return cls(
+            outcome=report.outcome,
+            reason=report.reason,
+            trigger=report.trigger,
+            sequence=report.sequence,
+            tag=report.tag,
+            trainer_step=report.trainer_step,
+            seconds=report.seconds,
+            phase_seconds=report.phase_seconds(),
+            error=None
+            if report.error is None
+            else f"{type(report.error).__name__}: {report.error}",
+        )
+
+
+_PROMETHEUS_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition (OpenMetrics when asked for in Accept).",
+        "content": {"text/plain": {}},
+    }
+}
+
+
+def create_admin_app(
+    state: AdminState,
+    prometheus_registry: CollectorRegistry,
+    *,
+    auth_token: str | None = None,
+) -> FastAPI:
+    """The admin app. ``auth_token``: required as ``Authorization: Bearer`` on ``POST`` (the
+    same token as mutating RPCs); reads are open."""
+    app = FastAPI(
+        title="rolloutd admin",
+        version=__version__,
+        description="Health, readiness, Prometheus metrics, status and checkpoints of rolloutd.",
+    )
+
+    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+        if auth_token is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token, auth_token):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "a valid bearer token is required",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.get("/healthz", response_model=Health, responses={503: {"model": Health}})
+    async def healthz(response: Response) -> Health:
+        """Liveness: 503 when the service should be restarted."""
+        live = state.live()
+        if not live:
+            response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+        return Health(live=live)
+
+    @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+    async def readyz(response: Response) -> Readiness:
+        """Readiness: 503 with the reason while restoring, after repeated checkpoint failures,
+        or while draining."""
+        ready, reason = state.readiness()
+        if not ready:
+            response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+        return Readiness(ready=ready, reason="" if ready else reason)
+
+    @app.get("/metrics", response_class=Response, responses=_PROMETHEUS_RESPONSE)
+    def metrics(request: Request) -> Response:
+        """Every catalogue instrument in Prometheus naming (run off the event loop: a scrape
+        collects all instruments)."""
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(content=encoder(prometheus_registry), media_type=content_type)
+
+    @app.get("/v1/status")
+    async def get_status() -> dict[str, Any]:
+        """Buffer, in-flight work, policy version, last checkpoint and counters."""
+        return dict(state.status())
+
+    @app.get("/v1/checkpoints")
+    async def list_checkpoints() -> list[SnapshotInfo]:
+        """Restorable snapshots, newest first."""
+        return list(state.checkpoints())
+
+    @app.post("/v1/checkpoints", dependencies=[Depends(require_token)])
+    async def create_checkpoint(body: CheckpointRequest | None = None) -> CheckpointResult:
+        """Runs one on-demand checkpoint; the outcome (completed, skipped or failed) and its
+        reason are in the body, as in the ``Checkpoint`` RPC."""
+        request = body or CheckpointRequest()
+        report = await state.checkpoint(request.tag, request.trainer_step)
+        return CheckpointResult.from_report(report)
+
+    return app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handling: the host owns SIGINT/SIGTERM and shuts us down."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class AdminServer:
+    """Runs an ASGI app on uvicorn as a task of the current event loop.
+
+    ``start`` returns once it accepts connections (port 0 picks a free port, reported by
+    ``port``); ``stop`` lets requests in progress finish for up to ``grace_s``.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "0.0.0.0", port: int = 8080, grace_s: int = 5):
+        self._host = host
+        self._requested_port = port
+        self._grace_s = grace_s
+        self._config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+            timeout_graceful_shutdown=grace_s,
+        )
+        self._server = _EmbeddedServer(self._config)
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        if self._socket is None:
+            raise RuntimeError("the admin server is not started")
+        port: int = self._socket.getsockname()[1]
+        return port
+
+    async def start(self) -> int:
+        if self._task is not None:
+            raise RuntimeError("the admin server is already started")
+        self._socket = _bind(self._host, self._requested_port)
+        self._task = asyncio.create_task(self._serve(self._socket), name="rolloutd-admin-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the admin server stopped while starting")
+            await asyncio.sleep(0.01)
+        logger.info("admin HTTP on %s:%d", self._host, self.port)
+        return self.port
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            await self._server.serve(sockets=[sock])
+        except SystemExit as exc:
+            raise RuntimeError(f"the admin server exited (code {exc.code})") from None
+
+    async def stop(self) -> None:
+        """Idempotent; returns once the server has closed its socket."""
+        if self._task is None or self._task.done():
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=self._grace_s + 1.0)
+        except TimeoutError:
+            self._server.force_exit = True
+            await self._task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,323 @@
+"""The metric catalogue as live instruments, fed by the domain's reports and the service's gauges.
+
+Every instrument is created from :mod:`rolloutd.telemetry.catalogue`, and every attribute set
+recorded is one the catalogue declares: a value it does not know raises ``KeyError`` (a wrong kind
+must fail, not vanish from a series). :class:`~rolloutd.telemetry.observer.TelemetryObserver`
+catches and logs that, so the domain never sees it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from opentelemetry.metrics import (
+    CallbackOptions,
+    Counter,
+    Histogram,
+    MeterProvider,
+    Observation,
+    _Gauge,
+)
+
+from rolloutd import __version__
+from rolloutd.checkpoint.report import CheckpointReport, Outcome, RestoreReport
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GroupCommitted
+from rolloutd.engines.base import EngineCounters
+from rolloutd.telemetry import catalogue as cat
+from rolloutd.telemetry.catalogue import TOTAL, EngineRequestState, Instrument, Kind
+from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+
+logger = logging.getLogger(__name__)
+
+METER_NAME = "rolloutd"
+ENGINE_ATTR = "engine"
+
+Attributes = Mapping[str, str]
+ObservableCallback = Callable[[CallbackOptions], Iterable[Observation]]
+
+
+class _Series:
+    """The attribute sets of one instrument, built once from the catalogue.
+
+    Looked up by attribute values in the catalogue's key order (enums or their string values);
+    a combination the catalogue does not declare raises ``KeyError``.
+    """
+
+    def __init__(self, instrument: Instrument):
+        self.instrument = instrument
+        keys = tuple(instrument.attributes)
+        self._sets: dict[tuple[str, ...], Attributes] = {
+            tuple(s[k] for k in keys): MappingProxyType(s) for s in instrument.attribute_sets()
+        }
+
+    def __call__(self, *values: enum.Enum | str) -> Attributes:
+        key = tuple(v.value if isinstance(v, enum.Enum) else v for v in values)
+        try:
+            return self._sets[key]
+        except KeyError:
+            given = dict(zip(self.instrument.attributes, key, strict=False))
+            raise KeyError(
+                f"{self.instrument.name}: attributes {given} are not in the catalogue"
+            ) from None
+
+    def all(self) -> Iterable[Attributes]:
+        return self._sets.values()
+
+
+@dataclass(frozen=True)
+class _Sources:
+    engine_name: str
+    engine_counters: Callable[[], EngineCounters]
+    status: Callable[[], StatusSnapshot]
+    checkpoint_state: Callable[[], CheckpointState]
+
+
+class MetricsObserver:
+    """Implements :class:`rolloutd.domain.observer.Observer` with the catalogue's instruments.
+
+    Counters start at zero for every attribute set the catalogue declares, so dashboards and
+    alerts see every series from start-up. Observable instruments read the callbacks given to
+    :meth:`register_sources` (until then they report nothing). Not thread-safe for the observer
+    calls (they come from the event loop); the callbacks run on reader threads.
+    """
+
+    def __init__(self, meter_provider: MeterProvider):
+        self._meter = meter_provider.get_meter(METER_NAME, __version__)
+        self.created: list[str] = []
+        """Names of the instruments created, in catalogue order (a test checks one-to-one)."""
+        self._sources: _Sources | None = None
+        self._last_completed_ns: int | None = None
+
+        self._committed_tokens = self._counter(cat.COMMITTED_TOKENS)
+        self._committed_groups = self._counter(cat.COMMITTED_GROUPS)
+        self._group_completion = self._histogram(cat.GROUP_COMPLETION)
+        self._group_queue = self._histogram(cat.GROUP_QUEUE)
+        self._checkpoint_duration = self._histogram(cat.CHECKPOINT_DURATION)
+        self._mutation_blocked = self._counter(cat.MUTATION_BLOCKED)
+        self._mutation_wait = self._histogram(cat.MUTATION_WAIT)
+        self._checkpoint_attempts = self._counter(cat.CHECKPOINT_ATTEMPTS)
+        self._checkpoint_spacing = self._histogram(cat.CHECKPOINT_SPACING)
+        self._restore_duration = self._histogram(cat.RESTORE_DURATION)
+        self._recovery_groups = self._counter(cat.RECOVERY_GROUPS)
+        self._recovery_siblings = self._counter(cat.RECOVERY_SIBLINGS)
+        self._checkpoint_rows = self._gauge(cat.CHECKPOINT_ROWS)
+        self._checkpoint_size = self._gauge(cat.CHECKPOINT_SIZE)
+        self._evicted_groups = self._counter(cat.EVICTED_GROUPS)
+
+        self._observable(cat.GENERATION_TOKENS, self._observe_generation_tokens)
+        self._observable(cat.PROMPT_TOKENS, self._observe_prompt_tokens)
+        self._observable(cat.CHECKPOINT_CONSECUTIVE_FAILURES, self._observe_failures)
+        self._observable(cat.CHECKPOINT_INTERVAL, self._observe_interval)
+        self._observable(cat.CHECKPOINT_SINCE_SUCCESS, self._observe_since_success)
+        self._observable(cat.BUFFER_GROUPS, self._observe_buffer_groups)
+        self._observable(cat.INFLIGHT_SAMPLES, self._observe_inflight)
+        self._observable(cat.ENGINE_REQUESTS, self._observe_engine_requests)
+        self._observable(cat.ENGINE_KV_CACHE_USAGE, self._observe_kv_cache)
+        self._observable(cat.POLICY_VERSION, self._observe_policy_version)
+
+        self._estimated = _Series(cat.COMMITTED_TOKENS)
+        self._mutation_kind = _Series(cat.MUTATION_BLOCKED)
+        self._checkpoint_phase = _Series(cat.CHECKPOINT_DURATION)
+        self._attempt = _Series(cat.CHECKPOINT_ATTEMPTS)
+        self._restore_phase = _Series(cat.RESTORE_DURATION)
+        self._recovery_state = _Series(cat.RECOVERY_GROUPS)
+        self._disposition = _Series(cat.RECOVERY_SIBLINGS)
+        self._row_kind = _Series(cat.CHECKPOINT_ROWS)
+        self._size_part = _Series(cat.CHECKPOINT_SIZE)
+        self._group_state = _Series(cat.BUFFER_GROUPS)
+        self._request_state = _Series(cat.ENGINE_REQUESTS)
+
+        self._start_counters_at_zero()
+
+    # -- creation -------------------------------------------------------------------------------
+
+    def _created(self, instrument: Instrument, kind: Kind) -> None:
+        if instrument.kind is not kind:
+            raise TypeError(f"{instrument.name} is a {instrument.kind.value}, not a {kind.value}")
+        self.created.append(instrument.name)
+
+    def _counter(self, instrument: Instrument) -> Counter:
+        self._created(instrument, Kind.COUNTER)
+        return self._meter.create_counter(instrument.name, instrument.unit, instrument.description)
+
+    def _histogram(self, instrument: Instrument) -> Histogram:
+        self._created(instrument, Kind.HISTOGRAM)
+        return self._meter.create_histogram(
+            instrument.name,
+            instrument.unit,
+            instrument.description,
+            explicit_bucket_boundaries_advisory=instrument.buckets,
+        )
+
+    def _gauge(self, instrument: Instrument) -> _Gauge:
+        self._created(instrument, Kind.GAUGE)
+        return self._meter.create_gauge(instrument.name, instrument.unit, instrument.description)
+
+    def _observable(self, instrument: Instrument, callback: ObservableCallback) -> None:
+        if instrument.kind is Kind.OBSERVABLE_COUNTER:
+            self._created(instrument, Kind.OBSERVABLE_COUNTER)
+            self._meter.create_observable_counter(
+                instrument.name, [callback], instrument.unit, instrument.description
+            )
+        else:
+            self._created(instrument, Kind.OBSERVABLE_GAUGE)
+            self._meter.create_observable_gauge(
+                instrument.name, [callback], instrument.unit, instrument.description
+            )
+
+    def _start_counters_at_zero(self) -> None:
+        counters: list[tuple[Counter, Instrument]] = [
+            (self._committed_tokens, cat.COMMITTED_TOKENS),
+            (self._committed_groups, cat.COMMITTED_GROUPS),
+            (self._mutation_blocked, cat.MUTATION_BLOCKED),
+            (self._checkpoint_attempts, cat.CHECKPOINT_ATTEMPTS),
+            (self._recovery_groups, cat.RECOVERY_GROUPS),
+            (self._recovery_siblings, cat.RECOVERY_SIBLINGS),
+            (self._evicted_groups, cat.EVICTED_GROUPS),
+        ]
+        for counter, instrument in counters:
+            for attributes in _Series(instrument).all():
+                counter.add(0, attributes)
+
+    def register_sources(
+        self,
+        engine_counters: Callable[[], EngineCounters],
+        engine_name: str,
+        status: Callable[[], StatusSnapshot],
+        checkpoint_state: Callable[[], CheckpointState],
+    ) -> None:
+        """Connects the observable instruments; the callbacks run on reader threads (see
+        :mod:`rolloutd.telemetry.sources`). Calling again replaces the previous sources."""
+        self._sources = _Sources(engine_name, engine_counters, status, checkpoint_state)
+
+    # -- Observer -------------------------------------------------------------------------------
+
+    def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None:
+        attributes = self._mutation_kind(kind)
+        self._mutation_blocked.add(1, attributes)
+        self._mutation_wait.record(wait_s, attributes)
+
+    def group_committed(self, event: GroupCommitted) -> None:
+        self._committed_groups.add(1)
+        self._committed_tokens.add(
+            event.tokens, self._estimated("false" if event.exact else "true")
+        )
+        self._group_completion.record(event.completion_s)
+
+    def groups_leased(self, queue_s: list[float]) -> None:
+        for seconds in queue_s:
+            self._group_queue.record(seconds)
+
+    def groups_evicted(self, count: int) -> None:
+        self._evicted_groups.add(count)
+
+    def checkpoint_attempted(self, report: CheckpointReport) -> None:
+        self._checkpoint_attempts.add(
+            1, self._attempt(report.outcome, report.reason, report.trigger)
+        )
+        if report.outcome is Outcome.SKIPPED:
+            return
+        for phase in report.phases:
+            self._checkpoint_duration.record(phase.seconds, self._checkpoint_phase(phase.phase))
+        self._checkpoint_duration.record(report.seconds, self._checkpoint_phase(TOTAL))
+        if report.outcome is not Outcome.COMPLETED:
+            return
+        if self._last_completed_ns is not None:
+            spacing_s = (report.ended_ns - self._last_completed_ns) / 1e9
+            self._checkpoint_spacing.record(max(spacing_s, 0.0))
+        self._last_completed_ns = report.ended_ns
+        for row_kind, rows in report.rows.items():
+            self._checkpoint_rows.set(rows, self._row_kind(row_kind))
+        for part, size in report.size_bytes.items():
+            self._checkpoint_size.set(size, self._size_part(part))
+
+    def restored(self, report: RestoreReport) -> None:
+        for phase in report.phases:
+            self._restore_duration.record(phase.seconds, self._restore_phase(phase.phase))
+        self._restore_duration.record(report.seconds, self._restore_phase(TOTAL))
+        for state, groups in report.groups.items():
+            self._recovery_groups.add(groups, self._recovery_state(state))
+        for disposition, siblings in report.siblings.items():
+            self._recovery_siblings.add(siblings, self._disposition(disposition))
+
+    # -- observable callbacks (reader threads) --------------------------------------------------
+
+    def _engine(self) -> tuple[str, EngineCounters] | None:
+        sources = self._sources
+        return None if sources is None else (sources.engine_name, sources.engine_counters())
+
+    def _observe_generation_tokens(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.generation_tokens, {ENGINE_ATTR: name})]
+
+    def _observe_prompt_tokens(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.prompt_tokens, {ENGINE_ATTR: name})]
+
+    def _observe_engine_requests(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        running = self._request_state(EngineRequestState.RUNNING)
+        waiting = self._request_state(EngineRequestState.WAITING)
+        return [
+            Observation(counters.requests_running, {**running, ENGINE_ATTR: name}),
+            Observation(counters.requests_waiting, {**waiting, ENGINE_ATTR: name}),
+        ]
+
+    def _observe_kv_cache(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.kv_cache_usage, {ENGINE_ATTR: name})]
+
+    def _status(self) -> StatusSnapshot | None:
+        sources = self._sources
+        return None if sources is None else sources.status()
+
+    def _observe_buffer_groups(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [
+            Observation(status.groups.get(state, 0), self._group_state(state))
+            for state in GroupState
+        ]
+
+    def _observe_inflight(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.inflight_samples)]
+
+    def _observe_policy_version(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.policy_version)]
+
+    def _checkpoint_state(self) -> CheckpointState | None:
+        sources = self._sources
+        return None if sources is None else sources.checkpoint_state()
+
+    def _observe_failures(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (state := self._checkpoint_state()) is None:
+            return []
+        return [Observation(state.consecutive_failures)]
+
+    def _observe_interval(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (state := self._checkpoint_state()) is None:
+            return []
+        return [Observation(state.interval_s)]
+
+    def _observe_since_success(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (state := self._checkpoint_state()) is None:
+            return []
+        return [Observation(state.since_success_s)]

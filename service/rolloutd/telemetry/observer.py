@@ -1,0 +1,94 @@
+"""The observer the domain reports through when telemetry is on: metrics plus spans.
+
+It never raises into the domain: a failure in telemetry (a value the catalogue does not know, a
+broken exporter) is logged, at a bounded rate, and the mutation that reported it carries on.
+Recording is in-memory (instruments aggregate, finished spans are queued for a background
+exporter thread), so nothing here waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from opentelemetry.context import Context
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
+
+from rolloutd import __version__
+from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GroupCommitted
+from rolloutd.engines.base import EngineCounters
+from rolloutd.telemetry import spans, throttle
+from rolloutd.telemetry.metrics import MetricsObserver
+from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+
+logger = logging.getLogger(__name__)
+logger.addFilter(throttle.SHARED)
+
+TRACER_NAME = "rolloutd"
+
+
+@contextmanager
+def _never_raises(what: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception:
+        # Telemetry must never break the host: the domain calls this from inside mutations.
+        logger.exception("telemetry failed to record %s; the service carries on", what)
+
+
+class TelemetryObserver:
+    """Implements :class:`rolloutd.domain.observer.Observer`: catalogue metrics and span trees."""
+
+    def __init__(self, tracer_provider: TracerProvider, meter_provider: MeterProvider):
+        self.metrics = MetricsObserver(meter_provider)
+        self._tracer = tracer_provider.get_tracer(TRACER_NAME, __version__)
+
+    def register_sources(
+        self,
+        engine_counters: Callable[[], EngineCounters],
+        engine_name: str,
+        status: Callable[[], StatusSnapshot],
+        checkpoint_state: Callable[[], CheckpointState],
+    ) -> None:
+        """See :meth:`MetricsObserver.register_sources`."""
+        self.metrics.register_sources(engine_counters, engine_name, status, checkpoint_state)
+
+    def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None:
+        with _never_raises("a blocked mutation"):
+            self.metrics.mutation_blocked(kind, wait_s)
+
+    def group_committed(self, event: GroupCommitted) -> None:
+        with _never_raises("a committed group"):
+            self.metrics.group_committed(event)
+
+    def groups_leased(self, queue_s: list[float]) -> None:
+        with _never_raises("leased groups"):
+            self.metrics.groups_leased(queue_s)
+
+    def groups_evicted(self, count: int) -> None:
+        with _never_raises("evicted groups"):
+            self.metrics.groups_evicted(count)
+
+    def checkpoint_attempted(self, report: CheckpointReport) -> None:
+        self.record_checkpoint(report)
+
+    def restored(self, report: RestoreReport) -> None:
+        self.record_restore(report)
+
+    def record_checkpoint(self, report: CheckpointReport, context: Context | None = None) -> None:
+        """Like :meth:`checkpoint_attempted`, with the span tree under an explicit parent
+        ``context`` (for an attempt reported outside the task of the request that asked for it)."""
+        with _never_raises("checkpoint metrics"):
+            self.metrics.checkpoint_attempted(report)
+        with _never_raises("checkpoint spans"):
+            spans.record_checkpoint(self._tracer, report, context)
+
+    def record_restore(self, report: RestoreReport, context: Context | None = None) -> None:
+        with _never_raises("restore metrics"):
+            self.metrics.restored(report)
+        with _never_raises("restore spans"):
+            spans.record_restore(self._tracer, report, context)

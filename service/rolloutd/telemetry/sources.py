@@ -1,0 +1,48 @@
+"""What the observable instruments read: small plain-data snapshots the composition root supplies.
+
+The callbacks that return these run on the metric readers' threads (the periodic OTLP exporter and
+every ``/metrics`` scrape), not on the event loop. They must be cheap and thread-safe: read counters
+the controller keeps up to date, never iterate a container the loop may be changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from rolloutd.domain.group import GroupState
+from rolloutd.engines.base import EngineCounters
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """What the controller holds right now."""
+
+    groups: Mapping[GroupState, int] = field(default_factory=dict)
+    """Groups by state; a state left out counts as zero."""
+    inflight_samples: int = 0
+    """Sibling requests dispatched to the engine and not yet staged."""
+    policy_version: int = 0
+    """Policy version of the weights the engine generates with."""
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """The checkpointer's cadence and health."""
+
+    interval_s: float = 0.0
+    """Configured periodic interval (0: periodic checkpoints off)."""
+    since_success_s: float = 0.0
+    """Seconds since the last completed checkpoint, or since start-up if none."""
+    consecutive_failures: int = 0
+    """Failed attempts in a row."""
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Callbacks behind the observable instruments, registered once the service is built."""
+
+    engine_name: str
+    engine_counters: Callable[[], EngineCounters]
+    status: Callable[[], StatusSnapshot]
+    checkpoint_state: Callable[[], CheckpointState]

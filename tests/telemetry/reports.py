@@ -1,0 +1,135 @@
+"""Hand-written checkpoint and restore reports, and a scripted run of every observer call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rolloutd.checkpoint.report import (
+    CheckpointPhase,
+    CheckpointReport,
+    Disposition,
+    Outcome,
+    PhaseTiming,
+    Reason,
+    RecoveryState,
+    RestorePhase,
+    RestoreReport,
+    RowKind,
+    SizePart,
+    SkippedSnapshot,
+    Trigger,
+)
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GroupCommitted, Observer
+from rolloutd.engines.base import EngineCounters
+from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+
+T0 = 1_767_000_000_000_000_000
+"""A wall-clock instant in ns (late 2025)."""
+MS = 1_000_000
+
+
+def phases(
+    kinds: Sequence[CheckpointPhase | RestorePhase],
+    start_ns: int,
+    failing: CheckpointPhase | RestorePhase | None = None,
+) -> list[PhaseTiming]:
+    """Consecutive phases of (i + 1) ms each; the failing one (if any) is the last."""
+    out: list[PhaseTiming] = []
+    at = start_ns
+    for i, kind in enumerate(kinds):
+        end = at + (i + 1) * MS
+        error = OSError(28, "No space left on device") if kind == failing else None
+        out.append(PhaseTiming(kind, at, end, error))
+        at = end
+        if error is not None:
+            break
+    return out
+
+
+def checkpoint_report(
+    *,
+    start_ns: int = T0,
+    trigger: Trigger = Trigger.ON_DEMAND,
+    sequence: int = 7,
+    failing: CheckpointPhase | None = None,
+    skipped: Reason | None = None,
+) -> CheckpointReport:
+    if skipped is not None:
+        return CheckpointReport(trigger, Outcome.SKIPPED, skipped, start_ns, start_ns + MS // 10)
+    timings = phases(list(CheckpointPhase), start_ns, failing)
+    end = timings[-1].end_ns
+    if failing is not None:
+        error = timings[-1].error
+        return CheckpointReport(
+            trigger, Outcome.FAILED, Reason.IO_ERROR, start_ns, end, None, "", None, timings,
+            error=error,
+        )  # fmt: skip
+    return CheckpointReport(
+        trigger,
+        Outcome.COMPLETED,
+        Reason.COMPLETED,
+        start_ns,
+        end,
+        sequence=sequence,
+        tag="step-40",
+        trainer_step=40,
+        phases=timings,
+        rows={RowKind.NEW: 120, RowKind.REMOVED: 8, RowKind.LIVE: 512},
+        size_bytes={SizePart.SEGMENTS: 4096, SizePart.SIDECAR: 512, SizePart.TOTAL: 4608},
+    )
+
+
+def restore_report(*, start_ns: int = T0, failing: RestorePhase | None = None) -> RestoreReport:
+    timings = phases(list(RestorePhase), start_ns, failing)
+    return RestoreReport(
+        start_ns,
+        timings[-1].end_ns,
+        sequence=6,
+        tag="step-30",
+        phases=timings,
+        groups={
+            RecoveryState.COMMITTED: 5,
+            RecoveryState.LEASED: 2,
+            RecoveryState.ACKED: 1,
+            RecoveryState.UNFINISHED: 3,
+        },
+        siblings={Disposition.REUSED: 7, Disposition.RERUN: 5},
+        redispatch_s=0.004,
+        skipped=[SkippedSnapshot(8, "checksum mismatch in segment-0008.arrow")],
+        error=None if failing is None else timings[-1].error,
+    )
+
+
+ENGINE = EngineCounters(
+    prompt_tokens=900, generation_tokens=4000, requests_running=3, requests_waiting=1,
+    kv_cache_usage=0.25,
+)  # fmt: skip
+STATUS = StatusSnapshot(
+    groups={GroupState.GENERATING: 4, GroupState.COMMITTED: 2, GroupState.LEASED: 1},
+    inflight_samples=13,
+    policy_version=3,
+)
+CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
+
+
+def scripted_run(observer: Observer) -> None:
+    """Every kind of observer call, in the order a short run makes them."""
+    observer.restored(restore_report(start_ns=T0))
+    observer.mutation_blocked(MutationKind.STAGE_SAMPLE, 0.002)
+    observer.mutation_blocked(MutationKind.ADMIT, 0.0005)
+    observer.group_committed(GroupCommitted(1, tokens=256, exact=True, completion_s=1.5))
+    observer.group_committed(GroupCommitted(2, tokens=100, exact=False, completion_s=0.75))
+    observer.groups_leased([0.25, 0.5])
+    observer.groups_evicted(2)
+    observer.checkpoint_attempted(checkpoint_report(start_ns=T0 + 1_000 * MS, sequence=7))
+    observer.checkpoint_attempted(
+        checkpoint_report(start_ns=T0 + 2_000 * MS, skipped=Reason.NO_CHANGES)
+    )
+    observer.checkpoint_attempted(
+        checkpoint_report(start_ns=T0 + 3_000 * MS, failing=CheckpointPhase.BUFFER_SAVE)
+    )
+    observer.checkpoint_attempted(
+        checkpoint_report(start_ns=T0 + 61_000 * MS, sequence=8, trigger=Trigger.PERIODIC)
+    )

@@ -1,0 +1,99 @@
+"""A call made inside a client span arrives as one trace: client span, server span, and the phase
+tree the handler records below the server span."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.trace import SpanKind, StatusCode
+
+from rolloutd.telemetry.interceptors import (
+    client_interceptors,
+    instrument_channel,
+    server_interceptors,
+)
+from rolloutd.telemetry.observer import TelemetryObserver
+from tests.telemetry.reports import checkpoint_report
+
+SERVICE = "rolloutd.test.Probe"
+CHECKPOINT = f"/{SERVICE}/Checkpoint"
+MISSING = f"/{SERVICE}/Missing"
+
+
+@pytest.fixture
+async def probe(span_exporter) -> AsyncIterator[int]:
+    """A grpc.aio server whose Checkpoint handler records a checkpoint report."""
+    provider, _ = span_exporter
+    observer = TelemetryObserver(provider, MeterProvider())
+
+    async def checkpoint(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        observer.checkpoint_attempted(checkpoint_report())
+        return b"done"
+
+    async def missing(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "unknown lease")
+        raise AssertionError("abort returns only by raising")
+
+    server = grpc.aio.server(interceptors=server_interceptors(provider))
+    handlers = {
+        "Checkpoint": grpc.unary_unary_rpc_method_handler(checkpoint),
+        "Missing": grpc.unary_unary_rpc_method_handler(missing),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield port
+    await server.stop(None)
+
+
+async def test_a_checkpoint_call_inside_a_client_span_is_one_trace(probe, span_exporter):
+    provider, exporter = span_exporter
+    channel = instrument_channel(grpc.insecure_channel(f"127.0.0.1:{probe}"), provider)
+    try:
+        tracer = provider.get_tracer("trainer")
+        with tracer.start_as_current_span("trainer.save_checkpoint") as step:
+            call = channel.unary_unary(CHECKPOINT)
+            reply = await asyncio.to_thread(call, b"step 40", timeout=10)
+        assert reply == b"done"
+    finally:
+        channel.close()
+
+    spans = exporter.get_finished_spans()
+    assert {s.context.trace_id for s in spans} == {step.get_span_context().trace_id}
+    [client] = [s for s in spans if s.kind is SpanKind.CLIENT]
+    [rpc] = [s for s in spans if s.kind is SpanKind.SERVER]
+    [root] = [s for s in spans if s.name == "rolloutd.checkpoint"]
+    assert client.parent is not None and client.parent.span_id == step.get_span_context().span_id
+    assert rpc.parent is not None and rpc.parent.span_id == client.context.span_id
+    assert rpc.name == client.name == CHECKPOINT
+    assert root.parent is not None and root.parent.span_id == rpc.context.span_id
+    phases = [s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id]
+    assert len(phases) == 5
+
+
+async def test_client_spans_through_grpc_intercept_channel_record_failures_and_futures(
+    probe, span_exporter
+):
+    provider, exporter = span_exporter
+    channel = grpc.intercept_channel(
+        grpc.insecure_channel(f"127.0.0.1:{probe}"), *client_interceptors(provider)
+    )
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            await asyncio.to_thread(channel.unary_unary(MISSING), b"x", timeout=10)
+        assert failed.value.code() is grpc.StatusCode.NOT_FOUND
+        future = channel.unary_unary(CHECKPOINT).future(b"x", timeout=10)
+        assert await asyncio.to_thread(future.result) == b"done"
+    finally:
+        channel.close()
+
+    clients = {s.name: s for s in exporter.get_finished_spans() if s.kind is SpanKind.CLIENT}
+    assert clients[MISSING].status.status_code is StatusCode.ERROR
+    assert dict(clients[MISSING].attributes or {})["rpc.grpc.status_code"] == 5
+    assert clients[CHECKPOINT].status.status_code is StatusCode.UNSET
+    servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert {s.context.trace_id for s in servers} == {s.context.trace_id for s in clients.values()}

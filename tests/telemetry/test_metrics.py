@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import (
+    Gauge,
+    Histogram,
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    Metric,
+    Sum,
+)
+
+from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason, Trigger
+from rolloutd.telemetry.catalogue import BY_NAME, CATALOGUE, REASON_OUTCOME, SECONDS_BUCKETS, Kind
+from rolloutd.telemetry.metrics import MetricsObserver
+from rolloutd.telemetry.observer import TelemetryObserver
+from tests.telemetry.reports import (
+    CHECKPOINT_STATE,
+    ENGINE,
+    MS,
+    STATUS,
+    T0,
+    scripted_run,
+)
+
+
+def collect(reader: InMemoryMetricReader) -> dict[str, Metric]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+
+
+def points(metric: Metric) -> dict[frozenset[tuple[str, Any]], Any]:
+    return {frozenset((p.attributes or {}).items()): p for p in metric.data.data_points}
+
+
+def value(metric: Metric, **attributes: str) -> Any:
+    point = points(metric)[frozenset(attributes.items())]
+    return point if isinstance(point, HistogramDataPoint) else point.value
+
+
+def observer_with_sources(provider) -> MetricsObserver:
+    observer = MetricsObserver(provider)
+    observer.register_sources(lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE)
+    return observer
+
+
+def test_every_catalogue_instrument_is_created_exactly_once(metric_reader):
+    provider, _ = metric_reader
+    created = MetricsObserver(provider).created
+    assert Counter(created) == Counter(i.name for i in CATALOGUE)
+
+
+def test_counters_exist_at_zero_for_every_known_attribute_set_before_any_event(metric_reader):
+    provider, reader = metric_reader
+    MetricsObserver(provider)
+    metrics = collect(reader)
+    counters = [i for i in CATALOGUE if i.kind is Kind.COUNTER]
+    assert counters
+    for instrument in counters:
+        series = points(metrics[instrument.name])
+        expected = {frozenset(s.items()) for s in instrument.attribute_sets()}
+        assert set(series) == expected, instrument.name
+        assert {p.value for p in series.values()} == {0}, instrument.name
+    attempts = points(metrics["rolloutd.checkpoint.attempts"])
+    assert len(attempts) == 8 * len(Trigger)  # each reason with its own outcome only
+
+
+def test_a_scripted_run_reports_every_catalogue_instrument_as_declared(metric_reader):
+    provider, reader = metric_reader
+    scripted_run(observer_with_sources(provider))
+    metrics = collect(reader)
+
+    assert sorted(metrics) == sorted(i.name for i in CATALOGUE)
+    for name, metric in metrics.items():
+        instrument = BY_NAME[name]
+        assert metric.unit == instrument.unit, name
+        assert metric.description == instrument.description, name
+        expected_type = {
+            Kind.COUNTER: Sum, Kind.OBSERVABLE_COUNTER: Sum, Kind.HISTOGRAM: Histogram,
+            Kind.GAUGE: Gauge, Kind.OBSERVABLE_GAUGE: Gauge,
+        }[instrument.kind]  # fmt: skip
+        assert isinstance(metric.data, expected_type), name
+        assert metric.data.data_points, name
+        for point in metric.data.data_points:
+            attributes = dict(point.attributes or {})
+            assert set(attributes) == {*instrument.attributes, *instrument.open_attributes}, name
+            for key, val in attributes.items():
+                if key in instrument.attributes:
+                    assert val in instrument.attributes[key], (name, key, val)
+
+
+def test_scripted_run_values(metric_reader):
+    provider, reader = metric_reader
+    scripted_run(observer_with_sources(provider))
+    m = collect(reader)
+
+    assert value(m["rolloutd.committed.tokens"], estimated="false") == 256
+    assert value(m["rolloutd.committed.tokens"], estimated="true") == 100
+    assert value(m["rolloutd.committed.groups"]) == 2
+    assert value(m["rolloutd.group.completion.duration"]).sum == pytest.approx(2.25)
+    assert value(m["rolloutd.group.queue.duration"]).count == 2
+    assert value(m["rolloutd.buffer.mutation.blocked"], **{"mutation.kind": "admit"}) == 1
+    assert value(m["rolloutd.buffer.mutation.blocked"], **{"mutation.kind": "ack"}) == 0
+    wait = value(m["rolloutd.buffer.mutation.wait.duration"], **{"mutation.kind": "stage_sample"})
+    assert wait.sum == pytest.approx(0.002)
+    assert value(m["rolloutd.evicted.groups"]) == 2
+
+    attempts = m["rolloutd.checkpoint.attempts"]
+    assert value(attempts, outcome="completed", reason="completed", trigger="on_demand") == 1
+    assert value(attempts, outcome="completed", reason="completed", trigger="periodic") == 1
+    assert value(attempts, outcome="skipped", reason="no_changes", trigger="on_demand") == 1
+    assert value(attempts, outcome="failed", reason="io_error", trigger="on_demand") == 1
+    assert sum(p.value for p in points(attempts).values()) == 4
+
+    duration = m["rolloutd.checkpoint.duration"]
+    assert value(duration, phase="total").count == 3  # the skipped attempt ran no phases
+    assert value(duration, phase="buffer_save").count == 3
+    assert value(duration, phase="commit").count == 2
+    assert value(duration, phase="barrier_wait").sum == pytest.approx(0.003)
+
+    spacing = value(m["rolloutd.checkpoint.spacing"])
+    assert (spacing.count, spacing.sum) == (1, pytest.approx(60.0))
+    assert value(m["rolloutd.checkpoint.rows"], kind="live") == 512
+    assert value(m["rolloutd.checkpoint.size"], part="total") == 4608
+
+    assert value(m["rolloutd.restore.duration"], phase="total").sum == pytest.approx(0.021)
+    assert value(m["rolloutd.restore.duration"], phase="redispatch").sum == pytest.approx(0.006)
+    assert value(m["rolloutd.recovery.groups"], state="unfinished") == 3
+    assert value(m["rolloutd.recovery.siblings"], disposition="reused") == 7
+
+    assert value(m["rolloutd.generation.tokens"], engine="synthetic") == 4000
+    assert value(m["rolloutd.prompt.tokens"], engine="synthetic") == 900
+    assert value(m["rolloutd.engine.requests"], engine="synthetic", state="running") == 3
+    assert value(m["rolloutd.engine.requests"], engine="synthetic", state="waiting") == 1
+    assert value(m["rolloutd.engine.kv_cache.usage"], engine="synthetic") == 0.25
+    assert value(m["rolloutd.buffer.groups"], state="generating") == 4
+    assert value(m["rolloutd.buffer.groups"], state="acked") == 0
+    assert value(m["rolloutd.inflight.samples"]) == 13
+    assert value(m["rolloutd.policy.version"]) == 3
+    assert value(m["rolloutd.checkpoint.interval"]) == 60.0
+    assert value(m["rolloutd.checkpoint.since_success"]) == 12.5
+    assert value(m["rolloutd.checkpoint.consecutive_failures"]) == 1
+
+
+def test_observable_instruments_report_nothing_until_sources_are_registered(metric_reader):
+    provider, reader = metric_reader
+    MetricsObserver(provider)
+    observable = {i.name for i in CATALOGUE if i.kind.name.startswith("OBSERVABLE")}
+    assert observable.isdisjoint(collect(reader))
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "advisory"])
+def test_histograms_in_seconds_use_the_catalogue_buckets(
+    views, metric_reader, viewed_metric_reader
+):
+    provider, reader = viewed_metric_reader if views else metric_reader
+    scripted_run(MetricsObserver(provider))
+    for name, metric in collect(reader).items():
+        if BY_NAME[name].kind is Kind.HISTOGRAM:
+            for point in points(metric).values():
+                assert tuple(point.explicit_bounds) == SECONDS_BUCKETS, name
+
+
+def test_a_combination_the_catalogue_does_not_know_fails_loudly(metric_reader):
+    provider, _ = metric_reader
+    bogus = CheckpointReport(Trigger.PERIODIC, Outcome.FAILED, Reason.COMPLETED, T0, T0 + MS)
+    with pytest.raises(KeyError, match="not in the catalogue"):
+        MetricsObserver(provider).checkpoint_attempted(bogus)
+
+
+def test_the_telemetry_observer_logs_instead_of_raising_into_the_domain(
+    metric_reader, span_exporter, caplog
+):
+    meter_provider, _ = metric_reader
+    tracer_provider, spans = span_exporter
+    bogus = CheckpointReport(Trigger.PERIODIC, Outcome.FAILED, Reason.COMPLETED, T0, T0 + MS)
+    observer = TelemetryObserver(tracer_provider, meter_provider)
+    with caplog.at_level(logging.ERROR, logger="rolloutd.telemetry.observer"):
+        observer.checkpoint_attempted(bogus)
+    assert "checkpoint metrics" in caplog.text
+    assert [s.name for s in spans.get_finished_spans()] == ["rolloutd.checkpoint"]
+
+
+def test_every_checkpoint_reason_belongs_to_one_outcome():
+    assert set(REASON_OUTCOME) == set(Reason)
+    assert set(REASON_OUTCOME.values()) == set(Outcome)
