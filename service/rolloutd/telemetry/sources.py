@@ -7,11 +7,10 @@ the controller keeps up to date, never iterate a container the loop may be chang
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rolloutd.domain.group import GroupState
-from rolloutd.engines.base import EngineCounters
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,3 @@ class CheckpointState:
     """Seconds since the last completed checkpoint, or since start-up if none."""
     consecutive_failures: int = 0
     """Failed attempts in a row."""
-
-
-@dataclass(frozen=True)
-class Sources:
-    """Callbacks behind the observable instruments, registered once the service is built."""
-
-    engine_name: str
-    engine_counters: Callable[[], EngineCounters]
-    status: Callable[[], StatusSnapshot]
-    checkpoint_state: Callable[[], CheckpointState]
