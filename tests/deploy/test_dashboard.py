@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from rolloutd.telemetry.catalogue import CATALOGUE, Area
 
 from .prometheus_names import series_names
-from .promql import parse
+from .promql import parse, substitute
+from .tools import REPO, tool
 
-DASHBOARD = Path(__file__).parents[2] / "otel" / "dashboards" / "rolloutd.json"
+DASHBOARD = REPO / "otel" / "dashboards" / "rolloutd.json"
 
 PRIMARY_ROWS = (
     ("Generation throughput", {Area.GENERATION}),
@@ -76,6 +79,20 @@ def test_every_query_reads_catalogue_series(dashboard: dict[str, Any]) -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_prometheus_parses_every_query(dashboard: dict[str, Any], tmp_path: Path) -> None:
+    """promtool checks each query, as a recording rule, with Prometheus's own parser."""
+    promtool = tool("promtool", "apt-get install prometheus")
+    variables = _variables(dashboard)
+    rules = [
+        {"record": f"dashboard:query{i}", "expr": substitute(expr, variables)}
+        for i, (_, expr) in enumerate(_all_exprs(dashboard))
+    ]
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_variable_queries_read_catalogue_series(dashboard: dict[str, Any]) -> None:
     variables = _variables(dashboard)
     for var in dashboard["templating"]["list"]:
@@ -106,6 +123,17 @@ def _instruments_read(panels: list[dict[str, Any]], variables: set[str]) -> set[
         for s in parse(expr, variables).selectors
         if s.instrument is not None
     }
+
+
+def test_job_defaults_to_the_service_name_kubernetes_sets(dashboard: dict[str, Any]) -> None:
+    """The collector's exporter labels series job=<service.name>."""
+    (job,) = [v for v in dashboard["templating"]["list"] if v["name"] == "job"]
+    env = dict(
+        line.split("=", 1)
+        for line in (REPO / "k8s" / "base" / "config" / "otel.env").read_text().splitlines()
+        if line.strip()
+    )
+    assert job["current"]["value"] == env["OTEL_SERVICE_NAME"]
 
 
 def test_primary_rows_come_first_and_show_their_areas(dashboard: dict[str, Any]) -> None:

@@ -112,6 +112,7 @@ class Rendering:
         fields = {
             "metadata.name": f"{workload['metadata']['name']}-0",
             "metadata.namespace": workload["metadata"]["namespace"],
+            "metadata.uid": "4c1d6c2e-0000-4000-8000-000000000000",
             "spec.nodeName": "gpu-node-a",
         }
         for var in c.get("env", []):
@@ -277,11 +278,18 @@ def test_otel_environment_points_at_the_collector(rendered: Rendering) -> None:
     assert _otlp_grpc_port(rendered, workload) == port
 
 
-def test_resource_attributes_name_the_pod(rendered: Rendering) -> None:
-    env = rendered.environment(rendered.get("StatefulSet", "rolloutd"))
-    attributes = dict(kv.split("=", 1) for kv in env["OTEL_RESOURCE_ATTRIBUTES"].split(","))
-    assert attributes["service.instance.id"] == attributes["k8s.pod.name"] == "rolloutd-0"
-    assert attributes["k8s.namespace.name"] == NAMESPACE
+def test_downward_api_names_the_pod(rendered: Rendering) -> None:
+    """rolloutd derives service.instance.id and the k8s.* resource attributes from these."""
+    (c,) = rendered.get("StatefulSet", "rolloutd")["spec"]["template"]["spec"]["containers"]
+    fields = {
+        v["name"]: v["valueFrom"]["fieldRef"]["fieldPath"] for v in c["env"] if "valueFrom" in v
+    }
+    assert fields == {
+        "POD_NAME": "metadata.name",
+        "POD_NAMESPACE": "metadata.namespace",
+        "POD_UID": "metadata.uid",
+        "NODE_NAME": "spec.nodeName",
+    }
 
 
 def test_env_references_are_declared_before_use(rendered: Rendering) -> None:
