@@ -83,14 +83,6 @@ class Rendering:
         ]
         return found
 
-    def config_map(self, name: str) -> dict[str, Any]:
-        """A ConfigMap by its name before kustomize appended the content hash."""
-        (found,) = [
-            d for d in self.of_kind("ConfigMap")
-            if re.fullmatch(rf"{re.escape(name)}(-[a-z0-9]{{10}})?", d["metadata"]["name"])
-        ]  # fmt: skip
-        return found
-
     def mounted_file(self, workload: dict[str, Any], path: str) -> str:
         """Content of a file a container sees through a ConfigMap volume."""
         pod = workload["spec"]["template"]["spec"]
@@ -395,6 +387,8 @@ def test_gpu_resources(rendered: Rendering) -> None:
     pod = statefulset["spec"]["template"]["spec"]
     if rendered.variant.gpu:
         assert resources["requests"][GPU] == resources["limits"][GPU] >= 1
+        vllm = rendered.rolloutd_config().engine.vllm
+        assert vllm.tensor_parallel_size * vllm.pipeline_parallel_size == resources["limits"][GPU]
         anti_affinity = pod["affinity"]["podAntiAffinity"]
         (anti,) = anti_affinity["requiredDuringSchedulingIgnoredDuringExecution"]
         assert anti["topologyKey"] == "kubernetes.io/hostname"
