@@ -1,0 +1,547 @@
+"""Snapshot format: the Arrow schema of a sample row, row-id sets, checksums and the manifest.
+
+A snapshot is a manifest that lists immutable files: Arrow IPC *segments* holding sample rows and
+one JSON *sidecar* holding controller state. Segments use the IPC file format, uncompressed, with
+:data:`SAMPLE_SCHEMA`, so ``pyarrow.ipc.open_file``, ``polars.read_ipc`` and duckdb open them as
+they are. Snapshots are incremental: a segment written by one snapshot is listed again by later
+ones, each listing also the ids of its rows that are no longer live.
+
+Encoding and decoding work on whole buffers (one ``bytes.join`` per column and batch on write, one
+slice per row on read), never token by token, so they run near memory speed.
+
+Checksums are CRC-32 (the zlib/gzip/zip polynomial) by default: it is in the standard library, runs
+at ~4 GB/s here against ~1.7 GB/s for SHA-256 with SHA-NI, and the corruption it guards against is
+accidental (torn writes, truncation, bit rot), not adversarial; sizes are checked separately. The
+algorithm is part of every checksum string (``crc32:1a2b3c4d``), so SHA-256 is available as an
+option and a future algorithm needs no format change.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import zlib
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from rolloutd.domain.group import Sample
+
+FORMAT_VERSION = 1
+"""Version of the manifest and segment layout; readers refuse a newer one."""
+
+Row = tuple[int, int, Sample]
+"""One buffered sample as the checkpointer hands it over: ``(row_id, group_id, sample)``."""
+
+if array("i").itemsize != 4 or array("f").itemsize != 4:
+    raise ImportError("rolloutd needs a platform where array('i') and array('f') are 4 bytes")
+
+_INT32_LIST = pa.list_(pa.int32())
+_FLOAT32_LIST = pa.list_(pa.float32())
+
+SAMPLE_SCHEMA = pa.schema(
+    [
+        pa.field("row_id", pa.int64(), nullable=False),
+        pa.field("group_id", pa.int64(), nullable=False),
+        pa.field("index", pa.int32(), nullable=False),
+        pa.field("token_ids", _INT32_LIST, nullable=False),
+        pa.field("logprobs", _FLOAT32_LIST, nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("prompt_token_ids", _INT32_LIST, nullable=False),
+        pa.field("seed", pa.int64(), nullable=False),
+        pa.field("started_at", pa.float64(), nullable=False),
+        pa.field("finished_at", pa.float64(), nullable=False),
+    ],
+    metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
+)
+"""One row per finished sibling. ``row_id`` is unique in a store; times are wall-clock seconds."""
+
+BATCH_ROWS = 4096
+"""Most rows in one record batch: bounds the memory a batch needs while it is encoded or decoded."""
+
+BATCH_TOKENS = 8 << 20
+"""Most token ids (and as many logprobs) in one record batch, whatever the row count."""
+
+
+class FormatError(ValueError):
+    """A manifest or segment does not follow this format (or comes from a newer one)."""
+
+
+# --- rows <-> Arrow ---------------------------------------------------------------------------
+
+
+def _list_array(
+    arrays: Sequence[array[int]] | Sequence[array[float]], type_: pa.DataType
+) -> pa.Array:
+    """A list array from typed buffers: one join for the values, one cumsum for the offsets."""
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = pa.py_buffer(b"".join(arrays))
+    child = pa.Array.from_buffers(type_.value_type, int(offsets[-1]), [None, values])
+    return pa.Array.from_buffers(
+        type_, len(arrays), [None, pa.py_buffer(offsets)], children=[child]
+    )
+
+
+def _encode_batch(rows: Sequence[Row]) -> pa.RecordBatch:
+    n = len(rows)
+    samples = [row[2] for row in rows]
+    columns = [
+        pa.array(np.fromiter((row[0] for row in rows), dtype=np.int64, count=n)),
+        pa.array(np.fromiter((row[1] for row in rows), dtype=np.int64, count=n)),
+        pa.array(np.fromiter((s.index for s in samples), dtype=np.int32, count=n)),
+        _list_array([s.token_ids for s in samples], _INT32_LIST),
+        _list_array([s.logprobs for s in samples], _FLOAT32_LIST),
+        pa.array([s.text for s in samples], type=pa.string()),
+        pa.array([s.finish_reason for s in samples], type=pa.string()),
+        pa.array(np.fromiter((s.policy_version for s in samples), dtype=np.int64, count=n)),
+        _list_array([s.prompt_token_ids for s in samples], _INT32_LIST),
+        pa.array(np.fromiter((s.seed for s in samples), dtype=np.int64, count=n)),
+        pa.array(np.fromiter((s.started_at for s in samples), dtype=np.float64, count=n)),
+        pa.array(np.fromiter((s.finished_at for s in samples), dtype=np.float64, count=n)),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=SAMPLE_SCHEMA)
+
+
+def _batch_bounds(rows: Sequence[Row], batch_rows: int, batch_tokens: int) -> Iterator[range]:
+    start = tokens = 0
+    for i, row in enumerate(rows):
+        size = max(len(row[2].token_ids), len(row[2].logprobs), len(row[2].prompt_token_ids))
+        if i > start and (i - start >= batch_rows or tokens + size > batch_tokens):
+            yield range(start, i)
+            start, tokens = i, 0
+        tokens += size
+    if start < len(rows):
+        yield range(start, len(rows))
+
+
+def rows_to_batches(
+    rows: Sequence[Row], *, batch_rows: int = BATCH_ROWS, batch_tokens: int = BATCH_TOKENS
+) -> Iterator[pa.RecordBatch]:
+    """Record batches of :data:`SAMPLE_SCHEMA`, built lazily so a writer holds one at a time.
+
+    Rows keep their order. A batch has at most ``batch_rows`` rows and, unless a single row is
+    larger, at most ``batch_tokens`` values in each list column (which keeps int32 offsets safe).
+    """
+    for bounds in _batch_bounds(rows, batch_rows, batch_tokens):
+        yield _encode_batch(rows[bounds.start : bounds.stop])
+
+
+def rows_to_table(rows: Sequence[Row], **batching: int) -> pa.Table:
+    """All ``rows`` as one table (several record batches); see :func:`rows_to_batches`."""
+    return pa.Table.from_batches(list(rows_to_batches(rows, **batching)), schema=SAMPLE_SCHEMA)
+
+
+class _ListColumn:
+    """Per-row slices of a list column without per-token work: offsets plus one byte view."""
+
+    def __init__(self, column: pa.Array) -> None:
+        values = column.values
+        itemsize = values.type.bit_width // 8
+        self.offsets = column.offsets.to_numpy() * itemsize
+        start = values.offset * itemsize
+        self.view = memoryview(values.buffers()[1]).cast("B")[start:]
+
+    def typed(self, typecode: str, i: int) -> array[Any]:
+        out = array(typecode)
+        out.frombytes(self.view[self.offsets[i] : self.offsets[i + 1]])
+        return out
+
+
+def batch_to_rows(batch: pa.RecordBatch, keep: npt.NDArray[np.bool_] | None = None) -> list[Row]:
+    """Rows of one batch (those where ``keep`` is true), with fresh ``array`` buffers per sample."""
+    if batch.schema.remove_metadata() != SAMPLE_SCHEMA.remove_metadata():
+        raise FormatError(f"segment schema differs from the sample schema: {batch.schema}")
+    col = {name: batch.column(name) for name in SAMPLE_SCHEMA.names}
+    row_id = col["row_id"].to_numpy().tolist()
+    group_id = col["group_id"].to_numpy().tolist()
+    index = col["index"].to_numpy().tolist()
+    policy_version = col["policy_version"].to_numpy().tolist()
+    seed = col["seed"].to_numpy().tolist()
+    started_at = col["started_at"].to_numpy().tolist()
+    finished_at = col["finished_at"].to_numpy().tolist()
+    text = col["text"].to_pylist()
+    finish_reason = col["finish_reason"].to_pylist()
+    tokens = _ListColumn(col["token_ids"])
+    logprobs = _ListColumn(col["logprobs"])
+    prompt = _ListColumn(col["prompt_token_ids"])
+    indices: Iterable[int] = (
+        range(batch.num_rows) if keep is None else np.flatnonzero(keep).tolist()
+    )
+    return [
+        (
+            row_id[i],
+            group_id[i],
+            Sample(
+                index=index[i],
+                token_ids=tokens.typed("i", i),
+                logprobs=logprobs.typed("f", i),
+                text=text[i],
+                finish_reason=finish_reason[i],
+                policy_version=policy_version[i],
+                prompt_token_ids=prompt.typed("i", i),
+                seed=seed[i],
+                started_at=started_at[i],
+                finished_at=finished_at[i],
+            ),
+        )
+        for i in indices
+    ]
+
+
+def table_to_rows(table: pa.Table) -> list[Row]:
+    """The inverse of :func:`rows_to_table`: ``(row_id, group_id, Sample)`` in table order."""
+    rows: list[Row] = []
+    for batch in table.to_batches():
+        rows.extend(batch_to_rows(batch))
+    return rows
+
+
+# --- row-id sets ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowIdSet:
+    """A set of row ids as sorted, disjoint, non-adjacent half-open ranges ``[start, stop)``.
+
+    Row ids are handed out in order, so the rows of a segment are a few ranges and the manifest
+    stays small even at 100k rows; an arbitrary set still works, only less compactly.
+    """
+
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        previous = None
+        for start, stop in self.ranges:
+            if start >= stop or (previous is not None and start <= previous):
+                raise FormatError(f"row id ranges are not sorted, disjoint and non-empty: {self}")
+            previous = stop
+
+    @classmethod
+    def from_ids(cls, ids: npt.ArrayLike) -> RowIdSet:
+        values = np.unique(np.asarray(ids, dtype=np.int64))
+        if values.size == 0:
+            return cls()
+        breaks = np.flatnonzero(np.diff(values) != 1) + 1
+        starts = values[np.concatenate(([0], breaks))]
+        stops = values[np.concatenate((breaks - 1, [values.size - 1]))] + 1
+        return cls(tuple(zip(starts.tolist(), stops.tolist(), strict=True)))
+
+    def __len__(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def mask(self, ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Membership of each id in ``ids``, vectorised."""
+        values = np.asarray(ids, dtype=np.int64)
+        if not self.ranges:
+            return np.zeros(values.shape, dtype=np.bool_)
+        bounds = np.asarray(self.ranges, dtype=np.int64)
+        at = np.searchsorted(bounds[:, 0], values, side="right") - 1
+        return (at >= 0) & (values < bounds[np.maximum(at, 0), 1])
+
+    def ids(self) -> npt.NDArray[np.int64]:
+        if not self.ranges:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.ranges])
+
+    def union(self, other: RowIdSet) -> RowIdSet:
+        merged: list[tuple[int, int]] = []
+        for start, stop in sorted(self.ranges + other.ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            else:
+                merged.append((start, stop))
+        return RowIdSet(tuple(merged))
+
+    def to_json(self) -> list[list[int]]:
+        return [[start, stop] for start, stop in self.ranges]
+
+    @classmethod
+    def from_json(cls, value: Any) -> RowIdSet:
+        return cls(tuple((int(start), int(stop)) for start, stop in value))
+
+
+# --- checksums --------------------------------------------------------------------------------
+
+
+class ChecksumAlgorithm(enum.Enum):
+    CRC32 = "crc32"
+    SHA256 = "sha256"
+
+
+class Hasher:
+    """Incremental checksum; :attr:`value` is the self-describing string kept in manifests."""
+
+    def __init__(self, algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32) -> None:
+        self.algorithm = algorithm
+        self._crc = 0
+        self._sha = hashlib.sha256() if algorithm is ChecksumAlgorithm.SHA256 else None
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sha is None:
+            self._crc = zlib.crc32(data, self._crc)
+        else:
+            self._sha.update(data)
+
+    @property
+    def value(self) -> str:
+        digest = f"{self._crc:08x}" if self._sha is None else self._sha.hexdigest()
+        return f"{self.algorithm.value}:{digest}"
+
+
+def checksum_algorithm(checksum: str) -> ChecksumAlgorithm:
+    """The algorithm named by a checksum string; unknown ones are a :class:`FormatError`."""
+    name, _, digest = checksum.partition(":")
+    try:
+        algorithm = ChecksumAlgorithm(name)
+    except ValueError:
+        raise FormatError(f"unknown checksum algorithm in {checksum!r}") from None
+    if not digest:
+        raise FormatError(f"checksum {checksum!r} has no digest")
+    return algorithm
+
+
+def checksum_of(
+    data: bytes | bytearray | memoryview, algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32
+) -> str:
+    hasher = Hasher(algorithm)
+    hasher.update(data)
+    return hasher.value
+
+
+# --- manifest ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of a snapshot, by path relative to the store root, with its exact size and checksum."""
+
+    path: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> FileEntry:
+        entry = cls(str(value["path"]), int(value["size"]), str(value["checksum"]))
+        checksum_algorithm(entry.checksum)
+        return entry
+
+
+@dataclass(frozen=True)
+class SegmentEntry:
+    """A segment as listed by one snapshot.
+
+    Invariants: ``removed`` is a subset of ``row_ids``; ``len(row_ids) == rows``; ``written_by`` is
+    the sequence of the snapshot that wrote the file (later snapshots list it unchanged but for
+    ``removed``). A segment with no live row is dropped from the next manifest.
+    """
+
+    file: FileEntry
+    rows: int
+    row_ids: RowIdSet
+    removed: RowIdSet
+    written_by: int
+
+    @property
+    def live_rows(self) -> int:
+        return self.rows - len(self.removed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.file.to_json(),
+            "rows": self.rows,
+            "row_ids": self.row_ids.to_json(),
+            "removed": self.removed.to_json(),
+            "written_by": self.written_by,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> SegmentEntry:
+        return cls(
+            file=FileEntry.from_json(value),
+            rows=int(value["rows"]),
+            row_ids=RowIdSet.from_json(value["row_ids"]),
+            removed=RowIdSet.from_json(value["removed"]),
+            written_by=int(value["written_by"]),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one snapshot holds; its publication makes the snapshot exist.
+
+    Invariants: ``sequence`` is strictly increasing in a store and ``parent`` (the snapshot this
+    one was built on, or ``None`` for a full snapshot) is smaller; the live rows are the rows of
+    ``segments`` minus each segment's ``removed``; ``acks_through`` is the last ack-journal position
+    whose effect the sidecar already holds (acks after it are replayed at restore).
+    """
+
+    sequence: int
+    parent: int | None
+    created_at: float
+    segments: tuple[SegmentEntry, ...]
+    sidecar: FileEntry
+    acks_through: int = 0
+    tag: str = ""
+    trainer_step: int | None = None
+    fingerprint: Mapping[str, Any] = field(default_factory=dict)
+    new_rows: int = 0
+    removed_rows: int = 0
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def live_rows(self) -> int:
+        return sum(segment.live_rows for segment in self.segments)
+
+    @property
+    def segment_bytes(self) -> int:
+        return sum(segment.file.size for segment in self.segments)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.segment_bytes + self.sidecar.size
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes this snapshot wrote itself (new or compacted segments and its sidecar)."""
+        new = (s.file.size for s in self.segments if s.written_by == self.sequence)
+        return sum(new) + self.sidecar.size
+
+    def files(self) -> tuple[FileEntry, ...]:
+        return (*(segment.file for segment in self.segments), self.sidecar)
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "sequence": self.sequence,
+            "parent": self.parent,
+            "created_at": self.created_at,
+            "tag": self.tag,
+            "trainer_step": self.trainer_step,
+            "fingerprint": dict(self.fingerprint),
+            "acks_through": self.acks_through,
+            "rows": {"new": self.new_rows, "removed": self.removed_rows, "live": self.live_rows},
+            "segments": [segment.to_json() for segment in self.segments],
+            "sidecar": self.sidecar.to_json(),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document, with a CRC-32 of its own canonical form under ``checksum``."""
+        body = self._body()
+        body["checksum"] = checksum_of(_canonical(body))
+        return body
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        try:
+            body = json.loads(data)
+            checksum = body.pop("checksum")
+            if checksum != checksum_of(_canonical(body)):
+                raise FormatError("manifest checksum mismatch")
+            if body["format_version"] > FORMAT_VERSION:
+                raise FormatError(
+                    f"manifest format {body['format_version']} is newer than {FORMAT_VERSION}"
+                )
+            manifest = cls(
+                sequence=int(body["sequence"]),
+                parent=body["parent"],
+                created_at=float(body["created_at"]),
+                segments=tuple(SegmentEntry.from_json(s) for s in body["segments"]),
+                sidecar=FileEntry.from_json(body["sidecar"]),
+                acks_through=int(body["acks_through"]),
+                tag=str(body["tag"]),
+                trainer_step=body["trainer_step"],
+                fingerprint=body["fingerprint"],
+                new_rows=int(body["rows"]["new"]),
+                removed_rows=int(body["rows"]["removed"]),
+                format_version=int(body["format_version"]),
+            )
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise FormatError(f"manifest is not valid: {exc!r}") from exc
+        if manifest.live_rows != body["rows"]["live"]:
+            raise FormatError("manifest live row count disagrees with its segments")
+        return manifest
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def next_manifest(
+    parent: Manifest | None,
+    *,
+    sequence: int,
+    created_at: float,
+    sidecar: FileEntry,
+    new_segment: SegmentEntry | None = None,
+    removed: npt.ArrayLike = (),
+    acks_through: int = 0,
+    tag: str = "",
+    trainer_step: int | None = None,
+    fingerprint: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """The manifest of snapshot ``sequence``: ``parent``'s live rows, minus ``removed``, plus new.
+
+    ``removed`` holds the ids of rows removed since ``parent``; ids that no listed segment holds
+    (rows staged and removed between two snapshots, or removed before) are ignored. Segments left
+    without a live row are dropped. ``parent=None`` makes a full snapshot of ``new_segment`` alone.
+    """
+    if parent is not None and sequence <= parent.sequence:
+        raise ValueError(f"sequence {sequence} is not after its parent {parent.sequence}")
+    segments = list(parent.segments) if parent is not None else []
+    if new_segment is not None:
+        if new_segment.written_by != sequence:
+            raise ValueError(
+                f"new segment was written for {new_segment.written_by}, not {sequence}"
+            )
+        held = [s for s in segments if s.row_ids.mask(new_segment.row_ids.ids()).any()]
+        if held:
+            raise ValueError(f"new segment repeats row ids of {held[0].file.path}")
+        segments.append(new_segment)
+    removed_ids = np.unique(np.asarray(removed, dtype=np.int64))
+    removed_rows = 0
+    updated: list[SegmentEntry] = []
+    for segment in segments:
+        hit = removed_ids[segment.row_ids.mask(removed_ids)]
+        if hit.size:
+            gone = segment.removed.union(RowIdSet.from_ids(hit))
+            removed_rows += len(gone) - len(segment.removed)
+            segment = replace(segment, removed=gone)
+        if segment.live_rows > 0:
+            updated.append(segment)
+    return Manifest(
+        sequence=sequence,
+        parent=parent.sequence if parent is not None else None,
+        created_at=created_at,
+        segments=tuple(updated),
+        sidecar=sidecar,
+        acks_through=acks_through,
+        tag=tag,
+        trainer_step=trainer_step,
+        fingerprint=dict(fingerprint or {}),
+        new_rows=new_segment.rows if new_segment is not None else 0,
+        removed_rows=removed_rows,
+    )
+
+
+def fingerprint_diff(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
+    """Keys whose values differ (or exist on one side only), sorted: what a refusal names."""
+    return sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))

@@ -1,0 +1,207 @@
+"""Operator commands: ``rolloutd checkpoints list|show|verify --dir URL [--storage-option k=v]``.
+
+``list`` reads manifests only and checks file sizes; ``verify`` re-reads every file of every
+snapshot and compares checksums (a segment shared by several snapshots is read once), exiting 1
+when anything fails; ``show SEQ`` prints a manifest. Exit status 2 is a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from rolloutd.checkpoint.format import FileEntry, Manifest
+from rolloutd.checkpoint.store import CorruptSnapshot, SnapshotNotFound, SnapshotStore
+
+DEFAULT_DIR = "./.rolloutd/checkpoints"
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    DAMAGED = "damaged"
+    """A file is missing or has the wrong size (found without reading files)."""
+    CORRUPT = "corrupt"
+    """A file's checksum differs from the manifest."""
+    UNREADABLE = "unreadable"
+    """The manifest itself cannot be parsed or fails its own checksum."""
+
+
+def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
+    """``k=v`` pairs to fsspec options; values are JSON when they parse (``true``, ``3``), else
+    strings, and dotted keys nest (``client_kwargs.region_name=eu-west-1``)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option expects key=value, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        *parents, leaf = key.split(".")
+        target = options
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return options
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _created(created_at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created_at))
+
+
+def _table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def _row(sequence: int, manifest: Manifest | None, status: Status) -> list[str]:
+    if manifest is None:
+        return [str(sequence), "", "", "", "", "", status.value]
+    step = "" if manifest.trainer_step is None else str(manifest.trainer_step)
+    return [
+        str(sequence),
+        manifest.tag,
+        step,
+        _created(manifest.created_at),
+        str(manifest.live_rows),
+        _human(manifest.total_bytes),
+        status.value,
+    ]
+
+
+_HEADER = ["SEQ", "TAG", "STEP", "CREATED (UTC)", "ROWS", "BYTES", "STATUS"]
+
+
+def _list(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+    rows = [_HEADER]
+    records = []
+    for sequence in store.sequences():
+        try:
+            manifest: Manifest | None = store.load(sequence)
+        except CorruptSnapshot as exc:
+            manifest, problems = None, exc.problems
+            status = Status.UNREADABLE
+        else:
+            assert manifest is not None
+            problems = store.check_sizes(manifest)
+            status = Status.DAMAGED if problems else Status.OK
+        rows.append(_row(sequence, manifest, status))
+        records.append(
+            {
+                "sequence": sequence,
+                "tag": manifest.tag if manifest else None,
+                "trainer_step": manifest.trainer_step if manifest else None,
+                "created_at": manifest.created_at if manifest else None,
+                "rows": manifest.live_rows if manifest else None,
+                "bytes": manifest.total_bytes if manifest else None,
+                "status": status.value,
+                "problems": problems,
+            }
+        )
+    if args.json:
+        json.dump(records, out, indent=1)
+        out.write("\n")
+    elif len(rows) == 1:
+        out.write(f"no snapshots in {store.url}\n")
+    else:
+        _table(rows, out)
+    return 0
+
+
+def _show(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        manifest = store.load(args.sequence)
+    except (SnapshotNotFound, CorruptSnapshot) as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 1
+    pretty = json.dumps(manifest.to_dict(), indent=1)
+    out.write(re.sub(r"\[\s+(-?\d+),\s+(-?\d+)\s+\]", r"[\1, \2]", pretty))  # one range a line
+    out.write("\n")
+    return 0
+
+
+def _verify(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+    checked: dict[FileEntry, list[str]] = {}
+    rows = [_HEADER]
+    failures: list[str] = []
+    sequences = args.sequences or store.sequences()
+    for sequence in sequences:
+        try:
+            manifest = store.load(sequence)
+        except (SnapshotNotFound, CorruptSnapshot) as exc:
+            rows.append(_row(sequence, None, Status.UNREADABLE))
+            failures.append(f"snapshot {sequence}: {exc}")
+            continue
+        problems = []
+        for entry in manifest.files():
+            if entry not in checked:
+                checked[entry] = store.verify_file(entry)
+            problems += checked[entry]
+        rows.append(_row(sequence, manifest, Status.CORRUPT if problems else Status.OK))
+        failures += [f"snapshot {sequence}: {problem}" for problem in problems]
+    if len(rows) > 1:
+        _table(rows, out)
+    out.write(f"{len(sequences)} snapshots, {len(checked)} files checked, ")
+    out.write(f"{len(failures)} problems\n")
+    for failure in failures:
+        out.write(f"  {failure}\n")
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rolloutd checkpoints", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dir", default=DEFAULT_DIR, help="snapshot store: directory or URL")
+    common.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec option, repeatable (endpoint_url=..., key=..., secret=...)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", parents=[common], help="snapshots, newest first")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.set_defaults(func=_list)
+    show = commands.add_parser("show", parents=[common], help="print one manifest")
+    show.add_argument("sequence", type=int)
+    show.set_defaults(func=_show)
+    verify = commands.add_parser("verify", parents=[common], help="re-check every checksum")
+    verify.add_argument("sequences", type=int, nargs="*", help="only these (default: all)")
+    verify.set_defaults(func=_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run ``rolloutd checkpoints`` with ``argv`` (the words after ``checkpoints``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        store = SnapshotStore(args.dir, options)
+        status: int = args.func(store, args, out or sys.stdout)
+    except OSError as exc:
+        sys.stderr.write(f"rolloutd checkpoints: {exc}\n")
+        return 1
+    return status

@@ -1,0 +1,122 @@
+"""Rows, store locations and snapshot writing shared by the store, crash and inspect tests."""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from rolloutd.checkpoint.format import Manifest, Row, next_manifest
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.group import Sample
+
+
+def make_rows(start: int, count: int, *, group_size: int = 4, max_tokens: int = 48) -> list[Row]:
+    """Rows ``start .. start+count`` with varied lengths (some empty), text and floats."""
+    rng = np.random.default_rng(start)
+    rows: list[Row] = []
+    for row_id in range(start, start + count):
+        n = int(rng.integers(0, max_tokens))
+        tokens = array("i", rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int64).tolist())
+        logprobs = array("f", (-rng.random(n, dtype=np.float32)).tolist())
+        prompt = array("i", range(row_id % 7))
+        sample = Sample(
+            index=row_id % group_size,
+            token_ids=tokens,
+            logprobs=logprobs,
+            text=f"answer {row_id} \u00e9\u4e2d" * (row_id % 3),
+            finish_reason="stop" if row_id % 2 else "length",
+            policy_version=row_id // 10,
+            prompt_token_ids=prompt,
+            seed=row_id * 7919,
+            started_at=1_700_000_000.0 + row_id,
+            finished_at=1_700_000_000.5 + row_id,
+        )
+        rows.append((row_id, row_id // group_size, sample))
+    return rows
+
+
+@dataclass
+class Location:
+    """Where a test store lives: a local directory or an S3 prefix on the moto server."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def local(self) -> bool:
+        return "://" not in self.url
+
+    def open(self) -> SnapshotStore:
+        return SnapshotStore(self.url, self.options)
+
+    def fs(self) -> fsspec.AbstractFileSystem:
+        if self.local:
+            return fsspec.filesystem("file")
+        return fsspec.filesystem("s3", **self.options, skip_instance_cache=True)
+
+    def full(self, path: str) -> str:
+        return f"{self.url.removeprefix('s3://')}/{path}"
+
+    def read(self, path: str) -> bytes:
+        return bytes(self.fs().cat_file(self.full(path)))
+
+    def write(self, path: str, data: bytes) -> None:
+        self.fs().pipe_file(self.full(path), data)
+
+    def listdir(self, prefix: str) -> list[str]:
+        fs = self.fs()
+        full = self.full(prefix)
+        if not fs.exists(full):
+            return []
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(full, detail=False))
+
+    def truncate(self, path: str, keep: int) -> None:
+        self.write(path, self.read(path)[:keep])
+
+    def flip_bit(self, path: str, offset: int | None = None) -> None:
+        data = bytearray(self.read(path))
+        at = len(data) // 2 if offset is None else offset
+        data[at] ^= 0x10
+        self.write(path, bytes(data))
+
+
+def publish(
+    store: SnapshotStore,
+    parent: Manifest | None,
+    rows: Sequence[Row] = (),
+    *,
+    removed: Sequence[int] = (),
+    state: dict[str, Any] | None = None,
+    tag: str = "",
+    trainer_step: int | None = None,
+    acks_through: int = 0,
+) -> Manifest:
+    """One checkpoint as the checkpointer writes it: segment, sidecar, manifest, publication."""
+    sequence = parent.sequence + 1 if parent else 1
+    segment = store.write_segment(sequence, rows) if rows else None
+    sidecar = store.write_sidecar(sequence, state or {"sequence": sequence})
+    manifest = next_manifest(
+        parent,
+        sequence=sequence,
+        created_at=time.time(),
+        sidecar=sidecar,
+        new_segment=segment,
+        removed=removed,
+        acks_through=acks_through,
+        tag=tag,
+        trainer_step=trainer_step,
+        fingerprint={"model": "tiny", "group_size": 4},
+    )
+    store.publish(manifest)
+    return manifest
+
+
+def live(rows: Sequence[Row], removed: Sequence[int] = ()) -> list[Row]:
+    gone = set(removed)
+    return [row for row in rows if row[0] not in gone]

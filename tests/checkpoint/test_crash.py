@@ -1,0 +1,109 @@
+"""SIGKILL inside every step of a checkpoint leaves the previous snapshot restorable."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rolloutd.checkpoint.faults import ENV, FaultPoint, parse
+from tests.checkpoint.crash_worker import checkpoint_once, expected_rows
+from tests.checkpoint.helpers import Location
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BEFORE_PUBLICATION = [
+    FaultPoint.JOURNAL_APPEND,
+    FaultPoint.BUFFER_SAVE_MID,
+    FaultPoint.SIDECAR_WRITE_MID,
+    FaultPoint.COMPACT_MID,
+    FaultPoint.COMMIT_BEFORE_RENAME,
+]
+AFTER_PUBLICATION = [FaultPoint.COMMIT_AFTER_RENAME, FaultPoint.RETIRE_MID]
+
+
+def _worker(location: Location, count: int, fault: str | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if fault:
+        env[ENV] = fault
+    args = [location.url, json.dumps(location.options), str(count)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.checkpoint.crash_worker", *args], cwd=ROOT, env=env
+    )
+
+
+def _assert_consistent(location: Location, newest: int) -> None:
+    """The newest snapshot verifies and holds exactly its rows; every kept one verifies."""
+    store = location.open()
+    resolution = store.resolve()
+    assert resolution.skipped == []
+    assert resolution.snapshot is not None
+    assert resolution.snapshot.manifest.sequence == newest
+    assert resolution.snapshot.rows() == expected_rows(newest)
+    for manifest in store.list():
+        assert store.verify(manifest) == []
+    # every kept snapshot finds the acks journaled after it, none missing
+    oldest = min(m.acks_through for m in store.list())
+    acks = store.read_acks(oldest)
+    assert [e.position for e in acks] == list(range(oldest + 1, store.journal_position + 1))
+    assert store.journal_position >= newest
+
+
+def _assert_no_garbage(location: Location) -> None:
+    store = location.open()
+    referenced = {e.path for m in store.list() for e in m.files()}
+    stored = {f"{d}/{n}" for d in ("segments", "sidecars") for n in location.listdir(d)}
+    assert stored == referenced
+    assert location.listdir("trash") == []
+    assert location.listdir("tmp") == []
+
+
+@pytest.mark.parametrize("point", BEFORE_PUBLICATION + AFTER_PUBLICATION, ids=lambda p: p.value)
+def test_crash_at_each_point_keeps_a_restorable_snapshot(location: Location, point: FaultPoint):
+    store = location.open()
+    checkpoint_once(store)
+    checkpoint_once(store)
+
+    worker = _worker(location, 1, point.value)
+    assert worker.wait(timeout=120) == -signal.SIGKILL
+
+    newest = 2 if point in BEFORE_PUBLICATION else 3
+    _assert_consistent(location, newest)
+    # the next checkpoint after a restart succeeds and its retention clears the leftovers
+    manifest = checkpoint_once(location.open())
+    assert manifest.sequence == newest + 1
+    _assert_consistent(location, newest + 1)
+    _assert_no_garbage(location)
+
+
+def test_sigkill_at_random_instants(location: Location):
+    rng = random.Random(7)
+    newest = 0
+    for _ in range(4):
+        worker = _worker(location, 0)
+        time.sleep(rng.uniform(1.5, 4.0))  # start-up takes about a second
+        worker.send_signal(signal.SIGKILL)
+        assert worker.wait(timeout=60) == -signal.SIGKILL
+        sequences = location.open().sequences()
+        assert sequences and sequences[0] >= newest
+        newest = sequences[0]
+        _assert_consistent(location, newest)
+    assert newest >= 2
+
+
+def test_fault_spec_is_validated():
+    assert parse("commit.before_rename, retire.mid:0.5") == {
+        FaultPoint.COMMIT_BEFORE_RENAME: 1.0,
+        FaultPoint.RETIRE_MID: 0.5,
+    }
+    with pytest.raises(ValueError, match=r"unknown fault point 'commit\.befor'"):
+        parse("commit.befor")
+    with pytest.raises(ValueError, match="within"):
+        parse("retire.mid:2")

@@ -1,0 +1,102 @@
+"""``rolloutd checkpoints list|show|verify`` against a store with good and damaged snapshots."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from rolloutd.checkpoint.format import Manifest
+from rolloutd.checkpoint.inspect import main, parse_storage_options
+from tests.checkpoint.helpers import Location, make_rows, publish
+
+
+def _run(location: Location, *argv: str) -> tuple[int, str]:
+    options = [f"--storage-option={k}={json.dumps(v)}" for k, v in location.options.items()]
+    out = io.StringIO()
+    code = main([*argv, "--dir", location.url, *options], out=out)
+    return code, out.getvalue()
+
+
+@pytest.fixture
+def snapshots(location: Location) -> list[Manifest]:
+    store = location.open()
+    first = publish(store, None, make_rows(0, 30), tag="step-10", trainer_step=10)
+    second = publish(store, first, make_rows(30, 10), removed=[1, 2])
+    return [first, second]
+
+
+def test_list_shows_each_snapshot(location: Location, snapshots: list[Manifest]):
+    code, out = _run(location, "list")
+    assert code == 0
+    header, newest, oldest = out.splitlines()
+    assert header.split() == ["SEQ", "TAG", "STEP", "CREATED", "(UTC)", "ROWS", "BYTES", "STATUS"]
+    assert newest.split()[0] == "2" and newest.split()[-1] == "ok"
+    assert "38" in newest.split()  # live rows
+    assert oldest.split()[:3] == ["1", "step-10", "10"]
+
+    code, out = _run(location, "list", "--json")
+    records = json.loads(out)
+    assert [r["sequence"] for r in records] == [2, 1]
+    assert records[0]["bytes"] == snapshots[1].total_bytes
+    assert records[1]["tag"] == "step-10" and records[1]["status"] == "ok"
+
+
+def test_list_flags_damage_without_reading_files(location: Location, snapshots: list[Manifest]):
+    location.truncate(snapshots[1].segments[1].file.path, 10)
+    location.flip_bit("manifests/00000000000000000001.json", 40)
+    code, out = _run(location, "list", "--json")
+    assert code == 0
+    statuses = {r["sequence"]: r["status"] for r in json.loads(out)}
+    assert statuses == {2: "damaged", 1: "unreadable"}
+
+
+def test_show_prints_the_manifest(location: Location, snapshots: list[Manifest]):
+    code, out = _run(location, "show", "2")
+    assert code == 0
+    assert Manifest.from_json(out.encode()) == snapshots[1]
+    code, _ = _run(location, "show", "9")
+    assert code == 1
+
+
+def test_verify_checks_every_checksum(location: Location, snapshots: list[Manifest]):
+    code, out = _run(location, "verify")
+    assert code == 0
+    # segment 1 is shared by both snapshots and read once
+    assert "2 snapshots, 4 files checked, 0 problems" in out
+
+    damaged = snapshots[1].segments[1].file.path
+    location.flip_bit(damaged)
+    code, out = _run(location, "verify")
+    assert code == 1
+    assert f"snapshot 2: {damaged}: checksum" in out
+    assert "1 problems" in out
+    code, _ = _run(location, "verify", "1")
+    assert code == 0
+
+
+def test_empty_store_and_usage_errors(location: Location, capsys):
+    code, out = _run(location, "list")
+    assert code == 0 and "no snapshots" in out
+    with pytest.raises(SystemExit) as caught:
+        main(["list", "--storage-option", "novalue"])
+    assert caught.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])
+
+
+def test_storage_options_parse_json_values_and_nest():
+    assert parse_storage_options(
+        ["endpoint_url=http://127.0.0.1:9000", "anon=false", "client_kwargs.region_name=eu"]
+    ) == {
+        "endpoint_url": "http://127.0.0.1:9000",
+        "anon": False,
+        "client_kwargs": {"region_name": "eu"},
+    }
+
+
+def test_unreachable_store_is_an_error_not_a_crash(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["list", "--dir", str(tmp_path / "file" / "store")]) == 1
+    assert "Not a directory" in capsys.readouterr().err
