@@ -88,7 +88,7 @@ async def test_snapshots_are_incremental(nodes):
     first = await a.checkpoint()
     assert first.outcome is Outcome.COMPLETED and first.rows[RowKind.NEW] == 12
     assert [p.phase for p in first.phases] == list(CheckpointPhase)
-    lease, groups = await a.controller.fetch(1, 100, "t")
+    lease, _groups = await a.controller.fetch(1, 100, "t")
     await a.controller.ack(lease.lease_id, 1)
     await a.controller.finalize(1)  # one group (2 rows) removed, a new one admitted
     await settle(lambda: a.controller.status().buffer.committed == 6)
@@ -133,7 +133,7 @@ async def test_restore_brings_back_every_state(nodes):
     await settle(lambda: sum(len(g.samples) for g in a.controller.generating_groups()) == 1)
     acked_lease, acked = await a.controller.fetch(1, 100, "t")
     await a.controller.ack(acked_lease.lease_id, 7)
-    leased_lease, leased = await a.controller.fetch(1, 100, "t")
+    _leased_lease, leased = await a.controller.fetch(1, 100, "t")
     report = await a.checkpoint()
     assert report.outcome is Outcome.COMPLETED
     cursor = a.controller.sampler.cursor

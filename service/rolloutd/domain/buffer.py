@@ -213,6 +213,11 @@ class RolloutBuffer:
         held (they were admitted and acked after it). Idempotent."""
         if record.lease_id in self.acks or record.lease_id in self.finalized_leases:
             return []
+        for gid in record.group_ids:
+            # Still generating in the snapshot: finished, leased and acked after it. The trainer
+            # consumed it; its siblings were never all durable, so it is gone like an unheld one.
+            if gid in self.groups and self.groups[gid].state is GroupState.GENERATING:
+                self.remove(gid)
         present = tuple(gid for gid in record.group_ids if gid in self.groups)
         for gid in present:
             g = self.groups[gid]
