@@ -47,3 +47,10 @@ def test_bad_file(tmp_path):
         load_config(f, environ={})
     with pytest.raises(ConfigError, match="No such file"):
         load_config(tmp_path / "missing.yaml", environ={})
+
+
+def test_restore_takes_a_bare_sequence_number_from_yaml_or_environment(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("restore: 42\n")
+    assert load_config(f, environ={}).restore == "42"
+    assert load_config(environ={"ROLLOUTD_RESTORE": "7"}).restore == "7"

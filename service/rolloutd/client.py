@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from functools import partial
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -212,4 +212,7 @@ def _prompt(p: dict[str, Any]) -> pb.Prompt:
 
 
 def _default_interceptors() -> list[grpc.UnaryUnaryClientInterceptor]:
-    return []
+    """OpenTelemetry's client interceptor: a trainer's spans continue into the service."""
+    from rolloutd.telemetry.interceptors import client_interceptors
+
+    return client_interceptors()

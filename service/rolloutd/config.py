@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "ROLLOUTD_"
 
@@ -53,6 +53,18 @@ class VLLMSettings(_Section):
     """Turns on vLLM's own request tracing, exported to this OTLP endpoint."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences vLLM schedules at once."""
+    kv_cache_memory_gib: float | None = Field(None, gt=0)
+    """KV-cache size in GiB; unset lets vLLM size it (GPU: gpu_memory_utilization; CPU:
+    VLLM_CPU_KVCACHE_SPACE or its own estimate)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Logprob reported for each sampled token: under the model's own distribution (raw), or
+    under the distribution actually sampled from, after temperature and top-p (processed)."""
+    weight_update_mode: Literal["wait", "abort"] = "wait"
+    """Requests in flight when weights are updated: wait lets them finish on the old weights
+    (they carry the old policy version); abort ends them at once with a retryable error."""
+    shutdown_grace_s: float = Field(10.0, gt=0)
+    """If the service dies without stopping the engine, its processes get SIGTERM and, this long
+    after, SIGKILL."""
 
 
 class EngineConfig(_Section):
@@ -167,6 +179,12 @@ class Config(_Section):
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
 
+    @field_validator("restore", mode="before")
+    @classmethod
+    def _restore_as_text(cls, value: Any) -> Any:
+        # YAML and environment values parse `42` as a number; a sequence number is meant.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         if self.limits.max_in_flight > self.limits.buffer_capacity:
@@ -178,12 +196,13 @@ class Config(_Section):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
         return self
 
-    def semantic_fingerprint(self) -> dict[str, Any]:
-        """Keys whose change makes a snapshot's groups mean something else."""
+    def semantic_fingerprint(self, dataset_digest: str) -> dict[str, Any]:
+        """Keys whose change makes a snapshot's groups mean something else. The dataset is
+        identified by its content, so the same file mounted elsewhere still restores."""
         return {
             "engine.model": self.engine.model or "tiny-model",
             "group_size": self.group_size,
-            "dataset.path": self.dataset.path or "bundled:arithmetic",
+            "dataset": dataset_digest,
             "dataset.seed": self.dataset.seed,
             "dataset.shuffle": self.dataset.shuffle,
         }

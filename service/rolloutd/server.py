@@ -1,6 +1,9 @@
 """The composition root: builds every component from the config, serves, shuts down in order.
 
-Shutdown (SIGTERM/SIGINT, idempotent): health NOT_SERVING, stop accepting RPCs with a grace
+Health: the overall status ``""`` is liveness (SERVING while the process can recover by itself),
+``rolloutd.v1.RolloutService`` is readiness (SERVING only while accepting work).
+
+Shutdown (SIGTERM/SIGINT, idempotent): readiness NOT_SERVING, stop accepting RPCs with a grace
 period, stop generation, final checkpoint, stop the engine, flush telemetry.
 """
 
@@ -10,15 +13,19 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rolloutd.api.convert import OUTCOMES, REASONS
-from rolloutd.api.servicer import RolloutServicer
+from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
+from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
+from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
 from rolloutd.checkpoint.restore import Granularity, restore
@@ -26,11 +33,14 @@ from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import GroupState
 from rolloutd.domain.lifecycle import ServingState
-from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.base import GenerationEngine, SamplingParams
 from rolloutd.engines.factory import build_engine
+from rolloutd.telemetry.interceptors import server_interceptors
+from rolloutd.telemetry.providers import Telemetry, setup_telemetry
+from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -69,12 +79,13 @@ class RolloutService:
         config: Config,
         *,
         engine: GenerationEngine | None = None,
-        observer: Observer | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
         prompts, self.dataset_digest = load_prompts(config.dataset.path)
         self.engine = engine or build_engine(config.engine)
-        self.observer = observer or NullObserver()
+        self.telemetry = telemetry or setup_telemetry()
+        self.observer = self.telemetry.observer()
         sampler = Sampler(
             prompts,
             seed=config.dataset.seed,
@@ -108,6 +119,19 @@ class RolloutService:
             observer=self.observer,
         )
         self._periodic: asyncio.Task[None] | None = None
+        self._gauges: asyncio.Task[None] | None = None
+        self._status_snapshot = StatusSnapshot()
+        self._admin: AdminServer | None = None
+        self.observer.register_sources(
+            engine_counters=self.engine.counters,
+            engine_name=self.engine.name,
+            status=lambda: self._status_snapshot,
+            checkpoint_state=lambda: CheckpointState(
+                interval_s=ckpt.interval_s,
+                since_success_s=self.checkpointer.since_success_s(),
+                consecutive_failures=self.checkpointer.consecutive_failures,
+            ),
+        )
         self._state = ServingState.STARTING
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -137,6 +161,41 @@ class RolloutService:
         report = await self.checkpointer.checkpoint(Trigger.ON_DEMAND, tag, trainer_step)
         await self._follow_checkpoint_health()
         return report
+
+    def status_proto(self) -> pb.GetStatusResponse:
+        response = status_to_proto(
+            self.controller.status(), self.engine.name, SERVING_STATES[self._state]
+        )
+        response.counters.generation_tokens = self.engine.counters().generation_tokens
+        response.last_checkpoint.CopyFrom(self.last_checkpoint())
+        return response
+
+    # --- AdminState protocol of the admin app ----------------------------------------------
+
+    def live(self) -> bool:
+        return self.controller.fatal is None
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._state.ready:
+            return True, ""
+        if self._state is ServingState.NOT_READY:
+            return False, (
+                f"not ready: {self.checkpointer.consecutive_failures} checkpoint failures in a row"
+                if self.controller.fatal is None
+                else f"not ready: {self.controller.fatal}"
+            )
+        return False, self._state.value
+
+    def status(self) -> Mapping[str, Any]:
+        return json_format.MessageToDict(self.status_proto(), preserving_proto_field_name=True)
+
+    def checkpoints(self) -> Sequence[SnapshotInfo]:
+        return [
+            SnapshotInfo(
+                m.sequence, m.tag, m.trainer_step, m.created_at, m.live_rows, m.total_bytes
+            )
+            for m in self.store.list()
+        ]
 
     def last_checkpoint(self) -> pb.CheckpointStatus:
         c = self.checkpointer
@@ -176,14 +235,31 @@ class RolloutService:
 
     async def _set_state(self, state: ServingState) -> None:
         self._state = state
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if state.ready
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
         )
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, status)
+        await self._health.set(SERVICE_NAME, serving if state.ready else not_serving)
+        alive = state is not ServingState.DRAINING and self.controller.fatal is None
+        await self._health.set("", serving if alive else not_serving)
         log.info("state: %s", state.value)
+
+    async def _refresh_status(self) -> None:
+        """Keeps the snapshot that metric readers (other threads) observe fresh, once a second."""
+        while True:
+            s = self.controller.status()
+            b = s.buffer
+            self._status_snapshot = StatusSnapshot(
+                groups={
+                    GroupState.GENERATING: b.generating,
+                    GroupState.COMMITTED: b.committed,
+                    GroupState.LEASED: b.leased,
+                    GroupState.ACKED: b.acked,
+                },
+                inflight_samples=s.inflight_samples,
+                policy_version=s.policy_version,
+            )
+            await asyncio.sleep(1.0)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT request an orderly shutdown, also while still starting or restoring."""
@@ -199,7 +275,9 @@ class RolloutService:
             ("grpc.max_send_message_length", cfg.max_message_mb * 2**20),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(
+            options=options, interceptors=server_interceptors(self.telemetry.tracer_provider)
+        )
         pb_grpc.add_RolloutServiceServicer_to_server(
             RolloutServicer(self.controller, self, self.config.auth.token), server
         )
@@ -219,6 +297,14 @@ class RolloutService:
             port = server.add_insecure_port(address)
         await server.start()
         self._server = server
+        http_address = None
+        if self.config.http.enabled:
+            app = create_admin_app(
+                self, self.telemetry.prometheus_registry, auth_token=self.config.auth.token
+            )
+            self._admin = AdminServer(app, host=self.config.http.host, port=self.config.http.port)
+            http_address = f"{self.config.http.host}:{await self._admin.start()}"
+        self._gauges = asyncio.create_task(self._refresh_status(), name="rolloutd-status-gauges")
         await self.engine.start()
         if self.config.restore != "none":
             await self._set_state(ServingState.RESTORING)
@@ -240,10 +326,11 @@ class RolloutService:
                 self._periodic_checkpoints(), name="rolloutd-checkpoints"
             )
         await self._set_state(ServingState.SERVING)
-        self.addresses = Addresses(grpc=f"{cfg.host}:{port}", http=None)
+        self.addresses = Addresses(grpc=f"{cfg.host}:{port}", http=http_address)
         log.info(
-            "listening: grpc=%s engine=%s group_size=%d",
+            "listening: grpc=%s http=%s engine=%s group_size=%d",
             self.addresses.grpc,
+            self.addresses.http or "off",
             self.engine.name,
             self.config.group_size,
         )
@@ -283,4 +370,10 @@ class RolloutService:
                 self.checkpointer.sequence,
             )
         await self.engine.stop()
+        for task in (self._gauges,):
+            if task is not None:
+                task.cancel()
+        if self._admin is not None:
+            await self._admin.stop()
+        await self.telemetry.aclose()
         log.info("stopped in %.2fs", time.perf_counter() - started)

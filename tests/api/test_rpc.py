@@ -128,3 +128,30 @@ async def test_update_weights_bumps_version_and_new_samples_carry_it(serve):
         versions |= {s.policy_version for g in f.groups for s in g.samples if g.policy_version == 1}
         await stub.AckGroups(pb.AckGroupsRequest(lease_id=f.lease_id, trainer_step=1))
     assert versions == {1}
+
+
+async def test_liveness_stays_serving_while_readiness_follows_the_state(serve):
+    from rolloutd.domain.lifecycle import ServingState
+
+    service, _ = await serve()
+    channel = grpc.aio.insecure_channel(service.addresses.grpc)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def check(name):
+        return (await health.Check(health_pb2.HealthCheckRequest(service=name))).status
+
+    await service._set_state(ServingState.NOT_READY)
+    assert await check("rolloutd.v1.RolloutService") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await check("") == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await pb_stub(channel).FetchGroups(pb.FetchGroupsRequest(max_groups=1))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    await service._set_state(ServingState.SERVING)
+    assert await check("rolloutd.v1.RolloutService") == health_pb2.HealthCheckResponse.SERVING
+    await channel.close()
+
+
+def pb_stub(channel):
+    from rolloutd.v1 import rollout_pb2_grpc
+
+    return rollout_pb2_grpc.RolloutServiceStub(channel)

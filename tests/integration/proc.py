@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+)(?: http=(?P<http>\S+))?")
+LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+) http=(?P<http>\S+)")
 
 
 class ServeProcess:

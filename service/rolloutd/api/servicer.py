@@ -39,7 +39,7 @@ class Host(Protocol):
 
     async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport: ...
 
-    def last_checkpoint(self) -> pb.CheckpointStatus: ...
+    def status_proto(self) -> pb.GetStatusResponse: ...
 
 
 Req = TypeVar("Req")
@@ -161,9 +161,4 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def GetStatus(
         self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatusResponse:
-        response = convert.status_to_proto(
-            self._controller.status(), self._host.engine_name, SERVING_STATES[self._host.state]
-        )
-        response.counters.generation_tokens = self._controller.engine.counters().generation_tokens
-        response.last_checkpoint.CopyFrom(self._host.last_checkpoint())
-        return response
+        return self._host.status_proto()
