@@ -69,6 +69,11 @@ class ServeProcess:
         assert self.grpc is not None
         return self.grpc
 
+    @staticmethod
+    def python_bin(name: str) -> Path:
+        """A console script installed beside this interpreter (e.g. ``rolloutd``)."""
+        return Path(sys.executable).parent / name
+
     @property
     def output(self) -> str:
         return "".join(self.lines)
