@@ -97,3 +97,27 @@ def test_sigterm_shuts_down_in_order(served):
     assert p.terminate() == 0
     out = p.output
     assert out.index("state: draining") < out.index("stopped in")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "key"),
+    [
+        (["--group-size", "0"], {}, "group_size"),
+        ([], {"ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "-2"}, "limits.max_in_flight"),
+        ([], {"ROLLOUTD_CHECKPOINT__INTERVAL": "5"}, "checkpoint.interval"),
+    ],
+)
+def test_bad_configuration_exits_with_a_message_naming_the_key(tmp_path, args, env, key):
+    import os
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "rolloutd.cli", "serve", "--engine", "synthetic", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, **env},
+    )
+    assert r.returncode == 2
+    assert f"config key '{key}'" in r.stderr
