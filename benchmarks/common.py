@@ -1,0 +1,201 @@
+"""Helpers shared by the benchmark scripts: arguments, progress, statistics, results, plots.
+
+Every benchmark is a script run as ``python benchmarks/<name>.py [--quick] [--json FILE]`` that
+prints progress while it runs and writes its figures as JSON, a Markdown table and (optionally) a
+PNG next to the JSON. ``run_all.py`` builds the summary from one convention: the JSON's
+``headline`` list, each item made by :func:`headline` (a figure, its target and whether it is met).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where ``run_all.py`` asks each benchmark to write, and where its summary goes."""
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The arguments every benchmark takes: ``--quick`` and ``--json FILE``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller run for development (under a minute)"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the figures here (a .md table and a .png plot go next to it)",
+    )
+    return parser.parse_args(argv)
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+_STARTED = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """One line on stdout, flushed at once, stamped with the seconds since the script started."""
+    print(f"[{time.monotonic() - _STARTED:7.1f}s] {message}", flush=True)
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def summary(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """p50, p99, mean, min, max (each times ``scale``) and the count of ``values``."""
+    return {
+        "p50": percentile(values, 50) * scale,
+        "p99": percentile(values, 99) * scale,
+        "mean": sum(values) / len(values) * scale,
+        "min": min(values) * scale,
+        "max": max(values) * scale,
+        "n": len(values),
+    }
+
+
+# --- machine and conditions ---------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    """What the figures depend on besides the code: CPUs, load, memory, Python, kernel."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "load_avg_1m_5m_15m": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        for key in ("MemTotal", "MemAvailable"):
+            info[f"{key.lower()}_gib"] = int(fields[key].split()[0]) / (1 << 20)
+    return info
+
+
+def peak_rss_gib() -> float:
+    """Peak resident memory of this process so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+
+
+# --- headline figures ---------------------------------------------------------------------------
+
+
+def headline(
+    name: str, value: float, unit: str, target: str, met: bool | None, note: str = ""
+) -> dict[str, Any]:
+    """One figure for the summary: ``met`` is None where a figure has no pass/fail target."""
+    return {"name": name, "value": value, "unit": unit, "target": target, "met": met, "note": note}
+
+
+# --- writing results ----------------------------------------------------------------------------
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+    progress(f"wrote {path}")
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    progress(f"wrote {path}")
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A number for a table: ``digits`` significant digits, thousands separated; text as is."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return "-"
+    if value != 0 and abs(value) < 10 ** (digits - 1):
+        return f"{value:.{digits}g}"
+    return f"{value:,.0f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
+    lines += ["| " + " | ".join(fmt(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def headline_table(items: Sequence[dict[str, Any]]) -> str:
+    mark = {True: "met", False: "**missed**", None: "-"}
+    return markdown_table(
+        ["figure", "value", "target", "result", "note"],
+        [
+            (
+                i["name"],
+                f"{fmt(i['value'])} {i['unit']}".strip(),
+                i["target"],
+                mark[i["met"]],
+                i["note"],
+            )
+            for i in items
+        ],
+    )
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed), imported only when plotting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def result_paths(json_path: Path | None, name: str) -> tuple[Path, Path, Path]:
+    """(json, md, png) paths: next to ``--json`` when given, else in ``benchmarks/results``."""
+    base = json_path if json_path is not None else RESULTS / f"{name}.json"
+    return base, base.with_suffix(".md"), base.with_suffix(".png")
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
