@@ -1,0 +1,473 @@
+"""The vLLM engine: vLLM's in-process ``AsyncLLM`` (V1) behind the :class:`GenerationEngine` seam.
+
+What must hold, and how:
+
+- **One engine request per sibling**, each with its own seed, so siblings finish independently and
+  a re-run after a restart reproduces a sibling on the same weights.
+- **Exact capture.** Token ids come from vLLM's final output; logprobs are requested with
+  ``logprobs=0`` (the sampled token only) as flat lists, so a sample holds exactly one logprob
+  per generated token without a Python object per token. Prompts are rendered by vLLM's own
+  renderer (``messages`` through the tokenizer's chat template), and the prompt token ids the
+  engine actually saw are kept.
+- **Policy versions come from the engine.** vLLM labels every output token with the weight
+  version that produced it; ``update_weights`` sets that label while generation is paused, and a
+  sample's ``policy_version`` is read from the labels of its own tokens. A request queued during
+  an update therefore carries the new version even if it was submitted before the update began.
+- **Counters** are cumulative and come from a ``StatLoggerBase`` given to the engine, which sees
+  every iteration's stats in the frontend process.
+- **No orphans.** vLLM 0.32 leaves its engine-core process running when the parent is killed with
+  SIGKILL; a small watchdog process (:mod:`rolloutd.engines.reaper`) ends it in that case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import EngineInput
+from vllm.logprobs import FlatLogprobs
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.renderers.params import ChatParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+from vllm.v1.engine.exceptions import EngineGenerateError
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+
+from rolloutd.config import EngineConfig
+from rolloutd.domain.group import Prompt, Sample
+from rolloutd.engines.base import (
+    EngineCounters,
+    EngineDeadError,
+    EngineError,
+    GenerationRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.1
+"""How often new engine processes are looked for while vLLM starts."""
+
+_CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+"""Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
+
+
+@dataclass(frozen=True)
+class _SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+@dataclass
+class _Tally:
+    """Cumulative token counts and the latest scheduler state of each engine core.
+
+    Written only by the stat logger, which vLLM calls from its output handler on the event loop,
+    and read by :meth:`VLLMEngine.counters` on the same loop, so no lock is needed.
+    """
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    schedulers: dict[int, _SchedulerSnapshot] = field(default_factory=dict)
+
+    def counters(self) -> EngineCounters:
+        snaps = list(self.schedulers.values())
+        return EngineCounters(
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            requests_running=sum(s.running for s in snaps),
+            requests_waiting=sum(s.waiting for s in snaps),
+            kv_cache_usage=sum(s.kv_cache_usage for s in snaps) / len(snaps) if snaps else 0.0,
+        )
+
+
+class _TallyStatLogger(StatLoggerBase):
+    """Feeds one engine core's iteration and scheduler stats into a shared :class:`_Tally`."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, tally: _Tally) -> None:
+        self._tally = tally
+        self._engine_index = engine_index
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is not None:
+            self._tally.prompt_tokens += iteration_stats.num_prompt_tokens
+            self._tally.generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self._tally.schedulers[engine_idx] = _SchedulerSnapshot(
+                running=scheduler_stats.num_running_reqs,
+                waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                kv_cache_usage=scheduler_stats.kv_cache_usage,
+            )
+
+    def log_engine_initialized(self) -> None:
+        logger.debug("vLLM engine core %d reports to rolloutd counters", self._engine_index)
+
+
+class _ReaperClient:
+    """The service's end of :mod:`rolloutd.engines.reaper`: starts it and names processes to watch.
+
+    Started before vLLM so that an engine core is watched within ``_WATCH_INTERVAL_S`` of its
+    creation; every ``multiprocessing`` child that appears after that is watched (vLLM creates its
+    engine cores with ``multiprocessing`` under both the fork and the spawn start method).
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self._known = {p.pid for p in multiprocessing.active_children()}
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rolloutd.engines.reaper",
+                str(os.getpid()),
+                f"--grace={grace_s}",
+            ],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.watched: list[int] = []
+
+    def watch_new_children(self) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        for child in multiprocessing.active_children():
+            pid = child.pid
+            if pid is None or pid in self._known:
+                continue
+            self._known.add(pid)
+            self.watched.append(pid)
+            stdin.write(f"watch {pid}\n".encode())
+            stdin.flush()
+            logger.debug("reaper %d watches %s (pid %d)", self._proc.pid, child.name, pid)
+
+    def close(self) -> None:
+        """Let the reaper exit without touching anything (the engine was shut down cleanly)."""
+        stdin = self._proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(b"exit\n")
+            stdin.close()
+        except BrokenPipeError:
+            logger.warning("engine reaper %d had already exited", self._proc.pid)
+        self._proc.wait(timeout=10)
+
+
+class VLLMEngine:
+    """Generates with vLLM's ``AsyncLLM`` on a local Hugging Face model directory.
+
+    Construct it cheaply anywhere; :meth:`start` creates the engine (seconds on GPU, 15-60 s on
+    CPU) in a worker thread so the event loop keeps serving meanwhile. Must be started, used and
+    stopped on one event loop.
+    """
+
+    name = "vllm"
+
+    def __init__(self, config: EngineConfig, model_path: str | os.PathLike[str]) -> None:
+        self._config = config
+        self._model_path = Path(model_path)
+        self._llm: AsyncLLM | None = None
+        self._reaper: _ReaperClient | None = None
+        self._tally = _Tally()
+        self._version = 0
+        self._dead: str | None = None
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._weights_lock = asyncio.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            raise RuntimeError("VLLMEngine.start() called twice")
+        settings = self._config.vllm
+        if not await asyncio.to_thread((self._model_path / "config.json").is_file):
+            raise EngineDeadError(f"{self._model_path} is not a Hugging Face model directory")
+        started = time.monotonic()
+        reaper = _ReaperClient(settings.shutdown_grace_s)
+        build = asyncio.ensure_future(asyncio.to_thread(self._build))
+        try:
+            while not build.done():
+                reaper.watch_new_children()
+                await asyncio.wait({build}, timeout=_WATCH_INTERVAL_S)
+            llm = build.result()
+        except asyncio.CancelledError:
+            build.add_done_callback(partial(_shutdown_built_engine, reaper=reaper))
+            raise
+        except BaseException:
+            reaper.close()
+            raise
+        reaper.watch_new_children()
+        self._llm, self._reaper = llm, reaper
+        tasks = await llm.get_supported_tasks()
+        if "generate" not in tasks:
+            await self.stop()
+            raise EngineDeadError(f"{self._model_path} cannot generate text (tasks: {tasks})")
+        await llm.update_weight_version(str(self._version))
+        logger.info(
+            "vLLM engine started on %s in %.1f s (engine processes %s)",
+            self._model_path,
+            time.monotonic() - started,
+            reaper.watched,
+        )
+
+    def _build(self) -> AsyncLLM:
+        s = self._config.vllm
+        args = AsyncEngineArgs(
+            model=str(self._model_path),
+            dtype=s.dtype,  # type: ignore[arg-type]
+            max_model_len=s.max_model_len,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            tensor_parallel_size=s.tensor_parallel_size,
+            pipeline_parallel_size=s.pipeline_parallel_size,
+            enforce_eager=s.enforce_eager,
+            max_num_seqs=s.max_num_seqs,
+            kv_cache_memory_bytes=(
+                None if s.kv_cache_memory_gib is None else int(s.kv_cache_memory_gib * 2**30)
+            ),
+            logprobs_mode=s.logprobs_mode,
+            otlp_traces_endpoint=s.otlp_traces_endpoint,
+            disable_log_stats=True,
+            enable_log_requests=False,
+        )
+        factory: Callable[[VllmConfig, int], StatLoggerBase] = partial(
+            _TallyStatLogger, tally=self._tally
+        )
+        return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+
+    async def stop(self) -> None:
+        """Abort what is in flight and shut vLLM down; idempotent."""
+        llm, self._llm = self._llm, None
+        reaper, self._reaper = self._reaper, None
+        if llm is None:
+            return
+        in_flight = [t for t in self._tasks.values() if t is not asyncio.current_task()]
+        for task in in_flight:
+            task.cancel()
+        # Cancelled requests abort themselves in vLLM, which needs the engine still up.
+        await asyncio.gather(*in_flight, return_exceptions=True)
+        # Blocks while the engine processes exit (a few seconds); the service is stopping anyway.
+        llm.shutdown()
+        if reaper is not None:
+            reaper.close()
+        logger.info("vLLM engine stopped")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def counters(self) -> EngineCounters:
+        return self._tally.counters()
+
+    async def generate(self, request: GenerationRequest) -> Sample:
+        llm = self._live_engine()
+        task = asyncio.current_task()
+        assert task is not None
+        if request.request_id in self._tasks:
+            raise EngineError(f"request {request.request_id} is already generating")
+        self._tasks[request.request_id] = task
+        started = time.time()
+        try:
+            engine_input = await self._render(llm, request.prompt)
+            final = await self._run(llm, engine_input, request)
+        finally:
+            self._tasks.pop(request.request_id, None)
+        return self._sample(request, final, started)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Cancel the named requests; their ``generate`` calls raise ``CancelledError`` and vLLM
+        frees their slots. Unknown or finished ids are ignored."""
+        for rid in request_ids:
+            task = self._tasks.get(rid)
+            if task is not None:
+                task.cancel()
+
+    async def _render(self, llm: AsyncLLM, prompt: Prompt) -> EngineInput:
+        try:
+            if prompt.messages:
+                messages = cast(Any, [dict(m) for m in prompt.messages])
+                _, inputs = await llm.renderer.render_chat_async([messages], _CHAT_PARAMS)
+            else:
+                inputs = await llm.renderer.render_cmpl_async([{"prompt": prompt.text}])
+        except VLLMClientError as exc:
+            raise EngineError(f"prompt {prompt.prompt_id} rejected: {exc}") from exc
+        engine_input: EngineInput = inputs[0]
+        return engine_input
+
+    async def _run(
+        self, llm: AsyncLLM, engine_input: EngineInput, request: GenerationRequest
+    ) -> RequestOutput:
+        p = request.params
+        params = VLLMSamplingParams(
+            n=1,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=request.seed,
+            logprobs=0,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        headers = self._trace_headers(request.trace_headers)
+        final: RequestOutput | None = None
+        try:
+            async for out in llm.generate(
+                engine_input, params, request.request_id, trace_headers=headers
+            ):
+                final = out
+        except VLLMEngineDeadError as exc:
+            self._dead = "the vLLM engine core died"
+            raise EngineDeadError(f"{self._dead} while generating {request.request_id}") from exc
+        except (EngineGenerateError, VLLMClientError) as exc:
+            raise EngineError(f"request {request.request_id} failed: {exc!r}") from exc
+        if final is None or not final.finished:
+            raise EngineError(f"request {request.request_id} ended without a final output")
+        return final
+
+    def _trace_headers(self, headers: Mapping[str, str]) -> Mapping[str, str] | None:
+        """vLLM only accepts trace headers with its tracing on; it would warn on every request."""
+        if self._config.vllm.otlp_traces_endpoint is None or not headers:
+            return None
+        return dict(headers)
+
+    def _sample(self, request: GenerationRequest, final: RequestOutput, started: float) -> Sample:
+        rid = request.request_id
+        (completion,) = final.outputs
+        if completion.finish_reason in ("abort", "error"):
+            raise EngineError(
+                f"request {rid} finished with '{completion.finish_reason}' "
+                "(aborted by a weight update or failed in the engine); it may be retried"
+            )
+        token_ids = array("i", completion.token_ids)
+        logprobs = _sampled_logprobs(rid, completion)
+        prompt_ids = final.prompt_token_ids
+        if prompt_ids is None:
+            raise EngineError(f"request {rid}: vLLM returned no prompt token ids")
+        return Sample(
+            index=request.index,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            text=completion.text,
+            finish_reason=str(completion.finish_reason),
+            policy_version=self._version_of(rid, completion),
+            prompt_token_ids=array("i", prompt_ids),
+            seed=request.seed,
+            started_at=started,
+            finished_at=time.time(),
+        )
+
+    def _version_of(self, rid: str, completion: CompletionOutput) -> int:
+        """The version label vLLM attached to this sample's tokens.
+
+        Weights change only while generation is paused and paused requests are either finished
+        (wait) or aborted (abort) first, so one sample's tokens carry one label.
+        """
+        spans = completion.weight_versions or []
+        versions = {span.version for span in spans}
+        if not versions:
+            # No token was generated, so no weights were used; the current version is as good as
+            # any and keeps such samples from looking stale.
+            return self._version
+        if len(versions) > 1:
+            raise EngineError(f"request {rid} straddles weight versions {sorted(versions)}")
+        return int(versions.pop())
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Load the safetensors files under ``path`` into the running engine.
+
+        Generation is paused around the load (``vllm.weight_update_mode`` says what happens to
+        requests in flight). Once begun, an update runs to the end even if the caller is
+        cancelled: stopping half-way would leave generation paused. A failed load may leave the
+        weights partly replaced, so the engine is then marked dead and stays paused rather than
+        produce samples from mixed weights.
+        """
+        llm = self._live_engine()
+        if not await asyncio.to_thread(_has_safetensors, Path(path)):
+            raise EngineError(f"weights path {path}: not a directory with *.safetensors files")
+        await asyncio.shield(self._swap_weights(llm, path, version))
+
+    async def _swap_weights(self, llm: AsyncLLM, path: str, version: int) -> None:
+        async with self._weights_lock:
+            started = time.monotonic()
+            try:
+                await llm.pause_generation(
+                    mode=self._config.vllm.weight_update_mode, clear_cache=True
+                )
+                paused = time.monotonic()
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                await llm.update_weight_version(str(version))
+            # vLLM reports a failed engine-core call (a worker's load error) as a bare Exception.
+            except Exception as exc:
+                self._dead = (
+                    f"updating weights to v{version} from {path} failed ({exc}); generation "
+                    "stays paused because the weights may be partly replaced"
+                )
+                raise EngineDeadError(self._dead) from exc
+            self._version = version
+            await llm.resume_generation()
+        logger.info(
+            "weights v%d loaded from %s: drained in %.3f s, loaded in %.3f s",
+            version,
+            path,
+            paused - started,
+            time.monotonic() - paused,
+        )
+
+    def _live_engine(self) -> AsyncLLM:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        llm = self._llm
+        if llm is None:
+            raise EngineDeadError("the vLLM engine is not running")
+        if llm.errored:
+            self._dead = "the vLLM engine core died"
+            raise EngineDeadError(self._dead)
+        return llm
+
+
+def _sampled_logprobs(rid: str, completion: CompletionOutput) -> array[float]:
+    """One float32 logprob per generated token: the sampled token's own (``logprobs=0``)."""
+    flat = completion.logprobs
+    if not isinstance(flat, FlatLogprobs):
+        raise EngineError(f"request {rid}: expected flat logprobs, got {type(flat).__name__}")
+    if flat.token_ids != list(completion.token_ids):
+        raise EngineError(
+            f"request {rid}: {len(flat.token_ids)} logprobs for "
+            f"{len(completion.token_ids)} tokens, or for other tokens"
+        )
+    return array("f", flat.logprobs)
+
+
+def _has_safetensors(path: Path) -> bool:
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+def _shutdown_built_engine(build: asyncio.Future[AsyncLLM], *, reaper: _ReaperClient) -> None:
+    """Shut down an engine whose start was cancelled while vLLM was building it."""
+    if not build.cancelled() and build.exception() is None:
+        build.result().shutdown()
+    reaper.close()
