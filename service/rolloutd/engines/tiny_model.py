@@ -328,15 +328,8 @@ def _cache_key(spec: TinyModelSpec, seed: int) -> str:
     return h.hexdigest()[:12]
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.iterdir()):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(root, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -353,11 +346,7 @@ def _publish(tmp: Path, out: Path) -> None:
         if out.is_dir() and any(out.iterdir()):
             raise FileExistsError(f"{out} was created concurrently") from exc
         raise
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(out.parent)
 
 
 @contextmanager
@@ -371,8 +360,9 @@ def _staging(out: Path) -> Iterator[Path]:
         yield tmp
         for path in tmp.iterdir():
             path.chmod(0o644)
+            _fsync(path)
         tmp.chmod(0o755)
-        _fsync_tree(tmp)
+        _fsync(tmp)
         _publish(tmp, out)
     finally:
         if tmp.exists():
