@@ -55,14 +55,20 @@ def test_columns_hold_the_sample_values():
     assert table.column("text").to_pylist() == [r[2].text for r in rows]
 
 
-def test_batches_are_bounded_by_rows_and_tokens():
+def test_batches_are_bounded_by_rows_and_values():
     rows = make_rows(0, 100, max_tokens=40)
     by_rows = list(rows_to_batches(rows, batch_rows=16))
     assert [b.num_rows for b in by_rows] == [16] * 6 + [4]
-    by_tokens = list(rows_to_batches(rows, batch_tokens=100))
-    assert all(len(b.column("token_ids").values) <= 100 or b.num_rows == 1 for b in by_tokens)
-    assert sum(b.num_rows for b in by_tokens) == 100
-    assert table_to_rows(pa.Table.from_batches(by_tokens)) == rows
+    by_values = list(rows_to_batches(rows, batch_values=100))
+
+    def values(batch):
+        names = ("token_ids", "logprobs", "prompt_token_ids")
+        return sum(len(batch.column(name).values) for name in names)
+
+    assert all(values(b) <= 100 or b.num_rows == 1 for b in by_values)
+    assert sum(b.num_rows for b in by_values) == 100
+    assert table_to_rows(pa.Table.from_batches(by_values)) == rows
+    assert [b.num_rows for b in rows_to_batches(rows, batch_values=1)] == [1] * 100
 
 
 def test_sliced_and_combined_tables_decode():

@@ -293,6 +293,24 @@ def test_journal_ignores_a_torn_tail(tmp_path):
     assert [e.record["n"] for e in reopened.read_acks()] == [1, 2, 3]
 
 
+def test_journal_damage_before_the_tail_is_an_error(tmp_path):
+    location = Location(str(tmp_path / "store"))
+    store = location.open()
+    for n in range(3):
+        store.append_ack({"n": n})
+    (name,) = location.listdir("journal")
+    path = os.path.join(location.url, "journal", name)
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    lines[1] = b"\0" * len(lines[1])
+    with open(path, "wb") as f:
+        f.write(b"\n".join(lines))
+    with pytest.raises(CorruptJournal, match="line 2"):
+        store.read_acks()
+    with pytest.raises(CorruptJournal):
+        location.open()
+
+
 def test_compaction_merges_segments_and_drops_removed_rows(location: Location):
     store = location.open()
     parent = None

@@ -34,7 +34,6 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -77,8 +76,6 @@ LATEST = "latest"
 """The spec :meth:`SnapshotStore.resolve` takes for the newest snapshot that verifies."""
 
 _READ_CHUNK = 16 << 20
-_IN_FLIGHT = 8
-"""Writes of a segment that may wait for the writer thread (buffers of a few record batches)."""
 _WRITEBACK_CHUNK = 64 << 20
 """Locally, writeback of each this many bytes starts while later ones are still encoded."""
 
@@ -104,24 +101,13 @@ class SnapshotNotFound(LookupError):
     """No published snapshot matches the requested sequence or tag."""
 
 
-def _backend_errors() -> tuple[type[BaseException], ...]:
+def _client_errors() -> tuple[type[BaseException], ...]:
     """Exceptions object-store clients raise that are not ``OSError`` (boto's, when installed)."""
     try:
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:
         return ()
     return (BotoCoreError, ClientError)
-
-
-_BACKEND_ERRORS = _backend_errors()
-
-
-@contextlib.contextmanager
-def _io(what: str) -> Iterator[None]:
-    try:
-        yield
-    except _BACKEND_ERRORS as exc:
-        raise StoreError(f"{what}: {exc}") from exc
 
 
 def _name(sequence: int, suffix: str) -> str:
@@ -212,8 +198,9 @@ class _LocalSink:
             done += os.write(self._fd, view[done:])
         self._written += done
         if self._written - self._synced >= _WRITEBACK_CHUNK:
-            # Start writeback now rather than all at the final fsync, so the device works while
-            # later batches are encoded (the page cache is not needed for checkpoint data).
+            # Start writeback of what was just written (Linux starts it asynchronously for
+            # DONTNEED, then drops only pages already clean), so the device works while later
+            # batches are encoded instead of all at the final fsync.
             os.posix_fadvise(self._fd, self._synced, 0, os.POSIX_FADV_DONTNEED)
             self._synced = self._written
         return done
@@ -311,21 +298,22 @@ class _LocalBackend:
 
 
 class _ObjectSink:
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+    def __init__(self, backend: _ObjectBackend, path: str) -> None:
+        self._io = backend.io
         self._path = path
-        with _io(f"open {path}"):
-            self._file = fs.open(path, "wb")
+        with self._io(f"open {path}"):
+            self._file = backend.fs.open(path, "wb")
 
     def write(self, data: Any) -> int:
-        with _io(f"write {self._path}"):
+        with self._io(f"write {self._path}"):
             return int(self._file.write(memoryview(data).cast("B")))
 
     def commit(self) -> None:
-        with _io(f"close {self._path}"):
+        with self._io(f"close {self._path}"):
             self._file.close()
 
     def abort(self) -> None:
-        with _io(f"abort {self._path}"):
+        with self._io(f"abort {self._path}"):
             self._file.discard()
         self._file.closed = True
 
@@ -336,15 +324,24 @@ class _ObjectBackend:
     local = False
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
-        self._fs = fs
+        self.fs = fs
         self._root = root.rstrip("/")
         self.url = url
+        self._errors = _client_errors()
+
+    @contextlib.contextmanager
+    def io(self, what: str) -> Iterator[None]:
+        """Client errors that are not ``OSError`` become :class:`StoreError`."""
+        try:
+            yield
+        except self._errors as exc:
+            raise StoreError(f"{what} in {self.url}: {exc}") from exc
 
     def _path(self, path: str) -> str:
         return f"{self._root}/{path}"
 
     def sink(self, path: str) -> _ObjectSink:
-        return _ObjectSink(self._fs, self._path(path))
+        return _ObjectSink(self, self._path(path))
 
     def put(
         self,
@@ -356,56 +353,56 @@ class _ObjectBackend:
     ) -> None:
         if before_visible is not None:
             fault_point(before_visible)
-        with _io(f"put {path}"):
-            self._fs.pipe_file(self._path(path), data)
+        with self.io(f"put {path}"):
+            self.fs.pipe_file(self._path(path), data)
         if after_visible is not None:
             fault_point(after_visible)
 
     def read(self, path: str) -> pa.Buffer:
-        with _io(f"read {path}"):
-            return pa.py_buffer(self._fs.cat_file(self._path(path)))
+        with self.io(f"read {path}"):
+            return pa.py_buffer(self.fs.cat_file(self._path(path)))
 
     def read_many(self, paths: Sequence[str]) -> builtins.list[bytes]:
         """Small objects fetched concurrently, in the order of ``paths``."""
         if not paths:
             return []
         full = [self._path(p) for p in paths]
-        with _io(f"read {len(paths)} objects"):
-            found = self._fs.cat(full, on_error="raise")
+        with self.io(f"read {len(paths)} objects"):
+            found = self.fs.cat(full, on_error="raise")
         return [found[p] for p in full]
 
     def chunks(self, path: str) -> Iterator[memoryview]:
         with (
-            _io(f"read {path}"),
-            self._fs.open(self._path(path), "rb", block_size=_READ_CHUNK) as f,
+            self.io(f"read {path}"),
+            self.fs.open(self._path(path), "rb", block_size=_READ_CHUNK) as f,
         ):
             while chunk := f.read(_READ_CHUNK):
                 yield memoryview(chunk)
 
     def size(self, path: str) -> int:
         full = self._path(path)
-        with _io(f"stat {path}"):
-            self._fs.invalidate_cache(full)
-            return int(self._fs.info(full)["size"])
+        with self.io(f"stat {path}"):
+            self.fs.invalidate_cache(full)
+            return int(self.fs.info(full)["size"])
 
     def listdir(self, path: str) -> list[str]:
         full = self._path(path)
-        with _io(f"list {path}"):
-            self._fs.invalidate_cache(full)
+        with self.io(f"list {path}"):
+            self.fs.invalidate_cache(full)
             try:
-                entries = self._fs.ls(full, detail=False)
+                entries = self.fs.ls(full, detail=False)
             except FileNotFoundError:
                 return []
         return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
 
     def rename(self, src: str, dst: str) -> None:
-        with _io(f"rename {src}"):
-            self._fs.mv(self._path(src), self._path(dst))
+        with self.io(f"rename {src}"):
+            self.fs.mv(self._path(src), self._path(dst))
 
     def delete(self, paths: Collection[str]) -> None:
         if paths:
-            with _io(f"delete {len(paths)} objects"):
-                self._fs.rm([self._path(p) for p in paths])
+            with self.io(f"delete {len(paths)} objects"):
+                self.fs.rm([self._path(p) for p in paths])
 
     def sync_dirs(self, paths: Collection[str]) -> None:
         """Nothing to do: a put object is durable."""
@@ -451,18 +448,23 @@ class _FileJournal:
         return sorted((int(n.split("-", 1)[0]), n) for n in names if n.endswith(".jsonl"))
 
     def _read_file(self, name: str) -> list[JournalEntry]:
+        """The file's records; unreadable lines after the last good one are a torn tail (an
+        append that never returned), unreadable lines before it are corruption."""
         with open(os.path.join(self._dir, name), "rb") as f:
             lines = f.read().split(b"\n")
         entries: list[JournalEntry] = []
-        for i, line in enumerate(lines):
+        damaged: list[str] = []
+        for number, line in enumerate(lines, start=1):
             if not line:
                 continue
             try:
-                entries.append(_decode_record(line))
+                entry = _decode_record(line)
             except (ValueError, KeyError, TypeError) as exc:
-                if i == len(lines) - 1:
-                    break  # torn tail: the append never returned
-                raise CorruptJournal(f"{JOURNAL}/{name} line {i + 1}: {exc}") from exc
+                damaged.append(f"{JOURNAL}/{name} line {number}: {exc}")
+                continue
+            if damaged:
+                raise CorruptJournal("; ".join(damaged))
+            entries.append(entry)
         return entries
 
     def last_position(self) -> int:
@@ -562,7 +564,8 @@ def _open(url: str, options: Mapping[str, Any]) -> tuple[_Backend, _FileJournal 
 class Snapshot:
     """A published snapshot whose every file verified, holding the verified bytes.
 
-    Decoding reads the same bytes that were checked, so a restore reads each file once.
+    Decoding reads the same bytes that were checked, so a restore reads each file once. The
+    bytes (memory-mapped locally, in memory from an object store) are held until it is dropped.
     """
 
     manifest: Manifest
@@ -601,6 +604,8 @@ class Resolution:
 
 @dataclass(frozen=True)
 class RetireResult:
+    """Sequences kept and retired (newest first), files deleted, journal pruned up to where."""
+
     kept: tuple[int, ...]
     retired: tuple[int, ...]
     deleted_files: int
@@ -634,49 +639,26 @@ def plan_compaction(manifest: Manifest, max_segments: int) -> tuple[SegmentEntry
 
 
 class _SegmentWriter:
-    """The file Arrow's IPC writer writes to: checksums and writes on a second thread.
+    """The file Arrow's IPC writer writes to: checksums each buffer on its way to the sink.
 
-    Encoding the next record batch (which holds the GIL) overlaps with checksumming and writing
-    the previous one (both release it). Each buffer stays referenced until written; at most
-    ``_IN_FLIGHT`` writes wait. A failure on the writer thread is raised by the next call here.
+    Arrow hands over body buffers without copying them, so each byte is touched once by the
+    checksum and once by the write, while the batch is still in cache. Both stay on the calling
+    thread: with two busy cores a separate writer thread lost more to GIL hand-offs and
+    contention than it overlapped.
     """
 
     def __init__(self, sink: _Sink, algorithm: ChecksumAlgorithm) -> None:
         self._sink = sink
         self._hasher = Hasher(algorithm)
-        self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=_IN_FLIGHT)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="rolloutd-segment-writer")
-        self._thread.start()
         self.size = 0
         self.closed = False
 
-    def _run(self) -> None:
-        while (view := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._hasher.update(view)
-                    self._sink.write(view)
-                except BaseException as exc:  # delivered to the writing thread, not lost
-                    self._error = exc
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
     def write(self, data: Any) -> int:
-        self._raise_error()
         view = memoryview(data).cast("B")
-        self._queue.put(view)
+        self._hasher.update(view)
+        self._sink.write(view)
         self.size += len(view)
         return len(view)
-
-    def finish(self) -> None:
-        """Wait until everything is written; raise what the writer thread failed with."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        self._raise_error()
 
     def tell(self) -> int:
         return self.size
@@ -741,22 +723,18 @@ class SnapshotStore:
         self, name: str, batches: Iterator[pa.RecordBatch], fault: FaultPoint
     ) -> FileEntry:
         path = f"{SEGMENTS}/{name}"
-        with _io(f"write {path}"):
-            sink = self._backend.sink(path)
-            out = _SegmentWriter(sink, self._checksum)
-            try:
-                with pa.ipc.new_file(pa.PythonFile(out, mode="w"), SAMPLE_SCHEMA) as writer:
-                    for i, batch in enumerate(batches):
-                        writer.write_batch(batch)
-                        if i == 0:
-                            fault_point(fault)
-                out.finish()
-                sink.commit()
-            except BaseException:
-                with contextlib.suppress(BaseException):
-                    out.finish()  # the first error is the one to report
-                sink.abort()
-                raise
+        sink = self._backend.sink(path)
+        out = _SegmentWriter(sink, self._checksum)
+        try:
+            with pa.ipc.new_file(pa.PythonFile(out, mode="w"), SAMPLE_SCHEMA) as writer:
+                for i, batch in enumerate(batches):
+                    writer.write_batch(batch)
+                    if i == 0:
+                        fault_point(fault)
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
         return out.entry(path)
 
     def write_sidecar(self, sequence: int, state: Mapping[str, Any]) -> FileEntry:
@@ -765,17 +743,16 @@ class SnapshotStore:
         path = f"{SIDECARS}/{_name(sequence, '.json')}"
         hasher = Hasher(self._checksum)
         hasher.update(data)
-        with _io(f"write {path}"):
-            sink = self._backend.sink(path)
-            try:
-                half = len(data) // 2
-                sink.write(data[:half])
-                fault_point(FaultPoint.SIDECAR_WRITE_MID)
-                sink.write(data[half:])
-                sink.commit()
-            except BaseException:
-                sink.abort()
-                raise
+        sink = self._backend.sink(path)
+        try:
+            half = len(data) // 2
+            sink.write(data[:half])
+            fault_point(FaultPoint.SIDECAR_WRITE_MID)
+            sink.write(data[half:])
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
         return FileEntry(path, len(data), hasher.value)
 
     def publish(self, manifest: Manifest) -> None:
@@ -789,14 +766,13 @@ class SnapshotStore:
         if manifest.format_version != FORMAT_VERSION:
             raise ValueError(f"cannot publish a manifest of format {manifest.format_version}")
         dirs = {os.path.dirname(entry.path) for entry in manifest.files()}
-        with _io(f"publish {manifest.sequence}"):
-            self._backend.sync_dirs(sorted(dirs))
-            self._backend.put(
-                _manifest_path(manifest.sequence),
-                manifest.to_json(),
-                before_visible=FaultPoint.COMMIT_BEFORE_RENAME,
-                after_visible=FaultPoint.COMMIT_AFTER_RENAME,
-            )
+        self._backend.sync_dirs(sorted(dirs))
+        self._backend.put(
+            _manifest_path(manifest.sequence),
+            manifest.to_json(),
+            before_visible=FaultPoint.COMMIT_BEFORE_RENAME,
+            after_visible=FaultPoint.COMMIT_AFTER_RENAME,
+        )
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -1089,7 +1065,7 @@ class SnapshotStore:
 
         Appends are serialised; locally each costs one ``fdatasync``, on an object store one put.
         """
-        with self._journal_lock, _io("append ack"):
+        with self._journal_lock:
             position = self._position + 1
             try:
                 self._journal.append(position, record)
@@ -1102,7 +1078,7 @@ class SnapshotStore:
 
     def read_acks(self, after: int = 0) -> builtins.list[JournalEntry]:
         """Records with a position after ``after`` (a manifest's ``acks_through``), in order."""
-        with _io("read acks"):
+        with self._journal_lock:
             entries = self._journal.read(after)
         positions = [e.position for e in entries]
         if positions != list(range(after + 1, after + 1 + len(entries))):
@@ -1112,7 +1088,7 @@ class SnapshotStore:
 
     def prune_journal(self, through: int) -> int:
         """Delete records at positions up to ``through`` where whole files/objects allow."""
-        with self._journal_lock, _io("prune acks"):
+        with self._journal_lock:
             return self._journal.prune(through)
 
 
