@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tiny-model":
         from rolloutd.engines.tiny_model import build_tiny_model
 
-        print(build_tiny_model(args.dir, seed=args.seed))
+        print(build_tiny_model(args.dir, seed=args.seed, progress=print))
         return 0
     if args.command == "checkpoints":
         from rolloutd.checkpoint.inspect import main as checkpoints_main

@@ -68,7 +68,7 @@ class VLLMSettings(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["vllm", "synthetic"] = "synthetic"
+    kind: Literal["vllm", "synthetic"] = "vllm"
     """Which engine generates: vLLM, or the deterministic synthetic engine."""
     model: str | None = None
     """Local Hugging Face model directory; unset builds the tiny model once into the cache."""
@@ -196,11 +196,11 @@ class Config(_Section):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
         return self
 
-    def semantic_fingerprint(self, dataset_digest: str) -> dict[str, Any]:
+    def semantic_fingerprint(self, dataset_digest: str, model_id: str) -> dict[str, Any]:
         """Keys whose change makes a snapshot's groups mean something else. The dataset is
         identified by its content, so the same file mounted elsewhere still restores."""
         return {
-            "engine.model": self.engine.model or "tiny-model",
+            "engine.model": model_id,
             "group_size": self.group_size,
             "dataset": dataset_digest,
             "dataset.seed": self.dataset.seed,

@@ -83,7 +83,12 @@ class RolloutService:
     ) -> None:
         self.config = config
         prompts, self.dataset_digest = load_prompts(config.dataset.path)
-        self.engine = engine or build_engine(config.engine)
+        if engine is None:
+            built = build_engine(config.engine)
+            engine, model_id = built.engine, built.model_id
+        else:
+            model_id = engine.name
+        self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
         sampler = Sampler(
@@ -103,7 +108,7 @@ class RolloutService:
             observer=self.observer,
             journal=self.journal,
         )
-        self.fingerprint = config.semantic_fingerprint(self.dataset_digest)
+        self.fingerprint = config.semantic_fingerprint(self.dataset_digest, model_id)
         self.checkpointer = Checkpointer(
             self.controller,
             self.store,
@@ -119,6 +124,7 @@ class RolloutService:
             observer=self.observer,
         )
         self._periodic: asyncio.Task[None] | None = None
+        self._attempts: set[asyncio.Task[CheckpointReport]] = set()
         self._gauges: asyncio.Task[None] | None = None
         self._status_snapshot = StatusSnapshot()
         self._admin: AdminServer | None = None
@@ -210,6 +216,28 @@ class RolloutService:
             status.attempted_at = c.last_attempt.ended_ns / 1e9
             status.tag = c.last_attempt.tag
         return status
+
+    async def _checkpoint(
+        self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
+    ) -> CheckpointReport:
+        """One attempt, after which readiness follows the checkpointer's health.
+
+        The attempt runs as a task of its own that the caller's cancellation does not reach (an
+        RPC past its deadline, a client gone, shutdown stopping the periodic loop): cut short
+        while a worker thread writes and publishes its snapshot, it would leave the checkpointer
+        a sequence number behind the store, and every later attempt would fail. Shutdown waits
+        for the attempts in flight before the final checkpoint.
+        """
+
+        async def attempt() -> CheckpointReport:
+            report = await self.checkpointer.checkpoint(trigger, tag, trainer_step)
+            await self._follow_checkpoint_health()
+            return report
+
+        task = asyncio.create_task(attempt(), name=f"rolloutd-checkpoint-{trigger.value}")
+        self._attempts.add(task)
+        task.add_done_callback(self._attempts.discard)
+        return await asyncio.shield(task)
 
     async def _follow_checkpoint_health(self) -> None:
         """Repeated checkpoint failures make the service not-ready; a success makes it ready."""

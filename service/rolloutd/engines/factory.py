@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rolloutd.config import EngineConfig
 from rolloutd.engines.base import GenerationEngine
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 
 
-def build_engine(config: EngineConfig) -> GenerationEngine:
+@dataclass(frozen=True)
+class BuiltEngine:
+    engine: GenerationEngine
+    model_id: str
+    """What generates, for the snapshot fingerprint: a model directory, or the tiny model's
+    content-addressed cache name, or ``synthetic``."""
+
+
+def build_engine(config: EngineConfig) -> BuiltEngine:
     if config.kind == "synthetic":
         s = config.synthetic
-        return SyntheticEngine(SyntheticConfig(s.tokens_per_s, s.latency_s, s.latency_sigma))
+        return BuiltEngine(
+            SyntheticEngine(SyntheticConfig(s.tokens_per_s, s.latency_s, s.latency_sigma)),
+            "synthetic",
+        )
     from rolloutd.engines.tiny_model import ensure_tiny_model
     from rolloutd.engines.vllm import VLLMEngine
 
-    model = config.model or str(ensure_tiny_model(config.cache_dir))
-    return VLLMEngine(config, model)
+    if config.model is not None:
+        return BuiltEngine(VLLMEngine(config, config.model), config.model)
+    tiny = ensure_tiny_model(config.cache_dir)
+    if config.vllm.dtype == "auto":
+        # The tiny model is float32; vLLM's "auto" would serve it in bf16 and lose greedy parity
+        # with transformers.
+        config = config.model_copy(
+            update={"vllm": config.vllm.model_copy(update={"dtype": "float32"})}
+        )
+    return BuiltEngine(VLLMEngine(config, tiny), tiny.name)

@@ -42,6 +42,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.inputs import EngineInput
 from vllm.logprobs import FlatLogprobs
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.platforms import current_platform
 from vllm.renderers.params import ChatParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -233,6 +234,10 @@ class VLLMEngine:
 
     def _build(self) -> AsyncLLM:
         s = self._config.vllm
+        # vLLM rewinds a seeded request's random generator when the token sampled after a partial
+        # prefill chunk is discarded; torch's CPU generators cannot rewind ("CPU Generator does
+        # not use offset") and the engine dies. On CPU every prompt is therefore prefilled whole.
+        whole_prefill = current_platform.is_cpu()
         args = AsyncEngineArgs(
             model=str(self._model_path),
             dtype=s.dtype,  # type: ignore[arg-type]
@@ -249,6 +254,8 @@ class VLLMEngine:
             otlp_traces_endpoint=s.otlp_traces_endpoint,
             disable_log_stats=True,
             enable_log_requests=False,
+            enable_chunked_prefill=False if whole_prefill else None,
+            max_num_batched_tokens=max(s.max_model_len, 8192) if whole_prefill else None,
         )
         factory: Callable[[VllmConfig, int], StatLoggerBase] = partial(
             _TallyStatLogger, tally=self._tally
