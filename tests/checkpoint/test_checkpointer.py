@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -277,3 +278,47 @@ async def test_concurrent_attempt_is_skipped_in_progress(nodes):
         (Outcome.COMPLETED, Reason.COMPLETED),
         (Outcome.SKIPPED, Reason.IN_PROGRESS),
     }
+
+
+async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):
+    a = nodes()
+    a.controller.start()
+    finalized = []
+    for step in (1, 2):
+        await settle(lambda: a.controller.status().buffer.committed == 6)
+        lease, _groups = await a.controller.fetch(1, 100, "t")
+        await a.controller.ack(lease.lease_id, step)
+        await a.controller.finalize(step)
+        finalized.append(lease.lease_id)
+        assert (await a.checkpoint()).outcome is Outcome.COMPLETED
+    await a.controller.stop()
+
+    b = nodes()
+    await b.restore()
+    assert list(b.controller.buffer.finalized_leases) == finalized
+    for lease_id in finalized:
+        assert (await b.controller.ack(lease_id, 5)).already_acked
+
+
+async def test_compaction_merges_small_segments_and_keeps_the_large_one(nodes):
+    a = nodes(engine=GatedEngine(auto=True, tokens=2000))
+    a.checkpointer.config = replace(a.checkpointer.config, compact_segments=4)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    first = await a.checkpoint()
+    large = a.store.load(first.sequence).segments[0].file
+    for step in range(1, 5):  # each removes a group of the first segment and adds one
+        lease, _groups = await a.controller.fetch(1, 100, "t")
+        await a.controller.ack(lease.lease_id, step)
+        await a.controller.finalize(step)
+        await settle(lambda: a.controller.status().buffer.committed == 6)
+        last = await a.checkpoint()
+    manifest = a.store.load(last.sequence)
+    assert len(manifest.segments) == 2 and manifest.segments[0].file == large
+    assert manifest.segments[1].written_by == last.sequence
+    rows = manifest.live_rows
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    assert sum(len(g.samples) for g in b.controller.buffer.groups.values()) == rows == 12

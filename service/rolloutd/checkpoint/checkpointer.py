@@ -15,10 +15,11 @@ back to the buffer, so the next attempt still writes everything since the last s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,8 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.checkpoint.store import SnapshotStore, keep_tagged
-from rolloutd.domain.buffer import AckRecord, GroupMeta
+from rolloutd.checkpoint.store import SnapshotStore, keep_tagged, plan_compaction
+from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord, GroupMeta
 from rolloutd.domain.controller import Controller, ControllerCapture
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import Group
@@ -57,7 +58,8 @@ class CheckpointerConfig:
     timeout_s: float = 120.0
     """An attempt taking longer fails with reason ``timeout``."""
     compact_segments: int = 8
-    """A snapshot listing more segments than this is compacted into one."""
+    """A snapshot listing more segments than this has its smallest ones (by live bytes) merged
+    into one, leaving half as many; large, mostly live segments are not rewritten."""
 
 
 class AckJournal:
@@ -112,6 +114,9 @@ class Checkpointer:
         self._lock = asyncio.Lock()
         self._groups: dict[int, GroupMeta] = {}
         """Every live group's metadata as of the last completed snapshot."""
+        self._finalized: dict[str, int] = {}
+        """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
+        first; captures hand over only what was finalized since."""
         self._parent: Manifest | None = None
         self.restoring = False
         self.shutting_down = False
@@ -122,8 +127,9 @@ class Checkpointer:
         """Wall-clock time of the last completed snapshot (start-up until there is one)."""
 
     def adopt(self, manifest: Manifest, groups: dict[int, GroupMeta]) -> None:
-        """Continue incrementally from a restored snapshot."""
+        """Continue incrementally from a restored snapshot, loaded into the buffer just now."""
         self._parent, self._groups = manifest, dict(groups)
+        self._finalized = dict(self.controller.buffer.finalized_leases)
 
     @property
     def sequence(self) -> int:
@@ -216,11 +222,11 @@ class Checkpointer:
             report.outcome, report.reason = Outcome.SKIPPED, Reason.NO_CHANGES
             return
         try:
-            manifest, groups = await self._write(clock, capture, acks_through, report)
+            manifest, groups, finalized = await self._write(clock, capture, acks_through, report)
         except BaseException:
             self.controller.buffer.restore_uncaptured(delta)
             raise
-        self._parent, self._groups = manifest, groups
+        self._parent, self._groups, self._finalized = manifest, groups, finalized
         report.outcome, report.reason, report.sequence = (
             Outcome.COMPLETED,
             Reason.COMPLETED,
@@ -244,7 +250,7 @@ class Checkpointer:
         capture: ControllerCapture,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, dict[int, GroupMeta]]:
+    ) -> tuple[Manifest, dict[int, GroupMeta], dict[str, int]]:
         delta = capture.buffer
         sequence = self.sequence + 1
         removed = set(delta.removed_rows)
@@ -262,7 +268,9 @@ class Checkpointer:
                     groups.pop(gid, None)
                 else:
                     groups[gid] = meta
-            state = sidecar_state.sidecar(capture, groups)
+            finalized = _extend_ledger(self._finalized, delta.finalized_leases)
+            whole = replace(capture, buffer=replace(delta, finalized_leases=finalized))
+            state = sidecar_state.sidecar(whole, groups)
             sidecar = await asyncio.to_thread(self.store.write_sidecar, sequence, state)
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = Manifest(
@@ -278,14 +286,15 @@ class Checkpointer:
                 new_rows=len(new_rows),
                 removed_rows=len(delta.removed_rows),
             )
-            if len(manifest.segments) > self.config.compact_segments:
-                manifest = await asyncio.to_thread(self.store.compact, manifest)
+            chosen = plan_compaction(manifest, self.config.compact_segments)
+            if chosen:
+                manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = capture.max_acked_step - self.controller.config.rewind_window
             await asyncio.to_thread(
                 self.store.retire, self.config.keep_latest, keep_tagged(oldest_step)
             )
-        return manifest, groups
+        return manifest, groups, finalized
 
     def _report(self, report: CheckpointReport) -> CheckpointReport:
         self.last_attempt = report
@@ -317,6 +326,16 @@ class Checkpointer:
     @property
     def failing(self) -> bool:
         return self.consecutive_failures >= self.config.max_consecutive_failures
+
+
+def _extend_ledger(ledger: dict[str, int], finalized: Mapping[str, int]) -> dict[str, int]:
+    """The ledger of finalized leases with ``finalized`` (newer) added; the oldest beyond
+    ``ACKED_LEASES_REMEMBERED`` go, as they do in the buffer."""
+    merged = {**ledger, **finalized}
+    excess = len(merged) - ACKED_LEASES_REMEMBERED
+    if excess > 0:
+        merged = dict(itertools.islice(merged.items(), excess, None))
+    return merged
 
 
 def _apply_removed(segments: tuple[SegmentEntry, ...], removed: set[int]) -> list[SegmentEntry]:

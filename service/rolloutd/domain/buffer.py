@@ -76,7 +76,9 @@ Row = tuple[int, int, Sample]
 
 @dataclass
 class BufferDelta:
-    """What changed since the previous capture. ``groups`` maps id -> meta, or None if removed."""
+    """What changed since the previous capture. ``groups`` maps id -> meta, or None if removed;
+    ``finalized_leases`` holds the leases finalized since then, oldest first (the checkpointer
+    keeps the whole ledger: copying it here would make the hold grow with the run's length)."""
 
     new_rows: list[Row]
     removed_rows: list[int]
@@ -117,6 +119,7 @@ class RolloutBuffer:
     _new_rows: list[Row] = field(default_factory=list)
     _removed_rows: list[int] = field(default_factory=list)
     _dirty: dict[int, Group | None] = field(default_factory=dict)
+    _finalized_new: OrderedDict[str, int] = field(default_factory=OrderedDict)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -253,9 +256,11 @@ class RolloutBuffer:
         for record in done:
             del self.acks[record.lease_id]
             self.finalized_leases[record.lease_id] = record.trainer_step
+            self._finalized_new[record.lease_id] = record.trainer_step
             dropped.extend(self.remove(gid) for gid in record.group_ids)
-        while len(self.finalized_leases) > ACKED_LEASES_REMEMBERED:
-            self.finalized_leases.popitem(last=False)
+        for ledger in (self.finalized_leases, self._finalized_new):
+            while len(ledger) > ACKED_LEASES_REMEMBERED:
+                ledger.popitem(last=False)
         return dropped
 
     def rewind(self, after_step: int) -> list[Group]:
@@ -305,6 +310,7 @@ class RolloutBuffer:
         new_rows, self._new_rows = self._new_rows, []
         removed, self._removed_rows = self._removed_rows, []
         dirty, self._dirty = self._dirty, {}
+        finalized, self._finalized_new = self._finalized_new, OrderedDict()
         metas = {gid: None if g is None else GroupMeta.of(g) for gid, g in dirty.items()}
         return BufferDelta(
             new_rows,
@@ -312,7 +318,7 @@ class RolloutBuffer:
             metas,
             dict(self.leases),
             dict(self.acks),
-            dict(self.finalized_leases),
+            finalized,
             self._next_row_id,
         )
 
@@ -322,6 +328,11 @@ class RolloutBuffer:
         self._removed_rows[:0] = delta.removed_rows
         for gid in delta.groups:
             self._dirty.setdefault(gid, self.groups.get(gid))
+        finalized = OrderedDict(delta.finalized_leases)
+        finalized.update(self._finalized_new)
+        while len(finalized) > ACKED_LEASES_REMEMBERED:
+            finalized.popitem(last=False)
+        self._finalized_new = finalized
 
     def load(
         self,
