@@ -49,6 +49,13 @@ def test_round_trip(location: Location):
     assert reopened.read_sidecar(manifest) == state
 
 
+def test_file_url_is_the_local_directory(tmp_path):
+    manifest = publish(SnapshotStore(f"file://{tmp_path}/store"), None, make_rows(0, 5))
+    plain = SnapshotStore(str(tmp_path / "store"))
+    assert plain.list() == [manifest]
+    assert plain.read_rows(manifest) == make_rows(0, 5)
+
+
 def test_empty_store_resolves_to_nothing(location: Location):
     store = location.open()
     assert store.sequences() == [] and store.list() == []

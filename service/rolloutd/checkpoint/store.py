@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -78,6 +79,8 @@ LATEST = "latest"
 _READ_CHUNK = 16 << 20
 _WRITEBACK_CHUNK = 64 << 20
 """Locally, writeback of each this many bytes starts while later ones are still encoded."""
+_HINT_WRITEBACK = sys.platform.startswith("linux")
+"""``posix_fadvise(DONTNEED)`` starts writeback on Linux; elsewhere it may not exist."""
 
 
 class StoreError(OSError):
@@ -197,7 +200,7 @@ class _LocalSink:
         while done < len(view):
             done += os.write(self._fd, view[done:])
         self._written += done
-        if self._written - self._synced >= _WRITEBACK_CHUNK:
+        if _HINT_WRITEBACK and self._written - self._synced >= _WRITEBACK_CHUNK:
             # Start writeback of what was just written (Linux starts it asynchronously for
             # DONTNEED, then drops only pages already clean), so the device works while later
             # batches are encoded instead of all at the final fsync.
