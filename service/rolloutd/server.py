@@ -164,9 +164,7 @@ class RolloutService:
         return self.engine.name
 
     async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport:
-        report = await self.checkpointer.checkpoint(Trigger.ON_DEMAND, tag, trainer_step)
-        await self._follow_checkpoint_health()
-        return report
+        return await self._checkpoint(Trigger.ON_DEMAND, tag, trainer_step)
 
     def status_proto(self) -> pb.GetStatusResponse:
         response = status_to_proto(
@@ -256,8 +254,7 @@ class RolloutService:
         interval = self.config.checkpoint.interval_s
         while True:
             await asyncio.sleep(interval)
-            await self.checkpointer.checkpoint(Trigger.PERIODIC)
-            await self._follow_checkpoint_health()
+            await self._checkpoint(Trigger.PERIODIC)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -388,6 +385,8 @@ class RolloutService:
             await self._server.stop(self.config.grpc.grace_s)
         if self._periodic is not None:
             self._periodic.cancel()
+        if self._attempts:  # the final checkpoint follows the attempts in flight
+            await asyncio.wait(self._attempts)
         await self.controller.stop()
         self.checkpointer.shutting_down = True
         final = await self.checkpointer.checkpoint(Trigger.SHUTDOWN)
