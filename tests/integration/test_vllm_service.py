@@ -1,0 +1,200 @@
+"""The real service on vLLM and the tiny model (CPU in CI)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import time
+from collections import Counter
+
+import grpc
+import pytest
+from tokenizers import Tokenizer
+
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.engines.tiny_model import ensure_tiny_model
+from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from tests.integration.proc import ServeProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.process]
+
+RESTORED = re.compile(r"restored snapshot (\d+) in [\d.]+s: groups (\{.*?\}), siblings (\{.*?\})")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One tiny model for the module, built once, shared by every service started here."""
+    cache = tmp_path_factory.mktemp("model-cache")
+    ensure_tiny_model(cache)
+    return cache
+
+
+def dataset(path, n):
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": f"Question: what is {i} plus {2 * i}?"}) + "\n"
+            for i in range(n)
+        )
+    )
+    return path
+
+
+def serve(tmp_path, cache_dir, *args, **env) -> ServeProcess:
+    p = ServeProcess(
+        [
+            "--engine",
+            "vllm",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            *args,
+        ],
+        env={"ROLLOUTD_ENGINE__CACHE_DIR": str(cache_dir), **env},
+        cwd=tmp_path,
+        log_path=tmp_path / "serve.log",
+    )
+    p.wait_listening(timeout=300)
+    return p
+
+
+def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path, cache_dir):
+    data = dataset(tmp_path / "prompts.jsonl", 5)
+    p = serve(
+        tmp_path,
+        cache_dir,
+        "--dataset",
+        str(data),
+        "--epochs",
+        "1",
+        "--group-size",
+        "3",
+        "--max-tokens",
+        "24",
+        "--checkpoint-interval",
+        "0",
+    )
+    tokenizer = Tokenizer.from_file(str(ensure_tiny_model(cache_dir) / "tokenizer.json"))
+    groups: list[pb.Group] = []
+    try:
+        with grpc.insecure_channel(p.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            while len(groups) < 5:
+                r = stub.FetchGroups(
+                    pb.FetchGroupsRequest(max_groups=5, wait_ms=60_000), timeout=120
+                )
+                groups += r.groups
+                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
+            status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+    finally:
+        p.terminate()
+    assert sorted(g.prompt_id for g in groups) == [f"q{i}" for i in range(5)]
+    for g in groups:
+        assert [s.index for s in g.samples] == [0, 1, 2]
+        assert len({s.seed for s in g.samples}) == 3
+        assert tokenizer.decode(list(g.samples[0].prompt_token_ids)).endswith(g.prompt_text)
+        for s in g.samples:
+            assert 0 < len(s.token_ids) <= 24
+            assert len(s.logprobs) == len(s.token_ids)
+            assert all(lp <= 0.0 for lp in s.logprobs)
+            assert tokenizer.decode(list(s.token_ids), skip_special_tokens=True) == s.text
+    assert (
+        status.dataset_exhausted and status.inflight_samples == 0 and status.buffer.generating == 0
+    )
+    returned = sum(len(s.token_ids) for g in groups for s in g.samples)
+    assert status.counters.generation_tokens == returned  # nothing in flight: every token returned
+    assert status.counters.committed_tokens == returned
+
+
+def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missing(
+    tmp_path, cache_dir
+):
+    data = dataset(tmp_path / "prompts.jsonl", 64)
+    env = {
+        "ROLLOUTD_ENGINE__VLLM__MAX_NUM_SEQS": "6",
+        "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
+        "ROLLOUTD_ENGINE__TEMPERATURE": "1.0",
+    }
+    p = serve(
+        tmp_path,
+        cache_dir,
+        "--dataset",
+        str(data),
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "96",
+        "--checkpoint-interval",
+        "0.25",
+        **env,
+    )
+    store = SnapshotStore(str(tmp_path / "ckpt"))
+    deadline = time.monotonic() + 240
+    try:
+        while True:  # until a published snapshot holds a group with some, not all, siblings staged
+            assert time.monotonic() < deadline, "no snapshot with a partly generated group"
+            snapshot = store.resolve("latest").snapshot
+            if snapshot is not None:
+                staged = Counter(gid for _, gid, _ in snapshot.rows())
+                partial = [
+                    g
+                    for g in snapshot.sidecar["groups"]
+                    if g["state"] == "generating" and 0 < staged[g["group_id"]] < 4
+                ]
+                if partial:
+                    break
+            time.sleep(0.1)
+    finally:
+        p.kill()  # SIGKILL the service and its engine processes
+
+    snapshot = store.resolve("latest").snapshot  # the newest one: it may have moved on
+    assert snapshot is not None
+    rows = {(gid, s.index): s for _, gid, s in snapshot.rows()}
+    staged = Counter(gid for gid, _ in rows)
+    unfinished = [g["group_id"] for g in snapshot.sidecar["groups"] if g["state"] == "generating"]
+    expected = {
+        "reused": sum(staged[g] for g in unfinished),
+        "rerun": sum(4 - staged[g] for g in unfinished),
+    }
+    assert expected["reused"] > 0
+
+    q = serve(
+        tmp_path,
+        cache_dir,
+        "--dataset",
+        str(data),
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "96",
+        "--checkpoint-interval",
+        "0",
+        "--restore",
+        "latest",
+        **env,
+    )
+    try:
+        [m] = [m for line in q.lines if (m := RESTORED.search(line))]
+        assert int(m[1]) == snapshot.manifest.sequence
+        assert ast.literal_eval(m[2])["unfinished"] == len(unfinished)
+        assert ast.literal_eval(m[3]) == expected
+        with grpc.insecure_channel(q.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            seen = {}
+            while not set(unfinished) <= set(seen):
+                r = stub.FetchGroups(
+                    pb.FetchGroupsRequest(max_groups=16, wait_ms=60_000), timeout=120
+                )
+                seen.update({g.group_id: g for g in r.groups})
+                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
+        for gid in unfinished:
+            for s in seen[gid].samples:
+                if (gid, s.index) in rows:  # a reused sibling comes back exactly as it was staged
+                    assert list(s.token_ids) == list(rows[(gid, s.index)].token_ids)
+                    assert s.seed == rows[(gid, s.index)].seed
+    finally:
+        q.terminate()
