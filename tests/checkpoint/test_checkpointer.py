@@ -322,3 +322,32 @@ async def test_compaction_merges_small_segments_and_keeps_the_large_one(nodes):
     b = nodes(engine=GatedEngine())
     await b.restore()
     assert sum(len(g.samples) for g in b.controller.buffer.groups.values()) == rows == 12
+
+
+async def test_an_attempt_that_times_out_but_publishes_later_does_not_block_the_next(nodes):
+    import time as _time
+
+    a = nodes()
+    a.checkpointer.config = CheckpointerConfig(keep_latest=2, timeout_s=0.2)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    real_publish = a.store.publish
+
+    def slow_publish(manifest):
+        _time.sleep(0.5)  # the worker thread outlives the attempt, then publishes anyway
+        real_publish(manifest)
+
+    a.store.publish = slow_publish
+    late = await a.checkpoint()
+    assert (late.outcome, late.reason) == (Outcome.FAILED, Reason.TIMEOUT)
+    await asyncio.sleep(0.6)
+    a.store.publish = real_publish
+    await a.controller.fetch(1, 100, "t")
+    r = await a.checkpoint()
+    assert r.outcome is Outcome.COMPLETED and r.sequence == late_sequence(a) + 1
+    held = sum(len(g.samples) for g in a.controller.buffer.groups.values())
+    assert r.rows[RowKind.LIVE] == held
+
+
+def late_sequence(node):
+    return sorted(node.store.sequences())[-2]

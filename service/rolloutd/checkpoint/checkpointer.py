@@ -118,6 +118,8 @@ class Checkpointer:
         """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
         first; captures hand over only what was finalized since."""
         self._parent: Manifest | None = None
+        self._next_sequence: int | None = None
+        """Sequence of the next attempt; read once from the store (its newest manifest)."""
         self.restoring = False
         self.shutting_down = False
         self.consecutive_failures = 0
@@ -252,7 +254,11 @@ class Checkpointer:
         report: CheckpointReport,
     ) -> tuple[Manifest, dict[int, GroupMeta], dict[str, int]]:
         delta = capture.buffer
-        sequence = self.sequence + 1
+        if self._next_sequence is None:
+            published = await asyncio.to_thread(self.store.sequences)
+            self._next_sequence = (published[0] if published else 0) + 1
+        # Never reused: an attempt that timed out may still publish from its worker thread.
+        sequence, self._next_sequence = self._next_sequence, self._next_sequence + 1
         removed = set(delta.removed_rows)
         new_rows = [row for row in delta.new_rows if row[0] not in removed]
         with clock.phase(CheckpointPhase.BUFFER_SAVE):
