@@ -234,9 +234,8 @@ class Trainer(threading.Thread):
         finally:
             self._client.close()
 
-    def committed_tokens(self) -> int:
-        status: pb.GetStatusResponse = next(iter(self._client.status().values()))
-        return status.counters.committed_tokens
+    def status(self) -> pb.GetStatusResponse:
+        return next(iter(self._client.status().values()))
 
     def stop(self) -> None:
         self._halt.set()
@@ -278,12 +277,21 @@ class Sample:
 
     at: float
     committed_tokens: int
+    ready_groups: int
+    """Committed groups waiting for the trainer (many: the trainer, not the service, limits)."""
     trainer_tokens: int
     cpu_s: float
 
     @classmethod
     def take(cls, trainer: Trainer, service: Service) -> Sample:
-        return cls(time.monotonic(), trainer.committed_tokens(), trainer.tokens, service.cpu_s())
+        status = trainer.status()
+        return cls(
+            time.monotonic(),
+            status.counters.committed_tokens,
+            status.buffer.committed,
+            trainer.tokens,
+            service.cpu_s(),
+        )
 
 
 def run_once(mode: str, load: Load, plan: Plan, sink: OtlpSink, workdir: Path) -> dict[str, Any]:
@@ -334,6 +342,7 @@ def run_once(mode: str, load: Load, plan: Plan, sink: OtlpSink, workdir: Path) -
         "service_cpu_s_per_mtok": cpu_s / committed * 1e6 if committed else None,
         "service_cpu_share": cpu_s / seconds,
         "window_s": seconds,
+        "ready_groups_at_end": end.ready_groups,
         "spans_exported": spans1 - spans0,
         "metric_points_exported": points1 - points0,
         "scrapes": scraper.scrapes if scraper else 0,
@@ -407,10 +416,10 @@ def assemble(
 
 def table(runs: list[dict[str, Any]]) -> str:
     return common.markdown_table(
-        ["#", "mode", "committed tok/s", "trainer tok/s", "CPU-s/Mtok", "service CPU",
+        ["#", "mode", "committed tok/s", "trainer tok/s", "ready groups", "CPU-s/Mtok", "service CPU",
          "spans exported", "metric points exported", "scrapes"],
         [
-            (i + 1, r["mode"], r["tokens_per_s"], r["trainer_tokens_per_s"],
+            (i + 1, r["mode"], r["tokens_per_s"], r["trainer_tokens_per_s"], r["ready_groups_at_end"],
              r["service_cpu_s_per_mtok"], f"{r['service_cpu_share']:.0%}",
              r["spans_exported"], r["metric_points_exported"], r["scrapes"])
             for i, r in enumerate(runs)
