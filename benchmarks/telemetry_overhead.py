@@ -9,8 +9,9 @@ is the service's own counter (``GetStatus`` ``counters.committed_tokens``) over 
 the CPU time the service process used in that window is reported per million committed tokens.
 
 - **on**: ``OTEL_SDK_DISABLED=false``; traces (a span per RPC and per checkpoint phase) and the
-  metric catalogue exported over OTLP/gRPC to a sink in this process, metrics every second; the
-  admin ``/metrics`` endpoint scraped every second.
+  metric catalogue exported over OTLP/gRPC to a sink, metrics every second; the admin
+  ``/metrics`` endpoint scraped every second. The sink and the scraper run in processes of their
+  own, as a collector and Prometheus would.
 - **off**: ``OTEL_SDK_DISABLED=true``.
 
 Runs alternate in ABBA order (on, off, off, on, ...) so a drift in the machine's load over the
@@ -24,7 +25,9 @@ Usage: ``python benchmarks/telemetry_overhead.py [--quick] [--json FILE]``.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -87,59 +90,137 @@ QUICK_CHANGES = (
 )
 
 
-# --- an OTLP sink that counts what it receives -------------------------------------------------
+# --- the telemetry backends: an OTLP sink and a Prometheus scraper, each in its own process ------
+#
+# As in production, the collector and Prometheus do not share a process (and its GIL) with the
+# trainer: in "on" runs they would slow the trainer down, and with it what it can consume.
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, spans: Any):
+        self._spans = spans
+
+    def Export(self, request: Any, context: Any) -> Any:
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        with self._spans.get_lock():
+            self._spans.value += n
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, points: Any):
+        self._points = points
+
+    def Export(self, request: Any, context: Any) -> Any:
+        n = 0
+        for rm in request.resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if (kind := m.WhichOneof("data")) is not None:
+                        n += len(getattr(m, kind).data_points)
+        with self._points.get_lock():
+            self._points.value += n
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def _serve_sink(port: Any, spans: Any, points: Any, stop: Any) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(spans), server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(points), server)
+    port.value = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop.wait()
+    server.stop(grace=None)
 
 
 class OtlpSink:
     """OTLP/gRPC trace and metric services that count spans and data points and keep nothing."""
 
     def __init__(self) -> None:
-        self.spans = 0
-        self.points = 0
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        sink = self
-
-        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:
-                n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-                sink.count(spans=n)
-                return trace_service_pb2.ExportTraceServiceResponse()
-
-        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:
-                n = sum(
-                    len(getattr(m, m.WhichOneof("data")).data_points)
-                    for rm in request.resource_metrics
-                    for sm in rm.scope_metrics
-                    for m in sm.metrics
-                    if m.WhichOneof("data")
-                )
-                sink.count(points=n)
-                return metrics_service_pb2.ExportMetricsServiceResponse()
-
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), self._server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-
-    def count(self, spans: int = 0, points: int = 0) -> None:
-        with self._lock:
-            self.spans += spans
-            self.points += points
+        self._port = SPAWN.Value("i", 0)
+        self._spans = SPAWN.Value("q", 0)
+        self._points = SPAWN.Value("q", 0)
+        self._stop = SPAWN.Event()
+        self._process = SPAWN.Process(
+            target=_serve_sink,
+            args=(self._port, self._spans, self._points, self._stop),
+            name="otlp-sink",
+            daemon=True,
+        )
+        self.port = 0
 
     def totals(self) -> tuple[int, int]:
-        with self._lock:
-            return self.spans, self.points
+        return self._spans.value, self._points.value
 
     def __enter__(self) -> OtlpSink:
-        self._server.start()
+        self._process.start()
+        deadline = time.monotonic() + 60
+        while not self._port.value:
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                common.fail("the OTLP sink did not start")
+            time.sleep(0.05)
+        self.port = self._port.value
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.stop(grace=None)
+        self._stop.set()
+        self._process.join(30)
 
 
-# --- the service, the trainer and the scraper ---------------------------------------------------
+def _scrape(targets: Any, interval_s: float, scrapes: Any, series: Any) -> None:
+    """Scrapes the last URL received, every ``interval_s``; an empty URL pauses, None ends."""
+    url = ""
+    with httpx.Client(timeout=10) as http:
+        while True:
+            try:
+                url = targets.get(timeout=interval_s if url else None)
+            except queue.Empty:
+                response = http.get(url)
+                response.raise_for_status()
+                series.value = sum(1 for line in response.text.splitlines() if line[:1] != "#")
+                scrapes.value += 1
+                continue
+            if url is None:
+                return
+
+
+class Scraper:
+    """Scrapes ``/metrics`` at a fixed interval, like Prometheus; one process for every run."""
+
+    def __init__(self, interval_s: float):
+        self._targets: Any = SPAWN.Queue()
+        self._scrapes = SPAWN.Value("i", 0)
+        self._series = SPAWN.Value("i", 0)
+        self._process = SPAWN.Process(
+            target=_scrape,
+            args=(self._targets, interval_s, self._scrapes, self._series),
+            name="scraper",
+            daemon=True,
+        )
+
+    def __enter__(self) -> Scraper:
+        self._process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._targets.put(None)
+        self._process.join(30)
+
+    def start(self, address: str) -> None:
+        self._scrapes.value = self._series.value = 0
+        self._targets.put(f"http://{address}/metrics")
+
+    def pause(self) -> tuple[int, int]:
+        """(scrapes, series in the last one) since :meth:`start`."""
+        self._targets.put("")
+        if not self._process.is_alive():
+            common.fail(f"scraping /metrics failed (exit code {self._process.exitcode})")
+        return int(self._scrapes.value), int(self._series.value)
+
+
+# --- the service and the trainer -------------------------------------------------------------
 
 
 class Service:
@@ -242,32 +323,6 @@ class Trainer(threading.Thread):
         self.join(30)
 
 
-class Scraper(threading.Thread):
-    """Scrapes ``/metrics`` at a fixed interval, like Prometheus."""
-
-    def __init__(self, address: str, interval_s: float):
-        super().__init__(name="scraper", daemon=True)
-        self._url = f"http://{address}/metrics"
-        self._interval_s = interval_s
-        self._halt = threading.Event()
-        self.scrapes = 0
-        self.series = 0
-
-    def run(self) -> None:
-        with httpx.Client(timeout=10) as http:
-            while not self._halt.wait(self._interval_s):
-                response = http.get(self._url)
-                response.raise_for_status()
-                self.scrapes += 1
-                self.series = sum(
-                    1 for line in response.text.splitlines() if line and line[0] != "#"
-                )
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(30)
-
-
 # --- one run, and the alternation ------------------------------------------------------------
 
 
@@ -294,43 +349,51 @@ class Sample:
         )
 
 
-def run_once(mode: str, load: Load, plan: Plan, sink: OtlpSink, workdir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Backends:
+    """Where telemetry goes in "on" runs."""
+
+    sink: OtlpSink
+    scraper: Scraper
+
+
+def run_once(mode: str, load: Load, plan: Plan, to: Backends, workdir: Path) -> dict[str, Any]:
     on = mode == "on"
     env = (
         {
             "OTEL_SDK_DISABLED": "false",
             "OTEL_SERVICE_NAME": "rolloutd-bench",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.port}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{to.sink.port}",
             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
             "OTEL_METRIC_EXPORT_INTERVAL": str(load.metric_export_interval_ms),
         }
         if on
         else {"OTEL_SDK_DISABLED": "true"}
     )
-    spans0, points0 = sink.totals()
+    spans0, points0 = to.sink.totals()
+    scrapes = series = 0
     service = Service(load, env, workdir, workdir / "rolloutd.log")
     service.wait_listening()
     trainer = Trainer(service.grpc, load.fetch_groups)
-    scraper = Scraper(service.http, load.scrape_interval_s) if on else None
     trainer.start()
-    if scraper is not None:
-        scraper.start()
+    if on:
+        to.scraper.start(service.http)
     try:
         time.sleep(plan.warmup_s)
         start = Sample.take(trainer, service)
         time.sleep(plan.window_s)
         end = Sample.take(trainer, service)
     finally:
+        if on:
+            scrapes, series = to.scraper.pause()
         trainer.stop()
-        if scraper is not None:
-            scraper.stop()
         code = service.stop()
     if trainer.error is not None:
         common.fail(f"the trainer failed: {trainer.error}")
     if code != 0:
         common.fail(f"rolloutd exited with {code}:\n{service.log_path.read_text()[-4000:]}")
-    spans1, points1 = sink.totals()  # the service flushed its telemetry as it stopped
-    if on and not (spans1 > spans0 and points1 > points0 and scraper and scraper.series):
+    spans1, points1 = to.sink.totals()  # the service flushed its telemetry as it stopped
+    if on and not (spans1 > spans0 and points1 > points0 and series):
         common.fail(f"telemetry was not on: {service.log_path.read_text()[-4000:]}")
     seconds = end.at - start.at
     committed = end.committed_tokens - start.committed_tokens
@@ -345,8 +408,8 @@ def run_once(mode: str, load: Load, plan: Plan, sink: OtlpSink, workdir: Path) -
         "ready_groups_at_end": end.ready_groups,
         "spans_exported": spans1 - spans0,
         "metric_points_exported": points1 - points0,
-        "scrapes": scraper.scrapes if scraper else 0,
-        "scraped_series": scraper.series if scraper else 0,
+        "scrapes": scrapes,
+        "scraped_series": series,
     }
 
 
@@ -439,11 +502,15 @@ def main() -> None:
     started = time.time()
     runs: list[dict[str, Any]] = []
     modes = schedule(plan.pairs)
-    with OtlpSink() as sink, tempfile.TemporaryDirectory(prefix="rolloutd-bench-") as tmp:
+    with (
+        OtlpSink() as sink,
+        Scraper(load.scrape_interval_s) as scraper,
+        tempfile.TemporaryDirectory(prefix="rolloutd-bench-") as tmp,
+    ):
         for i, mode in enumerate(modes):
             workdir = Path(tmp) / f"run-{i}"
             workdir.mkdir()
-            r = run_once(mode, load, plan, sink, workdir)
+            r = run_once(mode, load, plan, Backends(sink, scraper), workdir)
             runs.append(r)
             common.progress(
                 f"run {i + 1}/{len(modes)} {mode:>3}: {r['tokens_per_s']:,.0f} committed tokens/s, "
