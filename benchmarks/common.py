@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -94,6 +95,29 @@ def machine() -> dict[str, Any]:
         for key in ("MemTotal", "MemAvailable"):
             info[f"{key.lower()}_gib"] = int(fields[key].split()[0]) / (1 << 20)
     return info
+
+
+def revision() -> dict[str, Any]:
+    """The commit measured, and files of the service that differ from it (uncommitted work)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else ""
+
+    status = git("status", "--porcelain", "--", "service")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip(),
+        "uncommitted": [line[3:] for line in status.splitlines() if line.strip()],
+    }
+
+
+def rss_gib() -> float:
+    """Resident memory of this process now (0 where ``/proc`` is missing)."""
+    statm = Path("/proc/self/statm")
+    if not statm.exists():
+        return 0.0
+    return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
 
 
 def peak_rss_gib() -> float:
