@@ -1,17 +1,19 @@
 """Telemetry overhead: committed tokens/s through the real service, telemetry fully on versus off.
 
 Every run starts the real CLI (``rolloutd serve``, synthetic engine) as a subprocess, with the same
-load: per-request generation speed and concurrency like a small GPU node, so the engine is not the
-bottleneck by being instant and the service's own work (admission, staging, commits, leases, acks,
-gRPC encoding, periodic checkpoints, and telemetry when on) is what takes the CPU. A trainer thread
-in this process leases and acks groups as fast as they come. After a warm-up, committed tokens/s
-is the service's own counter (``GetStatus`` ``counters.committed_tokens``) over a measured window;
-the CPU time the service process used in that window is reported per million committed tokens.
+load: 1,024 requests in flight generating at 100 tokens/s each, like a busy multi-GPU node. The
+engine is not instant, so it cannot be what saturates, and the service's own work (admission,
+staging, commits, leases, acks, gRPC encoding, periodic checkpoints, and telemetry when on) is
+what takes the CPU; the synthetic engine makes its token ids in the service's process, so its CPU
+time counts too. A trainer thread in this process leases and acks groups as fast as they come.
+After a warm-up, committed tokens/s is the service's own counter (``GetStatus``
+``counters.committed_tokens``) over a measured window; the CPU time the service process used in
+that window is reported per million committed tokens.
 
 - **on**: ``OTEL_SDK_DISABLED=false``; traces (a span per RPC and per checkpoint phase) and the
   metric catalogue exported over OTLP/gRPC to a sink, metrics every second; the admin
-  ``/metrics`` endpoint scraped every second. The sink and the scraper run in processes of their
-  own, as a collector and Prometheus would.
+  ``/metrics`` endpoint scraped every second (both 15 times as often as the deployment's 15 s).
+  The sink and the scraper run in processes of their own, as a collector and Prometheus would.
 - **off**: ``OTEL_SDK_DISABLED=true``.
 
 Runs alternate in ABBA order (on, off, off, on, ...) so a drift in the machine's load over the
