@@ -101,7 +101,7 @@ FULL = Plan()
 QUICK = Plan(
     tokens=(16, 64),
     prompt_tokens=(8, 32),
-    prompt_chars=(50, 200),
+    prompt_chars=(20, 80),
     hold_checkpoints=30,
     pct_checkpoints=10,
     throughput_reps=1,
@@ -109,7 +109,8 @@ QUICK = Plan(
     delta_reps=3,
 )
 QUICK_CHANGES = (
-    "--quick: samples of 16-64 tokens instead of 512-2048 (rows ~30x smaller), 30 instead of "
+    "--quick: samples of 16-64 tokens instead of 512-2048 (rows ~30x smaller) and prompts of "
+    "20-80 characters instead of 200-800, 30 instead of "
     "200 fixed-delta checkpoints and 10 instead of 60 1%-delta checkpoints per size, 1 instead "
     "of 3 throughput repetitions, 3 instead of 5 checkpoints per delta in the bytes-versus-delta "
     "series, fewer naive repetitions; with rows this small, save and "
@@ -683,7 +684,7 @@ async def aged_ledger(node: Node, plan: Plan, factory: SampleFactory) -> dict[st
         ctl.buffer.finalize(node.step)
     await node.checkpoint()  # takes the 65,536 newly finalized leases
     series = Series()
-    for _ in range(max(plan.hold_checkpoints // 4, 10)):
+    for _ in range(max(plan.hold_checkpoints // 4, 5)):
         await node.churn(factory, plan.fixed_delta_groups)
         series.add(await node.checkpoint(), node)
     figures = series.figures()

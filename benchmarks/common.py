@@ -174,7 +174,7 @@ def fmt(value: Any, digits: int = 3) -> str:
     if not math.isfinite(value):
         return "-"
     if value != 0 and abs(value) < 10 ** (digits - 1):
-        return f"{value:.{digits}g}"
+        return f"{value:#.{digits}g}".rstrip(".")  # keeps trailing zeros: 2.00, not 2
     return f"{value:,.0f}"
 
 
