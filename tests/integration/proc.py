@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+) http=(?P<http>\S+)")
 
@@ -40,6 +41,24 @@ class ServeProcess:
         self.grpc: str | None = None
         self.http: str | None = None
         threading.Thread(target=self._pump, daemon=True).start()
+
+    @classmethod
+    def synthetic(cls, checkpoint_dir: str | Path, *args: str, **kw: Any) -> ServeProcess:
+        """The synthetic engine on free ports, checkpointing to ``checkpoint_dir``."""
+        return cls(
+            [
+                "--engine",
+                "synthetic",
+                "--grpc-port",
+                "0",
+                "--http-port",
+                "0",
+                "--checkpoint-dir",
+                str(checkpoint_dir),
+                *args,
+            ],
+            **kw,
+        )
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

@@ -28,21 +28,12 @@ def grpcurl(addr, *args):
 
 @pytest.fixture
 def served(tmp_path):
-    p = ServeProcess(
-        [
-            "--engine",
-            "synthetic",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--group-size",
-            "3",
-            "--checkpoint-dir",
-            str(tmp_path / "ckpt"),
-            "--checkpoint-interval",
-            "0",
-        ],
+    p = ServeProcess.synthetic(
+        tmp_path / "ckpt",
+        "--group-size",
+        "3",
+        "--checkpoint-interval",
+        "0",
         cwd=tmp_path,
     )
     addr = p.wait_listening()

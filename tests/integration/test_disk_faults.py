@@ -62,21 +62,12 @@ def test_a_failing_disk_makes_the_service_not_ready_and_it_recovers(tmp_path, tm
     disk, remount = tmpfs
     if fault == "read-only":
         remount("ro")
-    p = ServeProcess(
-        [
-            "--engine",
-            "synthetic",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--checkpoint-dir",
-            str(disk / "ckpt"),
-            "--checkpoint-interval",
-            "0.2",
-            "--group-size",
-            "4",
-        ],
+    p = ServeProcess.synthetic(
+        disk / "ckpt",
+        "--checkpoint-interval",
+        "0.2",
+        "--group-size",
+        "4",
         env={
             "ROLLOUTD_CHECKPOINT__MAX_CONSECUTIVE_FAILURES": "3",
             "ROLLOUTD_ENGINE__MAX_TOKENS": "256",
@@ -115,21 +106,12 @@ def test_a_failing_disk_makes_the_service_not_ready_and_it_recovers(tmp_path, tm
         text=True,
     )
     assert listed.returncode == 0, listed.stdout + listed.stderr
-    q = ServeProcess(
-        [
-            "--engine",
-            "synthetic",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--checkpoint-dir",
-            str(disk / "ckpt"),
-            "--checkpoint-interval",
-            "0",
-            "--group-size",
-            "4",
-        ],
+    q = ServeProcess.synthetic(
+        disk / "ckpt",
+        "--checkpoint-interval",
+        "0",
+        "--group-size",
+        "4",
         env={"ROLLOUTD_ENGINE__MAX_TOKENS": "256"},
         cwd=tmp_path,
     )

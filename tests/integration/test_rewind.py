@@ -13,21 +13,12 @@ pytestmark = pytest.mark.process
 
 
 def serve(tmp_path) -> ServeProcess:
-    return ServeProcess(
-        [
-            "--engine",
-            "synthetic",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--group-size",
-            "2",
-            "--checkpoint-dir",
-            str(tmp_path / "ckpt"),
-            "--checkpoint-interval",
-            "0",
-        ],
+    return ServeProcess.synthetic(
+        tmp_path / "ckpt",
+        "--group-size",
+        "2",
+        "--checkpoint-interval",
+        "0",
         env={"ROLLOUTD_LIMITS__REWIND_WINDOW": "20"},
         cwd=tmp_path,
     )

@@ -119,19 +119,8 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
         "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
         "ROLLOUTD_ENGINE__TEMPERATURE": "1.0",
     }
-    p = serve(
-        tmp_path,
-        cache_dir,
-        "--dataset",
-        str(data),
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "96",
-        "--checkpoint-interval",
-        "0.25",
-        **env,
-    )
+    shape = ["--dataset", str(data), "--group-size", "4", "--max-tokens", "96"]
+    p = serve(tmp_path, cache_dir, *shape, "--checkpoint-interval", "0.25", **env)
     store = SnapshotStore(str(tmp_path / "ckpt"))
     deadline = time.monotonic() + 240
     try:
@@ -163,19 +152,7 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
     assert expected["reused"] > 0
 
     q = serve(
-        tmp_path,
-        cache_dir,
-        "--dataset",
-        str(data),
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "96",
-        "--checkpoint-interval",
-        "0",
-        "--restore",
-        "latest",
-        **env,
+        tmp_path, cache_dir, *shape, "--checkpoint-interval", "0", "--restore", "latest", **env
     )
     try:
         [m] = [m for line in q.lines if (m := RESTORED.search(line))]
