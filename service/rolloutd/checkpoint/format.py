@@ -119,7 +119,8 @@ def _encode_batch(rows: Sequence[Row]) -> pa.RecordBatch:
 
 
 def _batch_bounds(rows: Sequence[Row], batch_rows: int, batch_values: int) -> list[int]:
-    """Where batches start: every ``batch_rows`` rows, or sooner once ``batch_values`` is reached."""
+    """Batch boundaries from 0 to ``len(rows)``: a new batch every ``batch_rows`` rows, or sooner
+    once ``batch_values`` list values are reached (a single larger row gets a batch to itself)."""
     sizes = np.fromiter(
         (len(s.token_ids) + len(s.logprobs) + len(s.prompt_token_ids) for _, _, s in rows),
         dtype=np.int64,
