@@ -9,7 +9,7 @@ groups are copied into small frozen records.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -138,10 +138,13 @@ class RolloutBuffer:
         return len(self._ready)
 
     def counts(self) -> BufferCounts:
-        c = BufferCounts()
-        for g in self.groups.values():
-            setattr(c, g.state.value, getattr(c, g.state.value) + 1)
-        return c
+        n = Counter(g.state for g in self.groups.values())
+        return BufferCounts(
+            n[GroupState.GENERATING],
+            n[GroupState.COMMITTED],
+            n[GroupState.LEASED],
+            n[GroupState.ACKED],
+        )
 
     def positions(self) -> set[Position]:
         return {g.position for g in self.groups.values() if g.position is not None}
