@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup run test test-fast lint format bench bench-quick proto docs clean
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	@scripts/setup.sh $(VENV)
 	@touch $(STAMP)
 

