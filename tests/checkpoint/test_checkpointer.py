@@ -108,7 +108,7 @@ async def test_snapshots_are_incremental(nodes):
 async def test_the_hold_does_no_io(nodes):
     a = nodes()
     calls = []
-    for name in ("write_segment", "write_sidecar", "publish", "retire", "append_ack"):
+    for name in ("write_segment", "write_sidecar_json", "publish", "retire", "append_ack"):
         real = getattr(a.store, name)
 
         def spy(*args, _real=real, _name=name, **kw):
@@ -119,7 +119,7 @@ async def test_the_hold_does_no_io(nodes):
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
     await a.checkpoint()
-    assert {n for n, _ in calls} >= {"write_segment", "write_sidecar", "publish"}
+    assert {n for n, _ in calls} >= {"write_segment", "write_sidecar_json", "publish"}
     assert not any(held for _, held in calls)
 
 

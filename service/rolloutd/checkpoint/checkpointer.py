@@ -112,8 +112,8 @@ class Checkpointer:
         self.fingerprint = dict(fingerprint)
         self.observer: Observer = observer or NullObserver()
         self._lock = asyncio.Lock()
-        self._groups: dict[int, GroupMeta] = {}
-        """Every live group's metadata as of the last completed snapshot."""
+        self._groups: dict[int, bytes] = {}
+        """Every live group's metadata as of the last completed snapshot, encoded for the sidecar."""
         self._finalized: dict[str, int] = {}
         """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
         first; captures hand over only what was finalized since."""
@@ -130,7 +130,8 @@ class Checkpointer:
 
     def adopt(self, manifest: Manifest, groups: dict[int, GroupMeta]) -> None:
         """Continue incrementally from a restored snapshot, loaded into the buffer just now."""
-        self._parent, self._groups = manifest, dict(groups)
+        self._parent = manifest
+        self._groups = {gid: sidecar_state.encode_group(m) for gid, m in groups.items()}
         self._finalized = dict(self.controller.buffer.finalized_leases)
 
     @property
@@ -252,7 +253,7 @@ class Checkpointer:
         capture: ControllerCapture,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, dict[int, GroupMeta], dict[str, int]]:
+    ) -> tuple[Manifest, dict[int, bytes], dict[str, int]]:
         delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
@@ -273,11 +274,11 @@ class Checkpointer:
                 if meta is None:
                     groups.pop(gid, None)
                 else:
-                    groups[gid] = meta
+                    groups[gid] = sidecar_state.encode_group(meta)
             finalized = _extend_ledger(self._finalized, delta.finalized_leases)
             whole = replace(capture, buffer=replace(delta, finalized_leases=finalized))
-            state = sidecar_state.sidecar(whole, groups)
-            sidecar = await asyncio.to_thread(self.store.write_sidecar, sequence, state)
+            data = sidecar_state.sidecar_json(whole, groups.values())
+            sidecar = await asyncio.to_thread(self.store.write_sidecar_json, sequence, data)
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = Manifest(
                 sequence=sequence,

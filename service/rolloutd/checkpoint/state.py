@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from typing import Any
 
 from rolloutd.domain.buffer import AckRecord, GroupMeta, Lease
@@ -89,11 +91,23 @@ def admission_from_json(d: dict[str, Any]) -> Admission:
     return Admission(prompt_from_state(d["prompt"]), None if pos is None else Position(*pos))
 
 
-def sidecar(capture: ControllerCapture, groups: dict[int, GroupMeta]) -> dict[str, Any]:
-    """The sidecar of a snapshot: ``groups`` is every live group's metadata as of ``capture``."""
+def encode_group(m: GroupMeta) -> bytes:
+    """One group's metadata as it stands in the sidecar's ``groups`` array."""
+    return json.dumps(meta_to_json(m), separators=(",", ":"), allow_nan=False).encode()
+
+
+def sidecar_json(capture: ControllerCapture, groups: Iterable[bytes]) -> bytes:
+    """The sidecar as JSON. ``groups`` is every live group as :func:`encode_group` bytes: the
+    checkpointer encodes a group once when it changes and only concatenates the others, so a
+    checkpoint's encoding work follows its delta rather than the size of the buffer."""
+    head = json.dumps(sidecar(capture), separators=(",", ":"), allow_nan=False).encode()
+    return head[:-1] + b',"groups":[' + b",".join(groups) + b"]}"
+
+
+def sidecar(capture: ControllerCapture) -> dict[str, Any]:
+    """Controller state of a snapshot, but for the groups (see :func:`sidecar_json`)."""
     return {
         "format": SIDECAR_FORMAT,
-        "groups": [meta_to_json(m) for m in groups.values()],
         "sampler": capture.sampler.state(),
         "controller": {
             "next_group_id": capture.next_group_id,

@@ -742,7 +742,12 @@ class SnapshotStore:
 
     def write_sidecar(self, sequence: int, state: Mapping[str, Any]) -> FileEntry:
         """Write controller state (JSON-able) as the sidecar of snapshot ``sequence``."""
-        data = json.dumps(state, separators=(",", ":"), allow_nan=False).encode()
+        return self.write_sidecar_json(
+            sequence, json.dumps(state, separators=(",", ":"), allow_nan=False).encode()
+        )
+
+    def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry:
+        """Write an already encoded JSON object as the sidecar of snapshot ``sequence``."""
         path = f"{SIDECARS}/{_name(sequence, '.json')}"
         hasher = Hasher(self._checksum)
         hasher.update(data)
