@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=0, help="Checkpoint(step) every N steps"
     )
     trainer.add_argument("--idle-exit-s", type=float, default=30.0)
+    trainer.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=900.0,
+        help="how long to wait for the service to be ready",
+    )
     trainer.add_argument("--token", help="bearer token")
 
     tiny = sub.add_parser("tiny-model", help="build the tiny random Llama model into DIR")
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             train_s=args.train_s,
             checkpoint_every=args.checkpoint_every,
             idle_exit_s=args.idle_exit_s,
+            ready_timeout_s=args.ready_timeout_s,
             token=args.token,
         )
         run(cfg, out=lambda line: print(line, flush=True))

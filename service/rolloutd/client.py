@@ -179,6 +179,10 @@ class RolloutClient:
             for ep in self.endpoints
         }
 
+    def status_of(self, endpoint: str) -> pb.GetStatusResponse:
+        """One endpoint's status, without retries (for polling)."""
+        return self._stubs[endpoint].GetStatus(pb.GetStatusRequest(), **self._kw())
+
     def status(self) -> dict[str, pb.GetStatusResponse]:
         return {
             ep: self._call(ep, lambda s: s.GetStatus(pb.GetStatusRequest(), **self._kw()))

@@ -7,7 +7,10 @@ It shows the delivery contract from the trainer's side: ack after the step consu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import grpc
 
 from rolloutd.client import Lease, RolloutClient
 from rolloutd.v1 import rollout_pb2 as pb
@@ -29,14 +32,42 @@ class TrainerConfig:
     idle_exit_s: float = 30.0
     """Stop after this long without any group."""
     report_every_s: float = 1.0
+    ready_timeout_s: float = 900.0
+    """How long to wait for every endpoint to be ready (a vLLM start takes a minute or more)."""
     token: str | None = None
 
 
-def run(cfg: TrainerConfig, out=print) -> int:  # type: ignore[no-untyped-def]
+def wait_until_ready(client: RolloutClient, timeout_s: float, out: Callable[[str], object]) -> None:
+    """Polls every endpoint's status until all serve, printing what they are doing meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    last_report = 0.0
+    while True:
+        states: dict[str, str] = {}
+        for endpoint in client.endpoints:
+            try:
+                state = client.status_of(endpoint).state
+                states[endpoint] = (
+                    pb.ServingState.Name(state).removeprefix("SERVING_STATE_").lower()
+                )
+            except grpc.RpcError as exc:
+                states[endpoint] = exc.code().name.lower()  # type: ignore[attr-defined]
+        if all(s == "serving" for s in states.values()):
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"not ready after {timeout_s:.0f}s: {states}")
+        if now - last_report >= 5.0:
+            last_report = now
+            out("waiting for the service: " + ", ".join(f"{ep} {s}" for ep, s in states.items()))
+        time.sleep(1.0)
+
+
+def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
     """Returns the number of steps taken."""
     step = groups_total = tokens_total = 0
-    started = last_report = last_data = time.monotonic()
     with RolloutClient(cfg.endpoints, token=cfg.token) as client:
+        wait_until_ready(client, cfg.ready_timeout_s, out)
+        started = last_report = last_data = time.monotonic()
         while cfg.steps is None or step < cfg.steps:
             batch: list[pb.Group] = []
             leases: list[Lease] = []

@@ -5,6 +5,7 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,39 @@ def test_bad_configuration_exits_with_a_message_naming_the_key(tmp_path, args, e
     )
     assert r.returncode == 2
     assert f"config key '{key}'" in r.stderr
+
+
+def test_the_example_trainer_waits_for_a_service_that_is_not_up_yet(tmp_path):
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rolloutd.cli",
+            "trainer",
+            "--target",
+            f"127.0.0.1:{port}",
+            "--steps",
+            "3",
+            "--groups-per-step",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(6)  # the trainer is polling a port nobody listens on yet
+    p = ServeProcess.synthetic(tmp_path / "ckpt", "--grpc-port", str(port), cwd=tmp_path)
+    try:
+        p.wait_listening()
+        out, _ = trainer.communicate(timeout=60)
+    finally:
+        p.terminate()
+    assert trainer.returncode == 0, out
+    assert "waiting for the service" in out
+    assert "done: 3 steps" in out
