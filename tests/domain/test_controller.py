@@ -156,3 +156,18 @@ async def test_acking_frees_capacity_and_admission_resumes(running):
         await c.ack(lease.lease_id, step)
     assert c.counters.acked_groups == 3
     assert c.status().buffer.acked == 3  # kept for a rewind, without blocking admission
+
+
+async def test_without_checkpoints_the_pending_delta_holds_only_live_rows(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, buffer_capacity=4, max_in_flight=4, rewind_window=0)
+    for step in range(1, 41):  # 40 groups generated, acked and finalized, never checkpointed
+        lease, _ = await c.fetch(1, 2000, "t")
+        await c.ack(lease.lease_id, step)
+    assert c.counters.finalized_groups >= 36
+    async with c.barrier.exclusive():
+        delta = c.capture().buffer
+    live_rows = sum(len(g.samples) for g in c.buffer.groups.values())
+    assert len(delta.new_rows) == live_rows  # not every sample ever generated
+    assert delta.removed_rows == []  # nothing captured was ever removed
+    assert set(delta.groups) == set(c.buffer.groups)  # finalized groups leave no trace

@@ -10,7 +10,7 @@ groups are copied into small frozen records.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from rolloutd.domain.errors import InvariantError, NotFound
@@ -80,7 +80,8 @@ class BufferDelta:
     ``finalized_leases`` holds the leases finalized since then, oldest first (the checkpointer
     keeps the whole ledger: copying it here would make the hold grow with the run's length)."""
 
-    new_rows: list[Row]
+    new_rows: Collection[Row]
+    """Rows staged since the previous capture and still live (a view: no copy under the hold)."""
     removed_rows: list[int]
     groups: dict[int, GroupMeta | None]
     leases: dict[str, Lease]
@@ -116,9 +117,15 @@ class RolloutBuffer:
     _ready: deque[int] = field(default_factory=deque)
     _row_ids: dict[tuple[int, int], int] = field(default_factory=dict)
     _next_row_id: int = 1
-    _new_rows: list[Row] = field(default_factory=list)
+    _new_rows: dict[int, Row] = field(default_factory=dict)
+    """Rows staged since the last capture, by row id. A row removed before it was captured is
+    dropped from here and never reported, so without checkpoints this stays bounded by the live
+    rows instead of holding every sample ever generated."""
     _removed_rows: list[int] = field(default_factory=list)
+    """Captured rows removed since the last capture."""
     _dirty: dict[int, Group | None] = field(default_factory=dict)
+    _uncaptured_groups: set[int] = field(default_factory=set)
+    """Groups added since the last capture; their removal leaves nothing to report."""
     _finalized_new: OrderedDict[str, int] = field(default_factory=OrderedDict)
 
     # --- queries ---------------------------------------------------------------------------
@@ -158,6 +165,7 @@ class RolloutBuffer:
         for sample in group.samples.values():
             self._add_row(group.group_id, sample)
         self._dirty[group.group_id] = group
+        self._uncaptured_groups.add(group.group_id)
 
     def stage(self, group_id: int, sample: Sample) -> Group:
         """Adds a finished sibling; returns the group (complete when all siblings are staged)."""
@@ -286,17 +294,21 @@ class RolloutBuffer:
         """Removes a group and its rows (finalized or evicted)."""
         g = self.groups.pop(group_id)
         for index in g.samples:
-            self._removed_rows.append(self._row_ids.pop((group_id, index)))
+            self._forget_row(self._row_ids.pop((group_id, index)))
         if g.state is GroupState.COMMITTED:
             self._ready.remove(group_id)
-        self._dirty[group_id] = None
+        if group_id in self._uncaptured_groups:
+            self._uncaptured_groups.discard(group_id)
+            del self._dirty[group_id]
+        else:
+            self._dirty[group_id] = None
         return g
 
     def drop_samples(self, group_id: int) -> None:
         """Forgets a generating group's staged siblings so the whole group is generated again."""
         g = self.get(group_id)
         for index in list(g.samples):
-            self._removed_rows.append(self._row_ids.pop((group_id, index)))
+            self._forget_row(self._row_ids.pop((group_id, index)))
         g.samples.clear()
         self._dirty[group_id] = g
 
@@ -304,19 +316,24 @@ class RolloutBuffer:
         row_id = self._next_row_id
         self._next_row_id += 1
         self._row_ids[(group_id, sample.index)] = row_id
-        self._new_rows.append((row_id, group_id, sample))
+        self._new_rows[row_id] = (row_id, group_id, sample)
+
+    def _forget_row(self, row_id: int) -> None:
+        if self._new_rows.pop(row_id, None) is None:
+            self._removed_rows.append(row_id)
 
     # --- snapshots -------------------------------------------------------------------------
 
     def capture(self) -> BufferDelta:
         """Takes the changes since the last capture. O(changes); call under the exclusive hold."""
-        new_rows, self._new_rows = self._new_rows, []
+        new_rows, self._new_rows = self._new_rows, {}
+        self._uncaptured_groups.clear()
         removed, self._removed_rows = self._removed_rows, []
         dirty, self._dirty = self._dirty, {}
         finalized, self._finalized_new = self._finalized_new, OrderedDict()
         metas = {gid: None if g is None else GroupMeta.of(g) for gid, g in dirty.items()}
         return BufferDelta(
-            new_rows,
+            new_rows.values(),
             removed,
             metas,
             dict(self.leases),
@@ -327,7 +344,7 @@ class RolloutBuffer:
 
     def restore_uncaptured(self, delta: BufferDelta) -> None:
         """Puts a captured delta back (its snapshot failed) so the next capture includes it."""
-        self._new_rows[:0] = delta.new_rows
+        self._new_rows = {**{row[0]: row for row in delta.new_rows}, **self._new_rows}
         self._removed_rows[:0] = delta.removed_rows
         for gid in delta.groups:
             self._dirty.setdefault(gid, self.groups.get(gid))
