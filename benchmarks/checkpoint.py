@@ -1034,14 +1034,7 @@ def main() -> None:
     if args.quick:
         common.progress(QUICK_CHANGES)
     result = asyncio.run(run(plan, args.quick))
-    json_path, md_path, png_path = common.result_paths(args.json, NAME)
-    common.write_json(json_path, result)
-    common.write_text(md_path, markdown(result))
-    plot(result, png_path)
-    for item in result["headline"]:
-        common.progress(
-            f"{item['name']}: {common.fmt(item['value'])} {item['unit']} (target {item['target']})"
-        )
+    common.publish(result, args.json, NAME, markdown(result), plot)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +218,23 @@ def result_paths(json_path: Path | None, name: str) -> tuple[Path, Path, Path]:
     """(json, md, png) paths: next to ``--json`` when given, else in ``benchmarks/results``."""
     base = json_path if json_path is not None else RESULTS / f"{name}.json"
     return base, base.with_suffix(".md"), base.with_suffix(".png")
+
+
+def publish(
+    result: dict[str, Any],
+    json_path: Path | None,
+    name: str,
+    markdown: str,
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> None:
+    """Writes a benchmark's JSON, Markdown and (given ``plot``) PNG, then prints its headline."""
+    json_out, md_out, png_out = result_paths(json_path, name)
+    write_json(json_out, result)
+    write_text(md_out, markdown)
+    if plot is not None:
+        plot(result, png_out)
+    for item in result["headline"]:
+        progress(f"{item['name']}: {fmt(item['value'])} {item['unit']} (target {item['target']})")
 
 
 def fail(message: str) -> None:

@@ -524,9 +524,9 @@ def main() -> None:
     print()
     print(table(runs))
     print(common.headline_table(result["headline"]))
-    json_path, md_path, _ = common.result_paths(args.json, NAME)
-    common.write_json(json_path, result)
-    common.write_text(md_path, table(runs) + "\n" + common.headline_table(result["headline"]))
+    common.publish(
+        result, args.json, NAME, table(runs) + "\n" + common.headline_table(result["headline"])
+    )
 
 
 if __name__ == "__main__":

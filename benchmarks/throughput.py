@@ -820,14 +820,7 @@ def main() -> None:
         f"{load.max_tokens} tokens, trainer fetching {load.trainer_groups_per_step} groups a step"
     )
     result = asyncio.run(run(plan, load, args.quick))
-    json_path, md_path, png_path = common.result_paths(args.json, NAME)
-    common.write_json(json_path, result)
-    common.write_text(md_path, markdown(result))
-    plot(result, png_path)
-    for item in result["headline"]:
-        common.progress(
-            f"{item['name']}: {common.fmt(item['value'])} {item['unit']} (target {item['target']})"
-        )
+    common.publish(result, args.json, NAME, markdown(result), plot)
 
 
 if __name__ == "__main__":
