@@ -810,13 +810,7 @@ def assemble(
         "benchmark": NAME,
         "quick": quick,
         "quick_changes": QUICK_CHANGES if quick else "",
-        "conditions": {
-            **common.machine(),
-            **common.revision(),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "duration_s": time.time() - started,
-            "peak_rss_gib": common.peak_rss_gib(),
-        },
+        "conditions": common.conditions(started, peak_rss_gib=common.peak_rss_gib()),
         "workload": {
             "group_size": plan.group_size,
             "tokens": list(plan.tokens),

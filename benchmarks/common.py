@@ -220,6 +220,17 @@ def result_paths(json_path: Path | None, name: str) -> tuple[Path, Path, Path]:
     return base, base.with_suffix(".md"), base.with_suffix(".png")
 
 
+def conditions(started: float, **extra: Any) -> dict[str, Any]:
+    """What a result was measured on and when: machine, load, revision, start and duration."""
+    return {
+        **machine(),
+        **revision(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": time.time() - started,
+        **extra,
+    }
+
+
 def publish(
     result: dict[str, Any],
     json_path: Path | None,

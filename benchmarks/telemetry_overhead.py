@@ -448,11 +448,7 @@ def assemble(
         "benchmark": NAME,
         "quick": quick,
         "quick_changes": QUICK_CHANGES if quick else "",
-        "conditions": {
-            **common.machine(),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "duration_s": time.time() - started,
-        },
+        "conditions": common.conditions(started),
         "load": asdict(load),
         "plan": asdict(plan),
         "telemetry_on_vs_off": ratio,

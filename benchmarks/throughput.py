@@ -664,16 +664,13 @@ def assemble(
         "benchmark": NAME,
         "quick": quick,
         "quick_changes": QUICK_CHANGES if quick else "",
-        "conditions": {
-            **common.machine(),
-            **common.revision(),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "duration_s": time.time() - started,
-            "engine_start_s": engine_start_s,
-            "peak_rss_gib": common.peak_rss_gib(),
-            "vllm_cpu_kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-            "engine": engine_overrides(),
-        },
+        "conditions": common.conditions(
+            started,
+            engine_start_s=engine_start_s,
+            peak_rss_gib=common.peak_rss_gib(),
+            vllm_cpu_kvcache_space_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            engine=engine_overrides(),
+        ),
         "load": asdict(load),
         "plan": asdict(plan),
         "concurrency": {
