@@ -22,11 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-
 from rolloutd.checkpoint import state as sidecar_state
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import Manifest, RowIdSet, SegmentEntry
+from rolloutd.checkpoint.format import Manifest, next_manifest
 from rolloutd.checkpoint.report import (
     CheckpointPhase,
     CheckpointReport,
@@ -43,6 +41,7 @@ from rolloutd.domain.controller import Controller, ControllerCapture
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import Group
 from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.sampler import Admission
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +82,7 @@ class AckJournal:
             "groups": [
                 {
                     "group_id": g.group_id,
-                    "prompt": sidecar_state.prompt_state(g.prompt),
-                    "position": None
-                    if g.position is None
-                    else [g.position.epoch, g.position.offset],
+                    **sidecar_state.admission_to_json(Admission(g.prompt, g.position)),
                 }
                 for g in groups
             ],
@@ -263,11 +259,11 @@ class Checkpointer:
         removed = set(delta.removed_rows)
         new_rows = [row for row in delta.new_rows if row[0] not in removed]
         with clock.phase(CheckpointPhase.BUFFER_SAVE):
-            segments = _apply_removed(self._parent.segments if self._parent else (), removed)
-            if new_rows:
-                segments.append(
-                    await asyncio.to_thread(self.store.write_segment, sequence, new_rows)
-                )
+            segment = (
+                await asyncio.to_thread(self.store.write_segment, sequence, new_rows)
+                if new_rows
+                else None
+            )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
             groups = dict(self._groups)
             for gid, meta in delta.groups.items():
@@ -280,18 +276,17 @@ class Checkpointer:
             data = sidecar_state.sidecar_json(whole, groups.values())
             sidecar = await asyncio.to_thread(self.store.write_sidecar_json, sequence, data)
         with clock.phase(CheckpointPhase.COMMIT):
-            manifest = Manifest(
+            manifest = next_manifest(
+                self._parent,
                 sequence=sequence,
-                parent=self._parent.sequence if self._parent else None,
                 created_at=time.time(),
-                segments=tuple(segments),
                 sidecar=sidecar,
+                new_segment=segment,
+                removed=list(removed),
                 acks_through=acks_through,
                 tag=report.tag,
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
-                new_rows=len(new_rows),
-                removed_rows=len(delta.removed_rows),
             )
             chosen = plan_compaction(manifest, self.config.compact_segments)
             if chosen:
@@ -343,24 +338,3 @@ def _extend_ledger(ledger: dict[str, int], finalized: Mapping[str, int]) -> dict
     if excess > 0:
         merged = dict(itertools.islice(merged.items(), excess, None))
     return merged
-
-
-def _apply_removed(segments: tuple[SegmentEntry, ...], removed: set[int]) -> list[SegmentEntry]:
-    """Marks removed rows in the segments that hold them; drops segments left with no live row."""
-    if not removed:
-        return list(segments)
-    ids = np.fromiter(removed, dtype=np.int64, count=len(removed))
-    out = []
-    for seg in segments:
-        hit = ids[seg.row_ids.mask(ids)]
-        if hit.size:
-            seg = SegmentEntry(
-                seg.file,
-                seg.rows,
-                seg.row_ids,
-                seg.removed.union(RowIdSet.from_ids(hit)),
-                seg.written_by,
-            )
-        if seg.live_rows:
-            out.append(seg)
-    return out

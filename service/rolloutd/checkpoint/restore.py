@@ -24,7 +24,7 @@ from typing import Any
 
 from rolloutd.checkpoint import state as sidecar_state
 from rolloutd.checkpoint.checkpointer import Checkpointer
-from rolloutd.checkpoint.format import Manifest
+from rolloutd.checkpoint.format import Manifest, fingerprint_diff
 from rolloutd.checkpoint.report import (
     Disposition,
     PhaseClock,
@@ -58,11 +58,10 @@ class RestoreResult:
 
 
 def differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    keys = sorted(set(saved) | set(current))
+    """What a refusal names: each differing key with both values."""
     return [
         f"{k}: snapshot {saved.get(k)!r} != now {current.get(k)!r}"
-        for k in keys
-        if saved.get(k) != current.get(k)
+        for k in fingerprint_diff(saved, current)
     ]
 
 
