@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -72,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         default=900.0,
         help="how long to wait for the service to be ready",
     )
+    trainer.add_argument(
+        "--unreachable-timeout-s",
+        type=float,
+        default=120.0,
+        help="give up on an endpoint that has not answered at all for this long",
+    )
     trainer.add_argument("--token", help="bearer token")
 
     tiny = sub.add_parser("tiny-model", help="build the tiny random Llama model into DIR")
@@ -84,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from rolloutd.engines.base import EngineStartError
     from rolloutd.server import RolloutService
 
     overrides = {
@@ -100,7 +108,12 @@ def _serve(args: argparse.Namespace) -> int:
     async def main() -> int:
         service = RolloutService(config)
         service.install_signal_handlers()
-        await service.start()
+        try:
+            await service.start()
+        except EngineStartError as exc:
+            logging.getLogger("rolloutd").debug("start failed", exc_info=True)
+            print(f"rolloutd: {exc}", file=sys.stderr)
+            return 1
         return await service.run_until_stopped()
 
     return asyncio.run(main())
@@ -111,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        # A descriptor of its own: while vLLM starts, stdout and stderr point at vLLM's log file.
+        stream=os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1),
     )
     if args.command == "serve":
         return _serve(args)
     if args.command == "trainer":
-        from rolloutd.trainer import TrainerConfig, run
+        from rolloutd.trainer import ServiceNotReady, TrainerConfig, run
 
         cfg = TrainerConfig(
             endpoints=args.target.split(","),
@@ -125,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             idle_exit_s=args.idle_exit_s,
             ready_timeout_s=args.ready_timeout_s,
+            unreachable_timeout_s=args.unreachable_timeout_s,
             token=args.token,
         )
-        run(cfg, out=lambda line: print(line, flush=True))
+        try:
+            run(cfg, out=lambda line: print(line, flush=True))
+        except ServiceNotReady as exc:
+            print(f"rolloutd trainer: {exc}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "tiny-model":
         from rolloutd.engines.tiny_model import build_tiny_model

@@ -42,7 +42,8 @@ class VLLMSettings(_Section):
     max_model_len: int = Field(2048, gt=0)
     """Longest prompt plus completion the engine accepts."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """Fraction of GPU memory vLLM may use (GPU nodes only)."""
+    """Fraction of GPU memory vLLM may use. GPU only: on CPU the KV cache is sized explicitly
+    (kv_cache_memory_gib), and this fraction is never asked of the machine's memory."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor parallelism inside one pod."""
     pipeline_parallel_size: int = Field(1, ge=1)
@@ -54,14 +55,20 @@ class VLLMSettings(_Section):
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences vLLM schedules at once."""
     kv_cache_memory_gib: float | None = Field(None, gt=0)
-    """KV-cache size in GiB; unset lets vLLM size it (GPU: gpu_memory_utilization; CPU:
-    VLLM_CPU_KVCACHE_SPACE or its own estimate)."""
+    """KV-cache size in GiB; when set it wins over gpu_memory_utilization. Unset: on GPU vLLM sizes
+    it from gpu_memory_utilization; on CPU rolloutd reserves room for every sibling that may
+    generate at once (limits.max_in_flight x group_size sequences of max_model_len tokens, at most
+    4 GiB). vLLM's own VLLM_CPU_KVCACHE_SPACE variable, if set, overrides both."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Logprob reported for each sampled token: under the model's own distribution (raw), or
     under the distribution actually sampled from, after temperature and top-p (processed)."""
     weight_update_mode: Literal["wait", "abort"] = "wait"
     """Requests in flight when weights are updated: wait lets them finish on the old weights
     (they carry the old policy version); abort ends them at once with a retryable error."""
+    log_path: str | None = "./.rolloutd/logs/vllm.log"
+    """File that vLLM's own output (its engine processes' stdout and stderr) goes to; the service
+    prints one line naming the cause when vLLM cannot start. Unset (or --log-level debug): vLLM
+    writes to the service's own stdout and stderr."""
     shutdown_grace_s: float = Field(10.0, gt=0)
     """If the service dies without stopping the engine, its processes get SIGTERM and, this long
     after, SIGKILL."""

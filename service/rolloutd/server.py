@@ -84,7 +84,9 @@ class RolloutService:
         self.config = config
         prompts, self.dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
-            built = build_engine(config.engine)
+            built = build_engine(
+                config.engine, max_sequences=config.limits.max_in_flight * config.group_size
+            )
             engine, model_id = built.engine, built.model_id
         else:
             model_id = engine.name
@@ -293,6 +295,27 @@ class RolloutService:
             loop.add_signal_handler(sig, self.request_stop)
 
     async def start(self) -> Addresses:
+        """Starts every part; a start that fails leaves none of them running."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self._close_failed_start()
+            raise
+
+    async def _close_failed_start(self) -> None:
+        """No port, task or engine process outlives a failed start; there is nothing to save."""
+        self._stopped = True
+        for task in (self._gauges, self._periodic):
+            if task is not None:
+                task.cancel()
+        if self._server is not None:
+            await self._server.stop(0)
+        if self._admin is not None:
+            await self._admin.stop()
+        await self.engine.stop()
+        await self.telemetry.aclose()
+
+    async def _start(self) -> Addresses:
         await self._set_state(ServingState.STARTING)
         cfg = self.config.grpc
         options = [

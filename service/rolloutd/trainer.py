@@ -34,28 +34,66 @@ class TrainerConfig:
     report_every_s: float = 1.0
     ready_timeout_s: float = 900.0
     """How long to wait for every endpoint to be ready (a vLLM start takes a minute or more)."""
+    unreachable_timeout_s: float = 120.0
+    """How long an endpoint may go without answering at all before the trainer gives up on it: a
+    service that is starting answers (not ready), one that exited does not."""
     token: str | None = None
 
 
-def wait_until_ready(client: RolloutClient, timeout_s: float, out: Callable[[str], object]) -> None:
-    """Polls every endpoint's status until all serve, printing what they are doing meanwhile."""
-    deadline = time.monotonic() + timeout_s
+class ServiceNotReady(RuntimeError):
+    """An endpoint did not become ready in time; the message says which and what to look at."""
+
+
+def wait_until_ready(
+    client: RolloutClient,
+    timeout_s: float,
+    out: Callable[[str], object],
+    unreachable_timeout_s: float = 120.0,
+) -> None:
+    """Polls every endpoint's status until all serve, printing what they are doing meanwhile.
+
+    An endpoint that answers but is not ready yet (vLLM loading, a restore) is waited for up to
+    ``timeout_s``. One that has not answered once for ``unreachable_timeout_s`` is most likely a
+    service that exited: the trainer says so, with a hint, after a third of that time, and gives up
+    at the end of it.
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
+    last_answer = dict.fromkeys(client.endpoints, started)
+    hinted: set[str] = set()
     last_report = 0.0
     while True:
         states: dict[str, str] = {}
+        now = time.monotonic()
         for endpoint in client.endpoints:
             try:
                 state = client.status_of(endpoint).state
                 states[endpoint] = (
                     pb.ServingState.Name(state).removeprefix("SERVING_STATE_").lower()
                 )
+                last_answer[endpoint] = now
             except grpc.RpcError as exc:
                 states[endpoint] = exc.code().name.lower()  # type: ignore[attr-defined]
         if all(s == "serving" for s in states.values()):
             return
-        now = time.monotonic()
+        for endpoint, answered in last_answer.items():
+            silent = now - answered
+            if silent >= unreachable_timeout_s:
+                raise ServiceNotReady(
+                    f"{endpoint} has not answered for {silent:.0f} s; start `rolloutd serve` "
+                    "there, or read its log for why it stopped"
+                )
+            if silent >= unreachable_timeout_s / 3 and endpoint not in hinted:
+                hinted.add(endpoint)
+                out(
+                    f"{endpoint} has not answered for {silent:.0f} s: is `rolloutd serve` "
+                    "running? If it exited, the last line of its log says why"
+                )
         if now > deadline:
-            raise TimeoutError(f"not ready after {timeout_s:.0f}s: {states}")
+            raise ServiceNotReady(
+                f"not ready after {timeout_s:.0f} s: "
+                + ", ".join(f"{ep} {s}" for ep, s in states.items())
+            )
         if now - last_report >= 5.0:
             last_report = now
             out("waiting for the service: " + ", ".join(f"{ep} {s}" for ep, s in states.items()))
@@ -66,7 +104,7 @@ def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
     """Returns the number of steps taken."""
     step = groups_total = tokens_total = 0
     with RolloutClient(cfg.endpoints, token=cfg.token) as client:
-        wait_until_ready(client, cfg.ready_timeout_s, out)
+        wait_until_ready(client, cfg.ready_timeout_s, out, cfg.unreachable_timeout_s)
         started = last_report = last_data = time.monotonic()
         while cfg.steps is None or step < cfg.steps:
             batch: list[pb.Group] = []

@@ -24,8 +24,10 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
         log_path: Path | None = None,
+        inherit_env: bool = True,
     ) -> None:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        """``inherit_env=False``: ``env`` is the whole environment (a newcomer's shell, say)."""
+        full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = log_path
         self.lines: list[str] = []
         self.proc = subprocess.Popen(

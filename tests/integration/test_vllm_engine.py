@@ -62,7 +62,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 async def engine(models: Models) -> AsyncIterator[VLLMEngine]:
     from rolloutd.engines.vllm import VLLMEngine
 
-    eng = VLLMEngine(EngineConfig(kind="vllm", vllm=SETTINGS), models.base)
+    eng = VLLMEngine(EngineConfig(kind="vllm", vllm=SETTINGS), models.base, max_sequences=64)
     await eng.start()
     yield eng
     await eng.stop()
@@ -278,7 +278,7 @@ HOLDER = textwrap.dedent(
         model, otlp, traceparent = sys.argv[1:]
         settings = VLLMSettings(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1,
                                 shutdown_grace_s=3, otlp_traces_endpoint=otlp)
-        engine = VLLMEngine(EngineConfig(kind="vllm", vllm=settings), model)
+        engine = VLLMEngine(EngineConfig(kind="vllm", vllm=settings), model, max_sequences=4)
         await engine.start()
         await engine.generate(request(0, 4, {"traceparent": traceparent}))
         tasks = [asyncio.ensure_future(engine.generate(request(i, 900))) for i in (1, 2)]

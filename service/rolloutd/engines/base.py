@@ -50,6 +50,11 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve any more requests; the service must stop."""
 
 
+class EngineStartError(EngineDeadError):
+    """The engine could not start. The message is one line: the cause, and the setting to change.
+    Whatever the engine had started is gone by the time this is raised."""
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     """What the controller needs from an engine.

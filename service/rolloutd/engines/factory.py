@@ -17,7 +17,9 @@ class BuiltEngine:
     content-addressed cache name, or ``synthetic``."""
 
 
-def build_engine(config: EngineConfig) -> BuiltEngine:
+def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
+    """``max_sequences``: the most siblings that may generate at once (the vLLM engine sizes its
+    KV cache on CPU for them)."""
     if config.kind == "synthetic":
         s = config.synthetic
         return BuiltEngine(
@@ -28,7 +30,9 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     from rolloutd.engines.vllm import VLLMEngine
 
     if config.model is not None:
-        return BuiltEngine(VLLMEngine(config, config.model), config.model)
+        return BuiltEngine(
+            VLLMEngine(config, config.model, max_sequences=max_sequences), config.model
+        )
     tiny = ensure_tiny_model(config.cache_dir)
     if config.vllm.dtype == "auto":
         # The tiny model is float32; vLLM's "auto" would serve it in bf16 and lose greedy parity
@@ -36,4 +40,4 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         config = config.model_copy(
             update={"vllm": config.vllm.model_copy(update={"dtype": "float32"})}
         )
-    return BuiltEngine(VLLMEngine(config, tiny), tiny.name)
+    return BuiltEngine(VLLMEngine(config, tiny, max_sequences=max_sequences), tiny.name)

@@ -12,6 +12,7 @@ when the parent is gone it sends SIGTERM to every watched process and its descen
 down cleanly on SIGTERM, releasing shared memory), waits ``--grace`` seconds, then SIGKILLs what is
 left. A clean stop writes ``exit``. The reaper runs in its own session, so a terminal's Ctrl-C or a
 signal to the service's process group does not take it down before it has done its work.
+A start that fails half-way writes ``reap``: the watched processes are ended at once.
 
 Processes are tracked as :class:`psutil.Process` objects, which remember their start time, so a
 recycled PID is never signalled.
@@ -122,13 +123,21 @@ class _Commands:
 
 
 def run(reaper: Reaper, commands_fd: int) -> int:
-    """Serve ``watch PID`` / ``exit`` commands until the parent dies (then reap) or says exit."""
+    """Serve ``watch PID`` / ``exit`` / ``reap`` commands until the parent dies (then reap) or says
+    exit or reap."""
     commands = _Commands(commands_fd)
     while reaper.parent_alive():
         for verb, arg in commands.poll(POLL_S):
             if verb == "watch":
                 reaper.watch(int(arg))
             elif verb == "exit":
+                return 0
+            elif verb == "reap":
+                reaper.refresh()
+                running, killed = reaper.reap()
+                logger.info(
+                    "reaper: ended %d engine processes (%d needed SIGKILL)", running, killed
+                )
                 return 0
             elif verb:
                 logger.error("reaper: ignoring unknown command %r", verb)

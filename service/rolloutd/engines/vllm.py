@@ -22,6 +22,8 @@ What must hold, and how:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -57,13 +59,18 @@ from rolloutd.engines.base import (
     EngineCounters,
     EngineDeadError,
     EngineError,
+    EngineStartError,
     GenerationRequest,
 )
+from rolloutd.engines.vllm_start import GIB, explain_start_failure, output_to, plan_cpu_kv_cache
 
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.1
 """How often new engine processes are looked for while vLLM starts."""
+
+_PROGRESS_EVERY_S = 15.0
+"""How often a start that is still going says so."""
 
 _CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 """Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
@@ -165,14 +172,21 @@ class _ReaperClient:
 
     def close(self) -> None:
         """Let the reaper exit without touching anything (the engine was shut down cleanly)."""
+        self._last_word(b"exit\n")
+
+    def reap(self) -> None:
+        """End every engine process still running (a start that failed half-way), then exit."""
+        self._last_word(b"reap\n")
+
+    def _last_word(self, command: bytes) -> None:
         stdin = self._proc.stdin
         assert stdin is not None
         try:
-            stdin.write(b"exit\n")
+            stdin.write(command)
             stdin.close()
         except BrokenPipeError:
             logger.warning("engine reaper %d had already exited", self._proc.pid)
-        self._proc.wait(timeout=10)
+        self._proc.wait(timeout=60)
 
 
 class VLLMEngine:
@@ -185,9 +199,15 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, config: EngineConfig, model_path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str | os.PathLike[str], *, max_sequences: int
+    ) -> None:
+        """``max_sequences``: the most siblings the service may generate at once, which sizes the
+        KV cache on CPU."""
         self._config = config
         self._model_path = Path(model_path)
+        self._max_sequences = max_sequences
+        self._kv_cache_bytes: int | None = None
         self._llm: AsyncLLM | None = None
         self._reaper: _ReaperClient | None = None
         self._tally = _Tally()
@@ -202,22 +222,41 @@ class VLLMEngine:
         if self._llm is not None:
             raise RuntimeError("VLLMEngine.start() called twice")
         settings = self._config.vllm
-        if not await asyncio.to_thread((self._model_path / "config.json").is_file):
-            raise EngineDeadError(f"{self._model_path} is not a Hugging Face model directory")
+        model_config = await asyncio.to_thread(_read_model_config, self._model_path)
+        if current_platform.is_cpu() and settings.kv_cache_memory_gib is None:
+            plan = plan_cpu_kv_cache(
+                model_config,
+                settings.dtype,
+                sequences=min(self._max_sequences, settings.max_num_seqs),
+                max_model_len=settings.max_model_len,
+            )
+            self._kv_cache_bytes = plan.bytes
+            logger.info("%s", plan.describe())
+        elif settings.kv_cache_memory_gib is not None:
+            self._kv_cache_bytes = int(settings.kv_cache_memory_gib * GIB)
+        # At debug level vLLM's own output stays on the terminal, tracebacks included.
+        log_path = None if logger.isEnabledFor(logging.DEBUG) else settings.log_path
+        logger.info(
+            "starting vLLM on %s (a minute or so on CPU)%s",
+            self._model_path,
+            f"; its output goes to {log_path}" if log_path else "",
+        )
         started = time.monotonic()
         reaper = _ReaperClient(settings.shutdown_grace_s)
-        build = asyncio.ensure_future(asyncio.to_thread(self._build))
-        try:
-            while not build.done():
-                reaper.watch_new_children()
-                await asyncio.wait({build}, timeout=_WATCH_INTERVAL_S)
-            llm = build.result()
-        except asyncio.CancelledError:
-            build.add_done_callback(partial(_shutdown_built_engine, reaper=reaper))
-            raise
-        except BaseException:
-            reaper.close()
-            raise
+        with output_to(Path(log_path)) if log_path else contextlib.nullcontext():
+            build = asyncio.ensure_future(asyncio.to_thread(self._build))
+            try:
+                await self._await_build(build, reaper, started)
+            except asyncio.CancelledError:
+                build.add_done_callback(partial(_shutdown_built_engine, reaper=reaper))
+                raise
+            except Exception as exc:
+                await asyncio.to_thread(reaper.reap)
+                raise EngineStartError(_start_failure(exc, log_path)) from exc
+            except BaseException:
+                reaper.reap()
+                raise
+        llm = build.result()
         reaper.watch_new_children()
         self._llm, self._reaper = llm, reaper
         tasks = await llm.get_supported_tasks()
@@ -231,6 +270,20 @@ class VLLMEngine:
             time.monotonic() - started,
             reaper.watched,
         )
+
+    async def _await_build(
+        self, build: asyncio.Future[AsyncLLM], reaper: _ReaperClient, started: float
+    ) -> None:
+        """Waits for vLLM to start, watching every engine process it creates, saying how long it
+        has been at it now and then; raises what the start raised."""
+        next_progress = started + _PROGRESS_EVERY_S
+        while not build.done():
+            reaper.watch_new_children()
+            await asyncio.wait({build}, timeout=_WATCH_INTERVAL_S)
+            if time.monotonic() >= next_progress:
+                next_progress += _PROGRESS_EVERY_S
+                logger.info("vLLM still starting (%.0f s)", time.monotonic() - started)
+        build.result()
 
     def _build(self) -> AsyncLLM:
         s = self._config.vllm
@@ -247,9 +300,7 @@ class VLLMEngine:
             pipeline_parallel_size=s.pipeline_parallel_size,
             enforce_eager=s.enforce_eager,
             max_num_seqs=s.max_num_seqs,
-            kv_cache_memory_bytes=(
-                None if s.kv_cache_memory_gib is None else int(s.kv_cache_memory_gib * 2**30)
-            ),
+            kv_cache_memory_bytes=self._kv_cache_bytes,
             logprobs_mode=s.logprobs_mode,
             otlp_traces_endpoint=s.otlp_traces_endpoint,
             disable_log_stats=True,
@@ -467,6 +518,30 @@ def _sampled_logprobs(rid: str, completion: CompletionOutput) -> array[float]:
             f"{len(completion.token_ids)} tokens, or for other tokens"
         )
     return array("f", flat.logprobs)
+
+
+def _read_model_config(path: Path) -> dict[str, Any]:
+    try:
+        config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise EngineStartError(
+            f"engine.model (--model): {path} {what}; it must be a Hugging Face model directory"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise EngineStartError(f"engine.model (--model): {path}/config.json: {exc}") from None
+    return config
+
+
+def _start_failure(exc: BaseException, log_path: str | None) -> str:
+    """One line on why the start failed: vLLM's root cause from its log, or the error itself."""
+    if log_path is None:
+        return f"vLLM could not start: {type(exc).__name__}: {exc}"
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        text = ""
+    return f"{explain_start_failure(text)} (vLLM's log: {log_path})"
 
 
 def _has_safetensors(path: Path) -> bool:

@@ -1,0 +1,131 @@
+"""KV-cache sizing on CPU and the one-line explanation of a failed vLLM start (no engine needed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rolloutd.engines.vllm_start import (
+    CPU_KV_CACHE_CAP_GIB,
+    GIB,
+    explain_start_failure,
+    kv_bytes_per_token,
+    output_to,
+    plan_cpu_kv_cache,
+    root_cause,
+)
+
+TINY = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "dtype": "float32",
+}
+
+
+def test_bytes_per_token_counts_keys_and_values_of_every_layer():
+    assert kv_bytes_per_token(TINY, "float32") == 2 * 2 * 4 * 64 * 4
+    assert kv_bytes_per_token(TINY, "auto") == 2 * 2 * 4 * 64 * 4  # the model's own dtype
+    assert kv_bytes_per_token(TINY, "bfloat16") == 2 * 2 * 4 * 64 * 2
+
+
+def test_grouped_query_heads_and_nested_text_config():
+    gqa = {
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "torch_dtype": "bfloat16",
+    }
+    assert kv_bytes_per_token(gqa, "auto") == 2 * 4 * 2 * 64 * 2
+    assert kv_bytes_per_token({"text_config": gqa}, "auto") == kv_bytes_per_token(gqa, "auto")
+
+
+def test_tiny_model_default_plan_is_well_under_a_gib():
+    plan = plan_cpu_kv_cache(TINY, "float32", sequences=16 * 4, max_model_len=2048)
+    assert plan.bytes == 64 * 2048 * 4096
+    assert plan.bytes < GIB
+    assert not plan.capped
+    assert "engine.vllm.kv_cache_memory_gib" in plan.describe()
+
+
+def test_large_plans_are_capped_but_keep_one_full_sequence():
+    big = {**TINY, "num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
+    plan = plan_cpu_kv_cache(big, "float32", sequences=256, max_model_len=4096)
+    assert plan.capped and plan.bytes == int(CPU_KV_CACHE_CAP_GIB * GIB)
+    huge_len = plan_cpu_kv_cache(big, "float32", sequences=1, max_model_len=65536)
+    assert huge_len.bytes == 65536 * kv_bytes_per_token(big, "float32")  # the floor wins
+
+
+# Lines as vLLM 0.32 wrote them on this machine's CPU, trimmed to the lines that matter.
+NOT_FREE = """\
+(EngineCore pid=5506) INFO 11-30 18:32:39 [core.py:133] Initializing a V1 LLM engine (v0.32.0)
+(VllmWorker-0 pid=5518) ERROR 11-30 18:32:46 [multiproc_executor.py:953] WorkerProc failed to start.
+(VllmWorker-0 pid=5518) ERROR 11-30 18:32:46 [multiproc_executor.py:953]     raise ValueError(
+(VllmWorker-0 pid=5518) ERROR 11-30 18:32:46 [multiproc_executor.py:953] ValueError: Available \
+memory on node 0 (10.12/18.71 GiB) on kv cache allocation is less than requested memory for kv \
+(200.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used \
+by other processes.
+Exception: WorkerProc initialization failed due to an exception in a background process.
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+HEAD_DIM = """\
+(Worker pid=6813) ERROR 11-30 18:35:11 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU \
+attention configuration: head_dim=16 isa=2 kv_cache_idx=0
+(EngineCore pid=6720) ERROR 11-30 18:35:11 [core.py:1512] RuntimeError: Worker failed with error \
+'Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0', please check the \
+stack trace above for the root cause
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+TOO_SMALL = """\
+(EngineCore pid=1) ERROR 11-30 18:35:11 [core.py:1] ValueError: To serve at least one request \
+with the model's max seq len (2048), (0.50 GiB KV cache is needed, which is larger than the \
+available KV cache memory (0.25 GiB). Based on the available memory, the estimated maximum model \
+length is 1024. Try increasing `gpu_memory_utilization` or decreasing `max_model_len`.
+"""
+
+
+def test_root_cause_skips_vllms_wrappers():
+    assert root_cause(NOT_FREE).startswith("ValueError: Available memory on node 0")
+    assert root_cause(HEAD_DIM) == (
+        "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+    )
+    assert root_cause("INFO all fine\n") is None
+
+
+@pytest.mark.parametrize(
+    ("log", "must_say"),
+    [
+        (NOT_FREE, ["200.0 GiB", "10.12 of 18.71 GiB", "engine.vllm.kv_cache_memory_gib"]),
+        (HEAD_DIM, ["head dimension 16", "engine.model"]),
+        (
+            TOO_SMALL,
+            ["2048 tokens", "engine.vllm.kv_cache_memory_gib", "engine.vllm.max_model_len"],
+        ),
+        ("ValueError: something new\n", ["vLLM could not start: ValueError: something new"]),
+        ("", ["without naming a cause"]),
+    ],
+)
+def test_failures_are_explained_in_one_line_that_names_the_setting(log, must_say):
+    text = explain_start_failure(log)
+    assert "\n" not in text
+    for part in must_say:
+        assert part in text
+
+
+def test_output_goes_to_the_file_and_comes_back(tmp_path, capfd):
+    path = tmp_path / "logs" / "vllm.log"
+    path.parent.mkdir()
+    path.write_text("previous start\n")
+    with output_to(path):
+        os.write(1, b"to stdout\n")
+        os.write(2, b"to stderr\n")
+    os.write(2, b"back on the terminal\n")
+    assert path.read_text() == "to stdout\nto stderr\n"
+    assert (tmp_path / "logs" / "vllm.log.1").read_text() == "previous start\n"
+    assert "back on the terminal" in capfd.readouterr().err
