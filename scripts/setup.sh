@@ -26,8 +26,8 @@ else
   extra=cpu
 fi
 
-# Runs pip with its output in the log, printing every 15 s how far it has got: packages collected
-# so far and what it is doing now (downloading, building or installing).
+# Runs pip with its output in the log, printing every 15 s how far it has got: the packages in the
+# venv so far and what pip is doing now (collecting, downloading, building or installing).
 pip_with_progress() {
   "$venv/bin/python" -m pip "$@" --progress-bar off >>"$log" 2>&1 &
   local pid=$! next=$((SECONDS + 15))
@@ -35,12 +35,11 @@ pip_with_progress() {
     sleep 1
     if [ "$SECONDS" -ge "$next" ]; then
       next=$((SECONDS + 15))
-      local collected installed doing
-      collected=$(grep -c '^Collecting ' "$log" || true)
+      local installed doing
       installed=$(find "$venv"/lib/python*/site-packages -maxdepth 1 -name '*.dist-info' | wc -l)
       doing=$(grep -E '^(Collecting|Downloading|Building|Installing collected|Successfully)' "$log" \
         | tail -n 1 | cut -c1-60)
-      say "  $((SECONDS - started)) s: ${collected} collected, ${installed} installed; ${doing:-starting}"
+      say "  $((SECONDS - started)) s: ${installed} packages in $venv; ${doing:-starting}"
     fi
   done
   if ! wait "$pid"; then
