@@ -223,17 +223,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.start() called twice")
         settings = self._config.vllm
         model_config = await asyncio.to_thread(_read_model_config, self._model_path)
-        if current_platform.is_cpu() and settings.kv_cache_memory_gib is None:
-            plan = plan_cpu_kv_cache(
-                model_config,
-                settings.dtype,
-                sequences=min(self._max_sequences, settings.max_num_seqs),
-                max_model_len=settings.max_model_len,
-            )
-            self._kv_cache_bytes = plan.bytes
-            logger.info("%s", plan.describe())
-        elif settings.kv_cache_memory_gib is not None:
-            self._kv_cache_bytes = int(settings.kv_cache_memory_gib * GIB)
+        self._kv_cache_bytes = self._kv_cache_size(model_config)
         # At debug level vLLM's own output stays on the terminal, tracebacks included.
         log_path = None if logger.isEnabledFor(logging.DEBUG) else settings.log_path
         logger.info(
@@ -262,7 +252,9 @@ class VLLMEngine:
         tasks = await llm.get_supported_tasks()
         if "generate" not in tasks:
             await self.stop()
-            raise EngineDeadError(f"{self._model_path} cannot generate text (tasks: {tasks})")
+            raise EngineStartError(
+                f"engine.model (--model): {self._model_path} cannot generate text (tasks: {tasks})"
+            )
         await llm.update_weight_version(str(self._version))
         logger.info(
             "vLLM engine started on %s in %.1f s (engine processes %s)",
@@ -270,6 +262,23 @@ class VLLMEngine:
             time.monotonic() - started,
             reaper.watched,
         )
+
+    def _kv_cache_size(self, model_config: Mapping[str, Any]) -> int | None:
+        """An explicit size wins. On CPU: room for every sibling the service may generate at once.
+        On GPU: None, and vLLM sizes it from ``gpu_memory_utilization``."""
+        settings = self._config.vllm
+        if settings.kv_cache_memory_gib is not None:
+            return int(settings.kv_cache_memory_gib * GIB)
+        if not current_platform.is_cpu():
+            return None
+        plan = plan_cpu_kv_cache(
+            model_config,
+            settings.dtype,
+            sequences=min(self._max_sequences, settings.max_num_seqs),
+            max_model_len=settings.max_model_len,
+        )
+        logger.info("%s", plan.describe())
+        return plan.bytes
 
     async def _await_build(
         self, build: asyncio.Future[AsyncLLM], reaper: _ReaperClient, started: float
