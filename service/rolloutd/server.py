@@ -150,6 +150,7 @@ class RolloutService:
                 since_success_s=self.checkpointer.since_success_s(),
                 consecutive_failures=self.checkpointer.consecutive_failures,
             ),
+            model=model_id,
         )
         self._state = ServingState.STARTING
         self._health = health.aio.HealthServicer()

@@ -47,7 +47,7 @@ def clock(start: float = 1_000.0):
 
 def test_a_reading_holds_the_dashboard_series_of_the_catalogue(tmp_path):
     observer, registry = observed()
-    observer.group_committed(GroupCommitted(1, tokens=40, exact=True, completion_s=0.5))
+    observer.group_committed(GroupCommitted(1, 40, True, 0.5, prompt_tokens=3, group_size=4))
     observer.mutation_blocked(MutationKind.STAGE_SAMPLE, 0.002)
     observer.checkpoint_attempted(checkpoint_report())
     point = MetricHistory(registry, run="a", capacity=10, clock=clock()).sample()
@@ -65,13 +65,13 @@ def test_counters_run_on_across_a_restart_and_gauges_do_not(tmp_path):
     path = history_path(str(tmp_path / "ckpt"))
     assert path is not None
     observer, registry = observed()
-    observer.group_committed(GroupCommitted(1, tokens=40, exact=True, completion_s=0.5))
+    observer.group_committed(GroupCommitted(1, 40, True, 0.5, prompt_tokens=3, group_size=4))
     observer.checkpoint_attempted(checkpoint_report())
     first = MetricHistory(registry, run="a", capacity=10, path=path, clock=clock())
     before = first.sample()
 
     observer, registry = observed()  # a new process: counters start at zero again
-    observer.group_committed(GroupCommitted(2, tokens=2, exact=True, completion_s=0.5))
+    observer.group_committed(GroupCommitted(2, 2, True, 0.5, prompt_tokens=3, group_size=4))
     second = MetricHistory(registry, run="b", capacity=10, path=path, clock=clock(2_000.0))
     after = second.sample()
     assert [p.run for p in second.points()] == ["a", "b"]
