@@ -508,8 +508,9 @@ class Controller:
         if not weights_path:
             raise InvalidArgument("weights_path", "must not be empty")
         self._check_serving()
-        await self.engine.update_weights(weights_path, version)
+        update = await self.engine.update_weights(weights_path, version)
         self.policy_version, self.weights_path = version, weights_path
+        self.observer.weights_updated(update)
         return await self.evict_stale()
 
     async def evict_stale(self) -> int:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
+from rolloutd.engines.base import WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Observer(Protocol):
 
     def groups_evicted(self, count: int) -> None: ...
 
+    def weights_updated(self, update: WeightUpdate) -> None: ...
+
     def checkpoint_attempted(self, report: CheckpointReport) -> None: ...
 
     def restored(self, report: RestoreReport) -> None: ...
@@ -83,6 +86,9 @@ class NullObserver:
         return None
 
     def groups_evicted(self, count: int) -> None:
+        return None
+
+    def weights_updated(self, update: WeightUpdate) -> None:
         return None
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:

@@ -20,7 +20,7 @@ from rolloutd import __version__
 from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
-from rolloutd.engines.base import EngineCounters
+from rolloutd.engines.base import EngineCounters, WeightUpdate
 from rolloutd.telemetry import spans, throttle
 from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
@@ -88,6 +88,10 @@ class TelemetryObserver:
     def groups_evicted(self, count: int) -> None:
         with _never_raises("evicted groups"):
             self.metrics.groups_evicted(count)
+
+    def weights_updated(self, update: WeightUpdate) -> None:
+        with _never_raises("weight update spans"):
+            spans.record_weight_update(self._tracer, update)
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:
         self.record_checkpoint(report)
