@@ -220,6 +220,9 @@ class MetricHistory:
         self._clock = clock
         self._file = None if path is None else HistoryFile(path, capacity)
         self._lock = threading.Lock()
+        """Guards ``_points``, which readers copy from other threads."""
+        self._sampling = threading.Lock()
+        """One reading at a time: the final one at shutdown may overlap a cancelled tick's."""
         self._points: deque[Point] = deque(maxlen=capacity)
         self._offsets: dict[str, float] = {}
         """Counter totals of the previous runs, which this run's raw values add to."""
@@ -230,6 +233,10 @@ class MetricHistory:
             self._offsets = {k: v for k, v in last.values.items() if is_cumulative(k)}
 
     def sample(self) -> Point:
+        with self._sampling:
+            return self._sample()
+
+    def _sample(self) -> Point:
         raw = read_registry(self._registry)
         values = {k: v + self._offsets.get(k, 0.0) for k, v in raw.items()}
         for key, total in self._offsets.items():

@@ -89,6 +89,7 @@
   let capacity = 1440;
   let intervalS = 5;
   let draws = 0;
+  let listedSequence = null;
   const $ = (id) => document.getElementById(id);
 
   const isCounter = (key) => counters.includes(key.split("/")[0]);
@@ -312,6 +313,11 @@
     const el = $("state");
     el.textContent = state || "unknown";
     el.className = `state ${state === "serving" ? "serving" : ""}`;
+    const sequence = (s.last_checkpoint || {}).sequence || 0;
+    if (sequence !== listedSequence) {  // listing reads the store: only when a snapshot was added
+      await refreshCheckpoints();
+      listedSequence = sequence;
+    }
     const b = s.buffer || {};
     $("summary").textContent = `engine ${s.engine} · policy v${s.policy_version || 0} · group size ${s.group_size}`
       + ` · buffer: ${b.committed || 0} ready, ${b.leased || 0} leased, ${b.generating || 0} generating`;
@@ -332,7 +338,7 @@
 
   async function tick() {
     try {
-      await Promise.all([refreshHistory(), refreshStatus(), refreshCheckpoints()]);
+      await Promise.all([refreshHistory(), refreshStatus()]);
       draw();
       $("footer").textContent = `${points.length} points, one every ${intervalS} s; updated ${new Date().toLocaleTimeString()}`;
     } catch (err) {
