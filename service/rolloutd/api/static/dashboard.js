@@ -184,7 +184,9 @@
     ctx.textAlign = "center";
     ctx.textBaseline = "top";
     for (let t = Math.ceil(t0 / tstep) * tstep; t <= t1; t += tstep) {
-      ctx.fillText(clock(t, tstep < 60), x(t), top + ph + 4);
+      const label = clock(t, tstep < 60);
+      const half = ctx.measureText(label).width / 2;
+      if (x(t) - half >= 0 && x(t) + half <= w) ctx.fillText(label, x(t), top + ph + 4);
     }
 
     ctx.save();
