@@ -64,7 +64,7 @@ from rolloutd.config import Config, load_config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.group import Group, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
-from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.engines.base import EngineCounters, GenerationRequest, WeightUpdate
 from rolloutd.server import RolloutService, controller_config
 from rolloutd.telemetry.providers import ExporterName, OtlpProtocol, Telemetry, setup_telemetry
 
@@ -160,8 +160,8 @@ class SharedEngine:
     async def abort(self, request_ids: list[str]) -> None:
         await self._engine.abort(request_ids)
 
-    async def update_weights(self, path: str, version: int) -> None:
-        await self._engine.update_weights(path, version)
+    async def update_weights(self, path: str, version: int) -> WeightUpdate:
+        return await self._engine.update_weights(path, version)
 
     def counters(self) -> EngineCounters:
         return self._engine.counters()

@@ -7,7 +7,7 @@ import time
 from array import array
 
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.engines.base import EngineCounters, GenerationRequest, WeightUpdate
 
 
 class GatedEngine:
@@ -69,8 +69,10 @@ class GatedEngine:
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int) -> WeightUpdate:
+        now = time.time_ns()
         self._version = version
+        return WeightUpdate(version, path, now, now, now, now)
 
 
 async def settle(predicate, within_s: float = 2.0) -> None:

@@ -165,6 +165,10 @@ class HttpConfig(_Section):
     """Address the admin app binds."""
     port: int = Field(8080, ge=0, le=65535)
     """Admin port; 0 picks a free one."""
+    dashboard_interval_s: float = Field(5.0, gt=0)
+    """How often the dashboard on the admin port's front page samples the metrics."""
+    dashboard_points: int = Field(1440, gt=0)
+    """Dashboard points kept (in memory and next to local checkpoints): 2 h at 5 s."""
 
 
 class AuthConfig(_Section):

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
 from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
+from rolloutd.api.dashboard import dashboard_router
 from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
@@ -38,9 +40,11 @@ from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.base import GenerationEngine, SamplingParams
 from rolloutd.engines.factory import build_engine
+from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.telemetry.vllm_metrics import VLLMFamilies
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -130,6 +134,15 @@ class RolloutService:
         self._gauges: asyncio.Task[None] | None = None
         self._status_snapshot = StatusSnapshot()
         self._admin: AdminServer | None = None
+        self.history = MetricHistory(
+            self.telemetry.prometheus_registry,
+            run=uuid.uuid4().hex[:12],
+            capacity=config.http.dashboard_points,
+            path=history_path(ckpt.dir),
+        )
+        self._history_task: asyncio.Task[None] | None = None
+        if self.engine.name == "vllm":
+            self.telemetry.prometheus_registry.register(VLLMFamilies())
         self.observer.register_sources(
             engine_counters=self.engine.counters,
             engine_name=self.engine.name,
@@ -139,6 +152,7 @@ class RolloutService:
                 since_success_s=self.checkpointer.since_success_s(),
                 consecutive_failures=self.checkpointer.consecutive_failures,
             ),
+            model=model_id,
         )
         self._state = ServingState.STARTING
         self._health = health.aio.HealthServicer()
@@ -350,7 +364,14 @@ class RolloutService:
             app = create_admin_app(
                 self, self.telemetry.prometheus_registry, auth_token=self.config.auth.token
             )
+            app.include_router(
+                dashboard_router(self.history, self.config.http.dashboard_interval_s)
+            )
             self._admin = AdminServer(app, host=self.config.http.host, port=self.config.http.port)
+            self._history_task = asyncio.create_task(
+                self.history.run_every(self.config.http.dashboard_interval_s),
+                name="rolloutd-dashboard-history",
+            )
             http_address = f"{self.config.http.host}:{await self._admin.start()}"
         self._gauges = asyncio.create_task(self._refresh_status(), name="rolloutd-status-gauges")
         await self.engine.start()
@@ -420,9 +441,11 @@ class RolloutService:
                 self.checkpointer.sequence,
             )
         await self.engine.stop()
-        for task in (self._gauges,):
+        for task in (self._gauges, self._history_task):
             if task is not None:
                 task.cancel()
+        if self._history_task is not None:  # the final checkpoint is on the dashboard
+            await asyncio.to_thread(self.history.sample)
         if self._admin is not None:
             await self._admin.stop()
         await self.telemetry.aclose()

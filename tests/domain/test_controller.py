@@ -1,10 +1,12 @@
 import asyncio
+from collections.abc import Mapping
 
 import pytest
 
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver
 from rolloutd.domain.sampler import Sampler
 from tests.fakes import GatedEngine, settle
 
@@ -171,3 +173,66 @@ async def test_without_checkpoints_the_pending_delta_holds_only_live_rows(runnin
     assert len(delta.new_rows) == live_rows  # not every sample ever generated
     assert delta.removed_rows == []  # nothing captured was ever removed
     assert set(delta.groups) == set(c.buffer.groups)  # finalized groups leave no trace
+
+
+class TracingObserver(NullObserver):
+    """Hands out one trace context per group and records what the controller reports."""
+
+    def __init__(self) -> None:
+        self.started: list[GenerationStarted] = []
+        self.committed: list[GroupCommitted] = []
+        self.abandoned: list[tuple[int, str]] = []
+
+    def generation_started(self, event: GenerationStarted) -> Mapping[str, str]:
+        self.started.append(event)
+        return {"traceparent": f"trace-of-{event.group_id}"}
+
+    def generation_abandoned(self, group_id: int, reason: str) -> None:
+        self.abandoned.append((group_id, reason))
+
+    def group_committed(self, event: GroupCommitted) -> None:
+        self.committed.append(event)
+
+
+async def test_every_sibling_carries_its_groups_trace_context_from_admission_to_commit():
+    engine = GatedEngine(auto=True)
+    observer = TracingObserver()
+    c = Controller(
+        ControllerConfig(group_size=3, max_in_flight=2, buffer_capacity=2),
+        engine,
+        Sampler(PROMPTS, seed=0),
+        observer=observer,
+    )
+    c.start()
+    try:
+        await settle(lambda: len(observer.committed) == 2)
+    finally:
+        await c.stop()
+    assert [e.group_id for e in observer.started] == [1, 2]  # once per group, not per sibling
+    first = next(r for r in engine.requests if r.group_id == 1)
+    assert observer.started[0].group_size == 3
+    assert observer.started[0].prompt_id == first.prompt.prompt_id
+    for r in engine.requests:
+        assert r.trace_headers == {"traceparent": f"trace-of-{r.group_id}"}
+    done = observer.committed[0]
+    assert (done.group_size, done.prompt_tokens, done.tokens) == (3, 2, 3 * engine.tokens)
+    assert observer.abandoned == []
+
+
+async def test_an_evicted_group_ends_its_generation_as_abandoned():
+    engine = GatedEngine()
+    observer = TracingObserver()
+    c = Controller(
+        ControllerConfig(group_size=3, max_in_flight=2, max_staleness=0),
+        engine,
+        Sampler(PROMPTS, seed=0),
+        observer=observer,
+    )
+    c.start()
+    try:
+        await settle(lambda: len(engine.requests) == 6)
+        await c.update_weights(1, "/weights")
+    finally:
+        await c.stop()
+    assert sorted(gid for gid, _ in observer.abandoned) == [1, 2]
+    assert all("evicted" in why for _, why in observer.abandoned)

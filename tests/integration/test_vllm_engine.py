@@ -222,9 +222,11 @@ async def test_update_weights_matches_transformers_greedy(
     # A request in flight when the update starts finishes on the old weights (mode "wait").
     in_flight = asyncio.ensure_future(engine.generate(request("in-flight", max_tokens=120)))
     await wait_for(lambda: engine.counters().requests_running == 1)
-    await engine.update_weights(str(models.second), 7)
+    update = await engine.update_weights(str(models.second), 7)
     assert engine.policy_version == 7
     assert in_flight.done() and in_flight.result().policy_version == 0
+    assert (update.version, update.path) == (7, str(models.second))
+    assert update.started_ns < update.paused_ns < update.loaded_ns < update.resumed_ns
 
     after = await engine.generate(request("greedy-v7", **greedy))  # type: ignore[arg-type]
     expected, logprobs = hf_greedy(models.second, prompt_ids, 24)

@@ -4,6 +4,7 @@ service, and the real CLI exporting over OTLP, serving ``/metrics`` and survivin
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import re
 import socket
@@ -29,7 +30,13 @@ from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import CATALOGUE, Instrument
 from rolloutd.telemetry.interceptors import client_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
-from rolloutd.telemetry.spans import CheckpointAttr, RestoreAttr
+from rolloutd.telemetry.spans import (
+    UPDATE_WEIGHTS_PHASES,
+    UPDATE_WEIGHTS_SPAN,
+    CheckpointAttr,
+    RestoreAttr,
+    WeightsAttr,
+)
 from tests.deploy.prometheus_names import family_name, series_names
 from tests.integration.proc import ServeProcess
 from tests.integration.trainer_harness import Trainer
@@ -161,6 +168,34 @@ async def test_a_trainer_checkpoint_call_is_one_trace_down_to_the_phases(
     assert attrs[f"{CheckpointAttr.BYTES}.total"] == (
         attrs[f"{CheckpointAttr.BYTES}.segments"] + attrs[f"{CheckpointAttr.BYTES}.sidecar"]
     )
+
+
+async def test_update_weights_is_a_span_of_pause_load_resume_under_the_rpc(
+    tmp_path, service_telemetry
+):
+    telemetry, exporter = service_telemetry
+    service = RolloutService(service_config(tmp_path), telemetry=telemetry)
+    addresses = await service.start()
+    client = RolloutClient(addresses.grpc)
+    try:
+        await asyncio.to_thread(client.update_weights, 1, str(tmp_path / "weights-v1"))
+    finally:
+        client.close()
+        await service.shutdown()
+    spans = exporter.get_finished_spans()
+    [root] = [s for s in spans if s.name == UPDATE_WEIGHTS_SPAN]
+    assert root.parent is not None
+    [rpc] = [s for s in spans if s.context.span_id == root.parent.span_id]
+    assert rpc.name == "/rolloutd.v1.RolloutService/UpdateWeights" and rpc.kind is SpanKind.SERVER
+    phases = sorted(
+        (s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id),
+        key=lambda s: s.start_time,
+    )
+    assert [s.name for s in phases] == [f"{UPDATE_WEIGHTS_SPAN}.{p}" for p in UPDATE_WEIGHTS_PHASES]
+    assert root.start_time == phases[0].start_time and phases[-1].end_time == root.end_time
+    for before, after in itertools.pairwise(phases):
+        assert before.end_time == after.start_time
+    assert dict(root.attributes or {})[WeightsAttr.VERSION] == 1
 
 
 # --- the real CLI: OTLP export, the admin port, a dead collector --------------------------------

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from rolloutd.domain.buffer import AckRecord, BufferCounts, BufferDelta, Lease, 
 from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolloutd.domain.group import Group, GroupState
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, NullObserver, Observer
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver, Observer
 from rolloutd.domain.sampler import Admission, Sampler, SamplerCapture
 from rolloutd.engines.base import (
     EngineDeadError,
@@ -158,6 +158,8 @@ class Controller:
         self.lost_acks: list[tuple[int, list[Admission]]] = []
         """(trainer_step, prompts) of acks journaled for groups no snapshot held (after restore)."""
         self._siblings: dict[int, dict[int, asyncio.Task[None]]] = {}
+        self._trace_headers: dict[int, Mapping[str, str]] = {}
+        """Trace context of each group whose generation the observer was told about."""
         self._changed = asyncio.Condition()
         self._loops: list[asyncio.Task[None]] = []
         self._admitting = False
@@ -248,6 +250,19 @@ class Controller:
 
     def dispatch(self, group: Group, indices: list[int]) -> None:
         """Starts one engine request per missing sibling, each with its own seed."""
+        if group.group_id not in self._trace_headers:
+            p = self.config.sampling
+            self._trace_headers[group.group_id] = self.observer.generation_started(
+                GenerationStarted(
+                    group.group_id,
+                    group.prompt.prompt_id,
+                    group.group_size,
+                    group.admitted_at,
+                    p.max_tokens,
+                    p.temperature,
+                    p.top_p,
+                )
+            )
         tasks = self._siblings.setdefault(group.group_id, {})
         for index in indices:
             tasks[index] = asyncio.create_task(
@@ -263,6 +278,7 @@ class Controller:
             prompt=group.prompt,
             seed=group.sibling_seed(index),
             params=self.config.sampling,
+            trace_headers=self._trace_headers.get(group.group_id, {}),
         )
         for attempt in range(self.config.sibling_retries + 1):
             try:
@@ -300,8 +316,16 @@ class Controller:
             tokens = group.generated_tokens
             self.counters.committed_groups += 1
             self.counters.committed_tokens += tokens
+        self._trace_headers.pop(group.group_id, None)
         self.observer.group_committed(
-            GroupCommitted(group.group_id, tokens, exact=True, completion_s=now - group.admitted_at)
+            GroupCommitted(
+                group.group_id,
+                tokens,
+                exact=True,
+                completion_s=now - group.admitted_at,
+                prompt_tokens=len(group.ordered_samples()[0].prompt_token_ids),
+                group_size=group.group_size,
+            )
         )
         await self._notify()
 
@@ -312,6 +336,7 @@ class Controller:
             await self._cancel_siblings(group_id)
             self.buffer.remove(group_id)
             self.counters.dropped_groups += 1
+        self._abandoned(group_id, why)
         log.error("group %d dropped: %s", group_id, why)
         await self._notify()
 
@@ -322,6 +347,10 @@ class Controller:
         for task in tasks.values():
             if task is not current:
                 task.cancel()
+
+    def _abandoned(self, group_id: int, reason: str) -> None:
+        if self._trace_headers.pop(group_id, None) is not None:
+            self.observer.generation_abandoned(group_id, reason)
 
     def _die(self, exc: BaseException) -> None:
         if self.fatal is None:
@@ -479,8 +508,9 @@ class Controller:
         if not weights_path:
             raise InvalidArgument("weights_path", "must not be empty")
         self._check_serving()
-        await self.engine.update_weights(weights_path, version)
+        update = await self.engine.update_weights(weights_path, version)
         self.policy_version, self.weights_path = version, weights_path
+        self.observer.weights_updated(update)
         return await self.evict_stale()
 
     async def evict_stale(self) -> int:
@@ -493,6 +523,7 @@ class Controller:
                 and g.state in (GroupState.GENERATING, GroupState.COMMITTED)
             ]
             for g in stale:
+                self._abandoned(g.group_id, "evicted: too stale")
                 await self._cancel_siblings(g.group_id)
                 self.buffer.remove(g.group_id)
                 self.sampler.readmit(Admission(g.prompt, g.position))

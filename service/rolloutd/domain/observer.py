@@ -5,11 +5,28 @@ Implementations must not raise into the caller and must not block: they run insi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
+from rolloutd.engines.base import WeightUpdate
+
+
+@dataclass(frozen=True)
+class GenerationStarted:
+    """A group's siblings are about to be dispatched: after admission, or after a restore for a
+    group the snapshot held unfinished (``admitted_at`` is then the original admission)."""
+
+    group_id: int
+    prompt_id: str
+    group_size: int
+    admitted_at: float
+    """Wall-clock seconds."""
+    max_tokens: int
+    temperature: float
+    top_p: float
 
 
 @dataclass(frozen=True)
@@ -21,10 +38,20 @@ class GroupCommitted:
     """True when tokens were counted from captured token ids, False when estimated."""
     completion_s: float
     """Admission to commit."""
+    prompt_tokens: int
+    """Tokens of the prompt, as the engine saw it (once, not once per sibling)."""
+    group_size: int
 
 
 class Observer(Protocol):
     def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None: ...
+
+    def generation_started(self, event: GenerationStarted) -> Mapping[str, str]:
+        """Returns the trace context (W3C headers) every sibling request of the group carries,
+        so the engine's own request spans join the group's trace; empty when not traced."""
+
+    def generation_abandoned(self, group_id: int, reason: str) -> None:
+        """The group whose generation started will never commit (evicted or dropped)."""
 
     def group_committed(self, event: GroupCommitted) -> None: ...
 
@@ -32,6 +59,8 @@ class Observer(Protocol):
         """``queue_s``: for each leased group, time from commit to its first lease."""
 
     def groups_evicted(self, count: int) -> None: ...
+
+    def weights_updated(self, update: WeightUpdate) -> None: ...
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None: ...
 
@@ -44,6 +73,12 @@ class NullObserver:
     def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None:
         return None
 
+    def generation_started(self, event: GenerationStarted) -> Mapping[str, str]:
+        return {}
+
+    def generation_abandoned(self, group_id: int, reason: str) -> None:
+        return None
+
     def group_committed(self, event: GroupCommitted) -> None:
         return None
 
@@ -51,6 +86,9 @@ class NullObserver:
         return None
 
     def groups_evicted(self, count: int) -> None:
+        return None
+
+    def weights_updated(self, update: WeightUpdate) -> None:
         return None
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:

@@ -42,6 +42,20 @@ class EngineCounters:
     kv_cache_usage: float = 0.0
 
 
+@dataclass(frozen=True)
+class WeightUpdate:
+    """How one weight update went, as wall-clock nanoseconds: generation was paused from
+    ``started_ns`` until ``paused_ns`` (requests in flight drained or aborted), the weights loaded
+    until ``loaded_ns``, and generation resumed at ``resumed_ns``."""
+
+    version: int
+    path: str
+    started_ns: int
+    paused_ns: int
+    loaded_ns: int
+    resumed_ns: int
+
+
 class EngineError(RuntimeError):
     """A request failed but the engine lives on; the sibling may be retried."""
 
@@ -75,7 +89,7 @@ class GenerationEngine(Protocol):
 
     async def abort(self, request_ids: list[str]) -> None: ...
 
-    async def update_weights(self, path: str, version: int) -> None: ...
+    async def update_weights(self, path: str, version: int) -> WeightUpdate: ...
 
     def counters(self) -> EngineCounters: ...
 

@@ -16,7 +16,7 @@ from array import array
 from dataclasses import dataclass
 
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.engines.base import EngineCounters, GenerationRequest, WeightUpdate
 
 _VOCAB = 32_000
 
@@ -112,9 +112,12 @@ class SyntheticEngine:
             if task is not None:
                 task.cancel()
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int) -> WeightUpdate:
+        started = time.time_ns()
         self._paused.clear()
         try:
             self._version = version
+            loaded = time.time_ns()
         finally:
             self._paused.set()
+        return WeightUpdate(version, path, started, started, loaded, time.time_ns())

@@ -61,6 +61,7 @@ from rolloutd.engines.base import (
     EngineError,
     EngineStartError,
     GenerationRequest,
+    WeightUpdate,
 )
 from rolloutd.engines.vllm_start import GIB, explain_start_failure, output_to, plan_cpu_kv_cache
 
@@ -463,7 +464,7 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int) -> WeightUpdate:
         """Load the safetensors files under ``path`` into the running engine.
 
         Generation is paused around the load (``vllm.weight_update_mode`` says what happens to
@@ -475,18 +476,19 @@ class VLLMEngine:
         llm = self._live_engine()
         if not await asyncio.to_thread(_has_safetensors, Path(path)):
             raise EngineError(f"weights path {path}: not a directory with *.safetensors files")
-        await asyncio.shield(self._swap_weights(llm, path, version))
+        return await asyncio.shield(self._swap_weights(llm, path, version))
 
-    async def _swap_weights(self, llm: AsyncLLM, path: str, version: int) -> None:
+    async def _swap_weights(self, llm: AsyncLLM, path: str, version: int) -> WeightUpdate:
         async with self._weights_lock:
-            started = time.monotonic()
+            started = time.time_ns()
             try:
                 await llm.pause_generation(
                     mode=self._config.vllm.weight_update_mode, clear_cache=True
                 )
-                paused = time.monotonic()
+                paused = time.time_ns()
                 await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
                 await llm.update_weight_version(str(version))
+                loaded = time.time_ns()
             # vLLM reports a failed engine-core call (a worker's load error) as a bare Exception.
             except Exception as exc:
                 self._dead = (
@@ -496,13 +498,15 @@ class VLLMEngine:
                 raise EngineDeadError(self._dead) from exc
             self._version = version
             await llm.resume_generation()
+            update = WeightUpdate(version, path, started, paused, loaded, time.time_ns())
         logger.info(
             "weights v%d loaded from %s: drained in %.3f s, loaded in %.3f s",
             version,
             path,
-            paused - started,
-            time.monotonic() - paused,
+            (paused - started) / 1e9,
+            (loaded - paused) / 1e9,
         )
+        return update
 
     def _live_engine(self) -> AsyncLLM:
         if self._dead is not None:

@@ -9,7 +9,7 @@ exporter thread), so nothing here waits on the network.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from opentelemetry.context import Context
@@ -19,9 +19,10 @@ from opentelemetry.trace import TracerProvider
 from rolloutd import __version__
 from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted
-from rolloutd.engines.base import EngineCounters
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.engines.base import EngineCounters, WeightUpdate
 from rolloutd.telemetry import spans, throttle
+from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
@@ -46,6 +47,7 @@ class TelemetryObserver:
     def __init__(self, tracer_provider: TracerProvider, meter_provider: MeterProvider):
         self.metrics = MetricsObserver(meter_provider)
         self._tracer = tracer_provider.get_tracer(TRACER_NAME, __version__)
+        self.generation = GenerationSpans(self._tracer)
 
     def register_sources(
         self,
@@ -53,17 +55,31 @@ class TelemetryObserver:
         engine_name: str,
         status: Callable[[], StatusSnapshot],
         checkpoint_state: Callable[[], CheckpointState],
+        model: str | None = None,
     ) -> None:
-        """See :meth:`MetricsObserver.register_sources`."""
+        """See :meth:`MetricsObserver.register_sources`; ``model`` names the weights on the
+        generation spans (``gen_ai.request.model``)."""
         self.metrics.register_sources(engine_counters, engine_name, status, checkpoint_state)
+        self.generation.engine, self.generation.model = engine_name, model
 
     def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None:
         with _never_raises("a blocked mutation"):
             self.metrics.mutation_blocked(kind, wait_s)
 
+    def generation_started(self, event: GenerationStarted) -> Mapping[str, str]:
+        with _never_raises("a generation span"):
+            return self.generation.started(event)
+        return {}
+
+    def generation_abandoned(self, group_id: int, reason: str) -> None:
+        with _never_raises("an abandoned generation span"):
+            self.generation.abandoned(group_id, reason)
+
     def group_committed(self, event: GroupCommitted) -> None:
         with _never_raises("a committed group"):
             self.metrics.group_committed(event)
+        with _never_raises("a generation span"):
+            self.generation.committed(event)
 
     def groups_leased(self, queue_s: list[float]) -> None:
         with _never_raises("leased groups"):
@@ -72,6 +88,10 @@ class TelemetryObserver:
     def groups_evicted(self, count: int) -> None:
         with _never_raises("evicted groups"):
             self.metrics.groups_evicted(count)
+
+    def weights_updated(self, update: WeightUpdate) -> None:
+        with _never_raises("weight update spans"):
+            spans.record_weight_update(self._tracer, update)
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:
         self.record_checkpoint(report)

@@ -1,0 +1,358 @@
+// rolloutd's built-in dashboard: eight areas of live charts over v1/dashboard/history.
+//
+// The service samples its own metrics every few seconds (rolloutd.telemetry.history); counters
+// arrive as totals since the history began, so a rate is the difference of two points of one run
+// over their time apart, and a mean duration is the increase of a histogram's sum over the
+// increase of its count. The time axis is wall-clock; points of different runs (a restart in
+// between) are never joined by a line, and a dashed rule marks where a new run begins.
+// Every URL is relative, so the page works behind kubectl port-forward or a path prefix.
+"use strict";
+
+(() => {
+  const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"];
+  const CKPT_PHASES = ["total", "barrier_wait", "exclusive_hold", "buffer_save", "sidecar_write", "commit"];
+  const RESTORE_PHASES = ["total", "resolve_snapshot", "dataloader", "buffer", "replay_metadata", "recovery_ledger", "redispatch"];
+
+  const mean = (prefixSum, prefixCount, phase, scale) => ({
+    label: phase, kind: "mean", sum: `${prefixSum}/${phase}`, count: `${prefixCount}/${phase}`, scale,
+  });
+
+  // Series kinds: "rate" (per second, within one run), "value" (as sampled), "mean"
+  // (increase of sum / increase of count, drawn as dots: one per interval with events).
+  // A series with `prefix` stands for every key under it that is non-zero somewhere.
+  const AREAS = [
+    {
+      id: "generation", title: "Generation",
+      what: "Raw generation throughput: every token the engine produced, used or not.",
+      charts: [{ title: "generation tokens/s", series: [{ label: "generated", kind: "rate", key: "generation_tokens" }] }],
+    },
+    {
+      id: "usable-output", title: "Usable output",
+      what: "Tokens and groups that became training-ready (committed).",
+      charts: [
+        { title: "committed tokens/s", series: [{ label: "committed", kind: "rate", key: "committed_tokens" }] },
+        { title: "committed groups/s", series: [{ label: "committed", kind: "rate", key: "committed_groups" }] },
+      ],
+    },
+    {
+      id: "checkpoint-latency", title: "Checkpoint latency",
+      what: "Mean duration of the attempts in each interval: the whole attempt and each phase.",
+      charts: [{ title: "duration (ms)", series: CKPT_PHASES.map((p) => mean("checkpoint_seconds_sum", "checkpoint_seconds_count", p, 1000)) }],
+    },
+    {
+      id: "backpressure", title: "Backpressure",
+      what: "Mutations that waited for a checkpoint's exclusive hold, by kind, and how long.",
+      charts: [
+        { title: "blocked mutations/s", series: [{ label: "all kinds", kind: "rate", sumOf: "blocked/" }, { prefix: "blocked/", kind: "rate" }] },
+        { title: "mean wait (ms)", series: [{ label: "wait", kind: "mean", sum: "blocked_wait_sum", count: "blocked_wait_count", scale: 1000 }] },
+      ],
+    },
+    {
+      id: "reliability", title: "Reliability",
+      what: "Checkpoint attempts by outcome and reason (totals), and the cadence achieved.",
+      charts: [
+        { title: "attempts (total) by outcome / reason", series: [{ prefix: "attempts/", kind: "value" }] },
+        {
+          title: "effective cadence (s)", series: [
+            { label: "since last success", kind: "value", key: "since_success" },
+            { label: "spacing", kind: "mean", sum: "spacing_sum", count: "spacing_count" },
+            { label: "configured interval", kind: "value", key: "interval" },
+          ],
+        },
+      ],
+    },
+    {
+      id: "restore", title: "Restore",
+      what: "Duration of each restore at start-up: the whole restore and each phase.",
+      charts: [{ title: "duration (ms)", series: RESTORE_PHASES.map((p) => mean("restore_seconds_sum", "restore_seconds_count", p, 1000)) }],
+    },
+    {
+      id: "recovery", title: "Recovery efficiency",
+      what: "What restores found (totals): complete groups back as they were; siblings of unfinished groups reused versus generated again.",
+      charts: [
+        { title: "groups restored, by state", series: ["committed", "leased", "acked", "unfinished"].map((s) => ({ label: s, kind: "value", key: `recovery_groups/${s}` })) },
+        { title: "siblings reused vs rerun", series: ["reused", "rerun"].map((s) => ({ label: s, kind: "value", key: `recovery_siblings/${s}` })) },
+      ],
+    },
+    {
+      id: "snapshot-size", title: "Snapshot size",
+      what: "The last completed snapshot: rows new in its delta, removed, live; bytes written.",
+      charts: [
+        { title: "rows", series: ["live", "new", "removed"].map((k) => ({ label: k, kind: "value", key: `rows/${k}` })) },
+        { title: "bytes written", bytes: true, series: ["total", "segments", "sidecar"].map((k) => ({ label: k, kind: "value", key: `size_bytes/${k}` })) },
+      ],
+    },
+  ];
+
+  let points = [];
+  let counters = [];
+  let capacity = 1440;
+  let intervalS = 5;
+  let draws = 0;
+  let listedSequence = null;
+  const $ = (id) => document.getElementById(id);
+
+  const isCounter = (key) => counters.includes(key.split("/")[0]);
+  const valueOf = (p, key) => (key in p.v ? p.v[key] : isCounter(key) ? 0 : null);
+  const sumOf = (p, prefix) => Object.keys(p.v).filter((k) => k.startsWith(prefix)).reduce((a, k) => a + p.v[k], 0);
+
+  function read(spec, prev, p) {
+    const get = (q) => (spec.sumOf ? sumOf(q, spec.sumOf) : valueOf(q, spec.key));
+    if (spec.kind === "value") return get(p);
+    if (spec.kind === "rate") {
+      if (!prev || prev.run !== p.run || p.t <= prev.t) return null;
+      const a = get(prev), b = get(p);
+      return a === null || b === null ? null : (b - a) / (p.t - prev.t);
+    }
+    if (!prev) return null; // mean: events between two points, also across a restart
+    const dc = valueOf(p, spec.count) - valueOf(prev, spec.count);
+    return dc > 0 ? ((valueOf(p, spec.sum) - valueOf(prev, spec.sum)) / dc) * (spec.scale || 1) : null;
+  }
+
+  function expand(specs, visible) {
+    const out = [];
+    for (const s of specs) {
+      if (!s.prefix) { out.push(s); continue; }
+      const keys = new Set();
+      for (const p of visible) for (const k of Object.keys(p.v)) if (k.startsWith(s.prefix) && p.v[k] !== 0) keys.add(k);
+      for (const k of [...keys].sort()) out.push({ label: k.slice(s.prefix.length), kind: s.kind, key: k });
+    }
+    return out;
+  }
+
+  function niceStep(range, target) {
+    const raw = range / target;
+    const mag = 10 ** Math.floor(Math.log10(raw));
+    for (const m of [1, 2, 2.5, 5, 10]) if (m * mag >= raw) return m * mag;
+    return 10 * mag;
+  }
+
+  const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+  const pad = (n) => String(n).padStart(2, "0");
+  function clock(t, withSeconds) {
+    const d = new Date(t * 1000);
+    return `${pad(d.getHours())}:${pad(d.getMinutes())}` + (withSeconds ? `:${pad(d.getSeconds())}` : "");
+  }
+
+  function fmt(v, bytes) {
+    if (v === null || v === undefined || !isFinite(v)) return "–";
+    const units = bytes ? ["B", "KiB", "MiB", "GiB", "TiB"] : ["", "k", "M", "G", "T"];
+    const base = bytes ? 1024 : 1000;
+    let i = 0;
+    let x = Math.abs(v);
+    while (x >= base && i < units.length - 1) { x /= base; i++; }
+    const shown = x >= 100 ? Math.round(x) : Number(x.toPrecision(3));
+    return `${v < 0 ? "-" : ""}${shown}${bytes ? " " : ""}${units[i]}`;
+  }
+
+  function drawChart(canvas, chart, visible, prevOfFirst, t0, t1) {
+    const dpr = window.devicePixelRatio || 1;
+    const w = canvas.clientWidth, h = canvas.clientHeight;
+    if (canvas.width !== Math.round(w * dpr)) canvas.width = Math.round(w * dpr);
+    if (canvas.height !== Math.round(h * dpr)) canvas.height = Math.round(h * dpr);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, w, h);
+    const left = 52, right = 8, top = 6, bottom = 18;
+    const pw = w - left - right, ph = h - top - bottom;
+
+    const series = expand(chart.series, visible).map((spec, i) => {
+      const color = PALETTE[i % PALETTE.length];
+      const data = visible.map((p, j) => [p.t, read(spec, j === 0 ? prevOfFirst : visible[j - 1], p), p.run]);
+      return { spec, color, data };
+    });
+    let ymax = 0;
+    let plotted = 0;
+    for (const s of series) for (const [, y] of s.data) if (y !== null) { ymax = Math.max(ymax, y); plotted++; }
+    ymax = ymax > 0 ? ymax * 1.1 : 1;
+    const x = (t) => left + ((t - t0) / Math.max(t1 - t0, 1e-9)) * pw;
+    const y = (v) => top + ph - (v / ymax) * ph;
+
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.strokeStyle = "#e4e7ec";
+    ctx.fillStyle = "#667085";
+    ctx.lineWidth = 1;
+    const ystep = niceStep(ymax, 4);
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    for (let v = 0; v <= ymax; v += ystep) {
+      ctx.beginPath(); ctx.moveTo(left, Math.round(y(v)) + 0.5); ctx.lineTo(w - right, Math.round(y(v)) + 0.5); ctx.stroke();
+      ctx.fillText(fmt(v, chart.bytes), left - 4, y(v));
+    }
+    const span = t1 - t0;
+    const tstep = TIME_STEPS.find((s) => span / s <= 6) || 86400;
+    ctx.textAlign = "center";
+    ctx.textBaseline = "top";
+    for (let t = Math.ceil(t0 / tstep) * tstep; t <= t1; t += tstep) {
+      const label = clock(t, tstep < 60);
+      const half = ctx.measureText(label).width / 2;
+      if (x(t) - half >= 0 && x(t) + half <= w) ctx.fillText(label, x(t), top + ph + 4);
+    }
+
+    ctx.save();
+    ctx.setLineDash([4, 3]);
+    ctx.strokeStyle = "#98a2b3";
+    ctx.textAlign = "left";
+    for (let j = 0; j < visible.length; j++) {
+      const prev = j === 0 ? prevOfFirst : visible[j - 1];
+      if (prev && prev.run !== visible[j].run) {
+        const rx = Math.round(x(visible[j].t)) + 0.5;
+        ctx.beginPath(); ctx.moveTo(rx, top); ctx.lineTo(rx, top + ph); ctx.stroke();
+        const label = rx + 48 > w ? "restart " : " restart";
+        ctx.textAlign = rx + 48 > w ? "right" : "left";
+        ctx.fillText(label, rx, top + 4);
+      }
+    }
+    ctx.restore();
+
+    ctx.lineWidth = 1.6;
+    for (const s of series) {
+      ctx.strokeStyle = s.color;
+      ctx.fillStyle = s.color;
+      const dots = s.spec.kind === "mean";
+      let open = false;
+      for (let j = 0; j < s.data.length; j++) {
+        const [t, v, run] = s.data[j];
+        if (v === null) { open = false; continue; }
+        const isolated = (j === 0 || s.data[j - 1][1] === null || s.data[j - 1][2] !== run)
+          && (j === s.data.length - 1 || s.data[j + 1][1] === null || s.data[j + 1][2] !== run);
+        if (dots || isolated) {
+          ctx.beginPath(); ctx.arc(x(t), y(v), 2.5, 0, 2 * Math.PI); ctx.fill();
+          open = false;
+          if (dots) continue;
+        }
+        if (open && s.data[j - 1][2] === run) ctx.lineTo(x(t), y(v));
+        else { if (open) ctx.stroke(); ctx.beginPath(); ctx.moveTo(x(t), y(v)); }
+        open = true;
+        if (j === s.data.length - 1 || s.data[j + 1][1] === null || s.data[j + 1][2] !== run) { ctx.stroke(); open = false; }
+      }
+    }
+    return { series, plotted };
+  }
+
+  function legend(el, series, bytes) {
+    el.replaceChildren(...series.map((s) => {
+      const last = [...s.data].reverse().find(([, v]) => v !== null);
+      const span = document.createElement("span");
+      span.style.setProperty("--c", s.color);
+      span.append(`${s.spec.label} `);
+      const b = document.createElement("b");
+      b.textContent = last ? fmt(last[1], bytes) : "–";
+      span.append(b);
+      return span;
+    }));
+  }
+
+  function build() {
+    const main = $("areas");
+    for (const area of AREAS) {
+      const section = document.createElement("section");
+      section.className = "area";
+      section.id = `area-${area.id}`;
+      section.dataset.points = "0";
+      section.innerHTML = `<h2></h2><p class="what"></p><div class="charts"></div>`;
+      section.querySelector("h2").textContent = area.title;
+      section.querySelector(".what").textContent = area.what;
+      for (const chart of area.charts) {
+        const div = document.createElement("div");
+        div.className = "chart";
+        div.innerHTML = `<h3></h3><canvas></canvas><div class="legend"></div>`;
+        div.querySelector("h3").textContent = chart.title;
+        chart.canvas = div.querySelector("canvas");
+        chart.legend = div.querySelector(".legend");
+        section.querySelector(".charts").append(div);
+      }
+      main.append(section);
+    }
+  }
+
+  function draw() {
+    if (!points.length) return;
+    const t1 = points[points.length - 1].t;
+    const windowS = Number($("window").value);
+    const t0 = Math.max(windowS > 0 ? t1 - windowS : -Infinity, points[0].t, t1 - 86400 * 365);
+    const first = points.findIndex((p) => p.t >= t0);
+    const visible = points.slice(first);
+    const prevOfFirst = first > 0 ? points[first - 1] : null;
+    const restarts = visible.filter((p, j) => (j === 0 ? prevOfFirst : visible[j - 1])?.run !== undefined
+      && (j === 0 ? prevOfFirst : visible[j - 1]).run !== p.run).length;
+    const state = { lastT: t1, draws: ++draws, points: points.length, restarts, areas: {} };
+    for (const area of AREAS) {
+      let plotted = 0, nseries = 0;
+      for (const chart of area.charts) {
+        const r = drawChart(chart.canvas, chart, visible, prevOfFirst, t0, t1);
+        legend(chart.legend, r.series, chart.bytes);
+        plotted += r.plotted;
+        nseries += r.series.length;
+      }
+      const el = $(`area-${area.id}`);
+      el.dataset.points = String(plotted);
+      state.areas[area.id] = { plotted, series: nseries };
+    }
+    document.body.dataset.lastT = String(t1);
+    window.rolloutdDashboard = state;
+  }
+
+  async function getJSON(url) {
+    const r = await fetch(url, { cache: "no-store" });
+    if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
+    return r.json();
+  }
+
+  async function refreshHistory() {
+    const since = points.length ? points[points.length - 1].t : null;
+    const h = await getJSON(`v1/dashboard/history${since === null ? "" : `?since=${since}`}`);
+    counters = h.counters;
+    capacity = h.capacity;
+    intervalS = h.interval_s;
+    points.push(...h.points);
+    if (points.length > capacity) points = points.slice(points.length - capacity);
+  }
+
+  async function refreshStatus() {
+    const s = await getJSON("v1/status");
+    const state = String(s.state || "").replace(/^SERVING_STATE_/, "").toLowerCase();
+    const el = $("state");
+    el.textContent = state || "unknown";
+    el.className = `state ${state === "serving" ? "serving" : ""}`;
+    const sequence = (s.last_checkpoint || {}).sequence || 0;
+    if (sequence !== listedSequence) {  // listing reads the store: only when a snapshot was added
+      await refreshCheckpoints();
+      listedSequence = sequence;
+    }
+    const b = s.buffer || {};
+    $("summary").textContent = `engine ${s.engine} · policy v${s.policy_version || 0} · group size ${s.group_size}`
+      + ` · buffer: ${b.committed || 0} ready, ${b.leased || 0} leased, ${b.generating || 0} generating`;
+  }
+
+  async function refreshCheckpoints() {
+    const list = await getJSON("v1/checkpoints");
+    $("checkpoints").replaceChildren(...list.slice(0, 8).map((c) => {
+      const tr = document.createElement("tr");
+      for (const v of [c.sequence, c.tag, c.trainer_step ?? "", new Date(c.created_unix_s * 1000).toLocaleTimeString(), fmt(c.rows), fmt(c.size_bytes, true)]) {
+        const td = document.createElement("td");
+        td.textContent = String(v);
+        tr.append(td);
+      }
+      return tr;
+    }));
+  }
+
+  async function tick() {
+    try {
+      await Promise.all([refreshHistory(), refreshStatus()]);
+      draw();
+      $("footer").textContent = `${points.length} points, one every ${intervalS} s; updated ${new Date().toLocaleTimeString()}`;
+    } catch (err) {
+      $("state").textContent = "unreachable";
+      $("state").className = "state down";
+      $("footer").textContent = `cannot reach the service (${err.message}); retrying`;
+    }
+    setTimeout(tick, intervalS * 1000);
+  }
+
+  build();
+  $("window").addEventListener("change", draw);
+  window.addEventListener("resize", draw);
+  tick();
+})();

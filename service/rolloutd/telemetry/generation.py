@@ -1,0 +1,114 @@
+"""A group's generation as one span, ``rolloutd.group.generate``, from admission to commit.
+
+The span is started when the domain reports :class:`GenerationStarted` (with the true admission
+time) and ended when the group commits, or with an error status when it is evicted or dropped.
+Its W3C trace context goes back to the domain as plain headers, which every sibling's engine
+request carries: with ``engine.vllm.otlp_traces_endpoint`` set, vLLM's own request spans are its
+children. The span is a root (admission answers no request), so ``OTEL_TRACES_SAMPLER`` decides
+whether it is sampled, and vLLM's parent-based sampler follows that decision.
+
+Attributes use the OpenTelemetry GenAI names where they fit (``gen_ai.request.*``,
+``gen_ai.usage.*``) and ``rolloutd.group.*`` elsewhere. A group that is still generating when
+the service stops has no span: it was never finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+
+GENERATE_SPAN = "rolloutd.group.generate"
+OPERATION = "text_completion"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class GenAIAttr:
+    """OpenTelemetry GenAI semantic-convention keys."""
+
+    OPERATION_NAME = "gen_ai.operation.name"
+    REQUEST_MODEL = "gen_ai.request.model"
+    REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+    REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+    REQUEST_TOP_P = "gen_ai.request.top_p"
+    REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
+    USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+    """The prompt's tokens (one prompt, whatever the group size)."""
+    USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+    """Completion tokens of all siblings."""
+
+
+class GroupAttr:
+    """rolloutd's own keys on ``rolloutd.group.generate``."""
+
+    ID = "rolloutd.group.id"
+    SIZE = "rolloutd.group.size"
+    PROMPT_ID = "rolloutd.prompt.id"
+    ENGINE = "rolloutd.engine"
+    ABANDONED = "rolloutd.group.abandoned"
+    """Why a group never committed (evicted, dropped)."""
+
+
+class GenerationSpans:
+    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+        self._spans: dict[int, Span] = {}
+        self.model: str | None = None
+        self.engine: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def started(self, event: GenerationStarted) -> Mapping[str, str]:
+        attributes: dict[str, AttributeValue] = {
+            GenAIAttr.OPERATION_NAME: OPERATION,
+            GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
+            GenAIAttr.REQUEST_TEMPERATURE: event.temperature,
+            GenAIAttr.REQUEST_TOP_P: event.top_p,
+            GenAIAttr.REQUEST_CHOICE_COUNT: event.group_size,
+            GroupAttr.ID: event.group_id,
+            GroupAttr.SIZE: event.group_size,
+            GroupAttr.PROMPT_ID: event.prompt_id,
+        }
+        if self.model is not None:
+            attributes[GenAIAttr.REQUEST_MODEL] = self.model
+        if self.engine is not None:
+            attributes[GroupAttr.ENGINE] = self.engine
+        span = self._tracer.start_span(
+            GENERATE_SPAN,
+            context=Context(),
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=int(event.admitted_at * 1e9),
+        )
+        if not span.get_span_context().is_valid:
+            return {}  # telemetry off: nothing to propagate, nothing to end
+        self._spans[event.group_id] = span
+        headers: dict[str, str] = {}
+        _PROPAGATOR.inject(headers, trace.set_span_in_context(span))
+        return headers
+
+    def committed(self, event: GroupCommitted) -> None:
+        span = self._spans.pop(event.group_id, None)
+        if span is None:
+            return  # committed at restore without generating, or telemetry off
+        span.set_attribute(GenAIAttr.USAGE_INPUT_TOKENS, event.prompt_tokens)
+        span.set_attribute(GenAIAttr.USAGE_OUTPUT_TOKENS, event.tokens)
+        span.end()
+
+    def abandoned(self, group_id: int, reason: str) -> None:
+        span = self._spans.pop(group_id, None)
+        if span is None:
+            return
+        span.set_attribute(GroupAttr.ABANDONED, reason)
+        span.set_status(Status(StatusCode.ERROR, reason))
+        span.end()

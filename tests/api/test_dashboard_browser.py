@@ -1,0 +1,204 @@
+"""The built-in dashboard in a real headless Chromium, against the real synthetic service CLI that
+has checkpointed, been killed with SIGKILL, and restored.
+
+Needs Debian's ``chromium`` (``.ci/run`` installs it where apt can) and the ``playwright`` Python
+package (the dev extra); without either the test skips and says which is missing. The screenshot
+it takes is the one the README shows (``docs/images/dashboard.png``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.proc import ServeProcess
+
+pytestmark = pytest.mark.process
+
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "dashboard.png"
+AREAS = (
+    "generation",
+    "usable-output",
+    "checkpoint-latency",
+    "backpressure",
+    "reliability",
+    "restore",
+    "recovery",
+    "snapshot-size",
+)
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def chromium() -> str:
+    path = os.environ.get("ROLLOUTD_CHROMIUM") or shutil.which("chromium")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
+    return path
+
+
+def get_json(http: str, path: str) -> Any:
+    with urllib.request.urlopen(f"http://{http}/{path}", timeout=10) as r:
+        return json.load(r)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def trainer(grpc_address: str) -> Iterator[None]:
+    """The example trainer, so that groups keep being committed, leased and acked."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rolloutd.cli",
+            "trainer",
+            "--target",
+            grpc_address,
+            "--groups-per-step",
+            "4",
+            "--train-s",
+            "0.2",
+            "--idle-exit-s",
+            "600",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def serve(ckpt: Path, tmp_path: Path, *args: str) -> ServeProcess:
+    p = ServeProcess.synthetic(
+        ckpt,
+        "--checkpoint-interval",
+        "1",
+        *args,
+        env={
+            "OTEL_SDK_DISABLED": "false",  # the dashboard draws the service's own metrics
+            "ROLLOUTD_HTTP__DASHBOARD_INTERVAL_S": "1",
+            "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": "300",
+        },
+        cwd=tmp_path,
+        log_path=tmp_path / "serve.log",
+    )
+    p.wait_listening()
+    assert p.http is not None
+    return p
+
+
+def latest(http: str) -> dict[str, float]:
+    points = get_json(http, "v1/dashboard/history")["points"]
+    return points[-1]["v"] if points else {}
+
+
+def test_the_dashboard_shows_eight_live_areas_across_a_restore(tmp_path):
+    executable = chromium()
+    from playwright.sync_api import sync_playwright
+
+    ckpt = tmp_path / "ckpt"
+    first = serve(ckpt, tmp_path)
+    try:
+        assert first.http is not None and first.grpc is not None
+        with trainer(first.grpc):
+            wait_for(
+                "two snapshots and a checkpoint on the dashboard",
+                lambda: (
+                    len(get_json(first.http, "v1/checkpoints")) >= 2
+                    and latest(first.http).get("checkpoint_seconds_count/total", 0) >= 2
+                ),
+            )
+            time.sleep(3)
+    finally:
+        first.kill()  # SIGKILL: groups in flight are unfinished in the last snapshot
+
+    second = serve(ckpt, tmp_path, "--restore", "latest")
+    try:
+        assert second.http is not None and second.grpc is not None
+        http = second.http
+        with trainer(second.grpc):
+            history = get_json(http, "v1/dashboard/history")
+            runs = {p["run"] for p in history["points"]}
+            assert len(runs) == 2, "the points of the killed run were not kept"
+            wait_for(
+                "the restore and new checkpoints on the dashboard",
+                lambda: (
+                    latest(http).get("restore_seconds_count/total", 0) >= 1
+                    and latest(http).get("attempts/completed/completed", 0)
+                    > history["points"][-1]["v"].get("attempts/completed/completed", 0)
+                ),
+            )
+            assert latest(http).get("recovery_groups/unfinished", 0) > 0
+            time.sleep(4)
+
+            console_errors: list[str] = []
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
+                page = browser.new_page(viewport={"width": 1280, "height": 1000})
+                page.on(
+                    "console",
+                    lambda m: console_errors.append(m.text) if m.type == "error" else None,
+                )
+                page.on("pageerror", lambda e: console_errors.append(str(e)))
+                page.goto(f"http://{http}/")
+                page.wait_for_function(
+                    "window.rolloutdDashboard && window.rolloutdDashboard.draws > 0"
+                )
+                state = page.evaluate("window.rolloutdDashboard")
+                empty = [a for a in AREAS if state["areas"][a]["plotted"] == 0]
+                assert not empty, f"areas without data: {empty} ({state['areas']})"
+                for area in AREAS:
+                    assert int(page.get_attribute(f"#area-{area}", "data-points") or 0) > 0
+                assert state["restarts"] >= 1, "no restart marker between the two runs"
+                canvas = "#area-generation canvas"
+                before = page.eval_on_selector(canvas, "c => c.toDataURL()")
+                page.wait_for_function(
+                    f"window.rolloutdDashboard.lastT > {state['lastT']}", timeout=20_000
+                )
+                after = page.eval_on_selector(canvas, "c => c.toDataURL()")
+                assert after != before, "the generation chart did not change with new points"
+                assert page.locator("#checkpoints tr").count() >= 1
+                for link in ("metrics", "docs", "v1/checkpoints"):
+                    assert page.locator(f'a[href="{link}"]').count() >= 1
+                page.reload()
+                page.wait_for_function(
+                    "window.rolloutdDashboard && window.rolloutdDashboard.draws > 0"
+                )
+                reloaded = page.evaluate("window.rolloutdDashboard")
+                assert reloaded["points"] >= state["points"], "history lost on a reload"
+                SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SCREENSHOT), full_page=True)
+                browser.close()
+            assert not console_errors, console_errors
+    finally:
+        second.terminate()

@@ -1,0 +1,138 @@
+"""``rolloutd.group.generate``: one span per group from admission to commit, whose context the
+sibling requests carry, sampled by the tracer provider's sampler; and the same over OTLP from the
+real CLI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.trace import NoOpTracerProvider, StatusCode
+
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.telemetry.generation import GENERATE_SPAN, GenAIAttr, GenerationSpans, GroupAttr
+from rolloutd.telemetry.observer import TelemetryObserver
+from tests.integration.proc import ServeProcess
+from tests.integration.trainer_harness import Trainer
+from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+def started(group_id: int, admitted_at: float) -> GenerationStarted:
+    return GenerationStarted(group_id, f"p{group_id}", 4, admitted_at, 32, 0.7, 0.95)
+
+
+def traceparent(headers) -> tuple[str, str, str]:
+    version, trace_id, span_id, flags = headers["traceparent"].split("-")
+    assert version == "00"
+    return trace_id, span_id, flags
+
+
+def test_a_group_is_one_span_from_admission_to_commit_with_genai_attributes(span_exporter):
+    provider, exporter = span_exporter
+    spans = GenerationSpans(provider.get_tracer("t"))
+    spans.model, spans.engine = "tiny-llama", "vllm"
+    admitted = time.time() - 2.0
+    headers = spans.started(started(7, admitted))
+    spans.committed(GroupCommitted(7, 90, True, 2.0, prompt_tokens=11, group_size=4))
+    [span] = exporter.get_finished_spans()
+    assert span.name == GENERATE_SPAN and span.parent is None
+    assert span.start_time == int(admitted * 1e9)
+    trace_id, span_id, flags = traceparent(headers)
+    assert (trace_id, span_id) == (f"{span.context.trace_id:032x}", f"{span.context.span_id:016x}")
+    assert int(flags, 16) & 1  # sampled
+    assert dict(span.attributes) == {
+        GenAIAttr.OPERATION_NAME: "text_completion",
+        GenAIAttr.REQUEST_MODEL: "tiny-llama",
+        GenAIAttr.REQUEST_MAX_TOKENS: 32,
+        GenAIAttr.REQUEST_TEMPERATURE: 0.7,
+        GenAIAttr.REQUEST_TOP_P: 0.95,
+        GenAIAttr.REQUEST_CHOICE_COUNT: 4,
+        GenAIAttr.USAGE_INPUT_TOKENS: 11,
+        GenAIAttr.USAGE_OUTPUT_TOKENS: 90,
+        GroupAttr.ID: 7,
+        GroupAttr.SIZE: 4,
+        GroupAttr.PROMPT_ID: "p7",
+        GroupAttr.ENGINE: "vllm",
+    }
+    assert len(spans) == 0
+
+
+def test_an_abandoned_group_ends_its_span_with_an_error(span_exporter):
+    provider, exporter = span_exporter
+    spans = GenerationSpans(provider.get_tracer("t"))
+    spans.started(started(3, time.time()))
+    spans.abandoned(3, "evicted: too stale")
+    [span] = exporter.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes[GroupAttr.ABANDONED] == "evicted: too stale"
+
+
+def test_the_sampler_decides_and_the_siblings_carry_the_decision():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF), shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = GenerationSpans(provider.get_tracer("t"))
+    headers = spans.started(started(1, time.time()))
+    assert not int(traceparent(headers)[2], 16) & 1  # vLLM's parent-based sampler drops it too
+    spans.committed(GroupCommitted(1, 5, True, 0.1, prompt_tokens=1, group_size=4))
+    assert exporter.get_finished_spans() == ()
+
+
+def test_with_telemetry_off_there_is_nothing_to_carry():
+    observer = TelemetryObserver(NoOpTracerProvider(), NoOpMeterProvider())
+    assert observer.generation_started(started(1, time.time())) == {}
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.mark.process
+def test_the_cli_exports_a_generate_span_per_committed_group(receiver, tmp_path):
+    service_name = "rolloutd-generate-spans"
+    p = ServeProcess.synthetic(
+        tmp_path / "ckpt",
+        "--group-size",
+        "3",
+        "--max-tokens",
+        "16",
+        "--checkpoint-interval",
+        "0",
+        env={
+            "OTEL_SDK_DISABLED": "false",
+            "OTEL_SERVICE_NAME": service_name,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint("grpc"),
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        },
+        cwd=tmp_path,
+    )
+    try:
+        trainer = Trainer()
+        trainer.run(p.wait_listening(), seconds=1.5)
+        assert p.terminate() == 0, p.output
+    finally:
+        if p.proc.poll() is None:
+            p.kill()
+    assert trainer.delivered > 0
+    generate = [s for s in receiver.spans(service_name) if s.name == GENERATE_SPAN]
+    assert len(generate) >= trainer.delivered
+    for span in generate:
+        attrs = attributes(span.attributes)
+        assert attrs[GroupAttr.SIZE] == 3 and attrs[GenAIAttr.REQUEST_CHOICE_COUNT] == 3
+        assert attrs[GenAIAttr.REQUEST_MODEL] == "synthetic"
+        assert attrs[GenAIAttr.REQUEST_MAX_TOKENS] == 16
+        assert attrs[GenAIAttr.USAGE_INPUT_TOKENS] > 0
+        assert 3 <= attrs[GenAIAttr.USAGE_OUTPUT_TOKENS] <= 3 * 16
+        assert span.parent_span_id == b"" and span.end_time_unix_nano > span.start_time_unix_nano
+    assert len({attributes(s.attributes)[GroupAttr.ID] for s in generate}) == len(generate)
