@@ -8,6 +8,7 @@ from array import array
 
 from rolloutd.domain.group import Sample
 from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.weights.report import WeightsTimeline
 
 
 class GatedEngine:
@@ -69,7 +70,9 @@ class GatedEngine:
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
         self._version = version
 
 

@@ -43,6 +43,9 @@ from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from rolloutd.weights.layout import served_layout
+from rolloutd.weights.staging import StagingArea
+from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,10 @@ class RolloutService:
         prompts, self.dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
             built = build_engine(config.engine)
-            engine, model_id = built.engine, built.model_id
+            engine, model_id, model_dir = built.engine, built.model_id, built.model_dir
         else:
             model_id = engine.name
+            model_dir = None if config.engine.model is None else Path(config.engine.model)
         self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
@@ -109,6 +113,18 @@ class RolloutService:
             journal=self.journal,
         )
         self.fingerprint = config.semantic_fingerprint(self.dataset_digest, model_id)
+        weights = config.weights
+        self.staging = StagingArea(weights.staging_dir)
+        self.weights = WeightsUpdater(
+            self.controller,
+            self.staging,
+            served_layout(model_dir),
+            storage_options=(
+                ckpt.storage_options if weights.storage_options is None else weights.storage_options
+            ),
+            concurrency=weights.fetch_concurrency,
+            observer=self.observer,
+        )
         self.checkpointer = Checkpointer(
             self.controller,
             self.store,
@@ -304,7 +320,8 @@ class RolloutService:
             options=options, interceptors=server_interceptors(self.telemetry.tracer_provider)
         )
         pb_grpc.add_RolloutServiceServicer_to_server(
-            RolloutServicer(self.controller, self, self.config.auth.token), server
+            RolloutServicer(self.controller, self, self.config.auth.token, weights=self.weights),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -330,6 +347,7 @@ class RolloutService:
             self._admin = AdminServer(app, host=self.config.http.host, port=self.config.http.port)
             http_address = f"{self.config.http.host}:{await self._admin.start()}"
         self._gauges = asyncio.create_task(self._refresh_status(), name="rolloutd-status-gauges")
+        await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
         if self.config.restore != "none":
             await self._set_state(ServingState.RESTORING)

@@ -48,12 +48,15 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
     groups, completed at least two checkpoints and attempted a restore (one that finds no snapshot
     still records its resolve phase and total).
 
-    Only one: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
+    Two: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
     hold (microseconds), so the wait histogram has data exactly when the blocked counter (which
-    starts at zero for every kind) counted something. Every other histogram is recorded by such a
-    run, counters start at zero, synchronous gauges are set by every completed checkpoint, and the
-    observable ones report from start-up.
+    starts at zero for every kind) counted something; and such a run updates no weights, so the
+    weight update durations have none. Every other histogram is recorded by such a run, counters
+    start at zero, synchronous gauges are set by every completed checkpoint, and the observable
+    ones report from start-up.
     """
+    if instrument is cat.WEIGHTS_UPDATE_DURATION:
+        return True
     return instrument is cat.MUTATION_WAIT and blocked_mutations == 0
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
+from rolloutd.weights.report import WeightsTimeline
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class GenerationEngine(Protocol):
     ``generate`` returns a finished :class:`Sample` stamped with the policy version of the
     weights that produced it; it raises ``asyncio.CancelledError`` when aborted.
     ``update_weights`` must not interleave with token generation: new samples started after it
-    returns carry ``version``.
+    returns carry ``version``. It records its ``pause``, ``load`` and ``resume`` phases in
+    ``timeline`` when one is given.
     """
 
     name: str
@@ -70,7 +72,9 @@ class GenerationEngine(Protocol):
 
     async def abort(self, request_ids: list[str]) -> None: ...
 
-    async def update_weights(self, path: str, version: int) -> None: ...
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None: ...
 
     def counters(self) -> EngineCounters: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from rolloutd.config import EngineConfig
 from rolloutd.engines.base import GenerationEngine
@@ -15,6 +16,9 @@ class BuiltEngine:
     model_id: str
     """What generates, for the snapshot fingerprint: a model directory, or the tiny model's
     content-addressed cache name, or ``synthetic``."""
+    model_dir: Path | None = None
+    """The served model's directory, whose tensors new weights must match; the synthetic engine
+    has one only when ``engine.model`` names it."""
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
@@ -23,12 +27,13 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         return BuiltEngine(
             SyntheticEngine(SyntheticConfig(s.tokens_per_s, s.latency_s, s.latency_sigma)),
             "synthetic",
+            None if config.model is None else Path(config.model),
         )
     from rolloutd.engines.tiny_model import ensure_tiny_model
     from rolloutd.engines.vllm import VLLMEngine
 
     if config.model is not None:
-        return BuiltEngine(VLLMEngine(config, config.model), config.model)
+        return BuiltEngine(VLLMEngine(config, config.model), config.model, Path(config.model))
     tiny = ensure_tiny_model(config.cache_dir)
     if config.vllm.dtype == "auto":
         # The tiny model is float32; vLLM's "auto" would serve it in bf16 and lose greedy parity
@@ -36,4 +41,4 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         config = config.model_copy(
             update={"vllm": config.vllm.model_copy(update={"dtype": "float32"})}
         )
-    return BuiltEngine(VLLMEngine(config, tiny), tiny.name)
+    return BuiltEngine(VLLMEngine(config, tiny), tiny.name, tiny)

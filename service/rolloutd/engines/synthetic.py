@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rolloutd.domain.group import Sample
 from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.weights.report import WeightsPhase, WeightsTimeline
 
 _VOCAB = 32_000
 
@@ -112,9 +113,15 @@ class SyntheticEngine:
             if task is not None:
                 task.cancel()
 
-    async def update_weights(self, path: str, version: int) -> None:
-        self._paused.clear()
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
+        timeline = timeline or WeightsTimeline()
+        with timeline.phase(WeightsPhase.PAUSE):
+            self._paused.clear()
         try:
-            self._version = version
+            with timeline.phase(WeightsPhase.LOAD):
+                self._version = version
         finally:
-            self._paused.set()
+            with timeline.phase(WeightsPhase.RESUME):
+                self._paused.set()

@@ -59,6 +59,7 @@ from rolloutd.engines.base import (
     EngineError,
     GenerationRequest,
 )
+from rolloutd.weights.report import WeightsPhase, WeightsTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +404,9 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
         """Load the safetensors files under ``path`` into the running engine.
 
         Generation is paused around the load (``vllm.weight_update_mode`` says what happens to
@@ -415,18 +418,22 @@ class VLLMEngine:
         llm = self._live_engine()
         if not await asyncio.to_thread(_has_safetensors, Path(path)):
             raise EngineError(f"weights path {path}: not a directory with *.safetensors files")
-        await asyncio.shield(self._swap_weights(llm, path, version))
+        await asyncio.shield(self._swap_weights(llm, path, version, timeline or WeightsTimeline()))
 
-    async def _swap_weights(self, llm: AsyncLLM, path: str, version: int) -> None:
+    async def _swap_weights(
+        self, llm: AsyncLLM, path: str, version: int, timeline: WeightsTimeline
+    ) -> None:
         async with self._weights_lock:
             started = time.monotonic()
             try:
-                await llm.pause_generation(
-                    mode=self._config.vllm.weight_update_mode, clear_cache=True
-                )
+                with timeline.phase(WeightsPhase.PAUSE):
+                    await llm.pause_generation(
+                        mode=self._config.vllm.weight_update_mode, clear_cache=True
+                    )
                 paused = time.monotonic()
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-                await llm.update_weight_version(str(version))
+                with timeline.phase(WeightsPhase.LOAD):
+                    await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                    await llm.update_weight_version(str(version))
             # vLLM reports a failed engine-core call (a worker's load error) as a bare Exception.
             except Exception as exc:
                 self._dead = (
@@ -435,7 +442,8 @@ class VLLMEngine:
                 )
                 raise EngineDeadError(self._dead) from exc
             self._version = version
-            await llm.resume_generation()
+            with timeline.phase(WeightsPhase.RESUME):
+                await llm.resume_generation()
         logger.info(
             "weights v%d loaded from %s: drained in %.3f s, loaded in %.3f s",
             version,
