@@ -8,6 +8,7 @@ with exponential backoff and jitter.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import os
@@ -205,7 +206,10 @@ class RolloutClient:
             )
 
         with ThreadPoolExecutor(len(self.endpoints), thread_name_prefix="push-weights") as pool:
-            futures = {ep: pool.submit(push, ep) for ep in self.endpoints}
+            # Each push runs in the caller's context, so its span joins the trainer's trace.
+            futures = {
+                ep: pool.submit(contextvars.copy_context().run, push, ep) for ep in self.endpoints
+            }
             return {ep: f.result() for ep, f in futures.items()}
 
     def status_of(self, endpoint: str) -> pb.GetStatusResponse:
