@@ -3,11 +3,16 @@
 What must hold: only declared files are written, each strictly in order (a chunk's offset is the
 number of that file's bytes already received), never past its declared size; the stream is whole
 only when every declared file is complete. Anything else is refused with the file it concerns.
+
+Each chunk is written and hashed on a worker thread while the next one is received (one write in
+flight at a time, so a file's bytes reach its hash in order); the SHA-256 of every file is known
+when the stream ends, without reading the files again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +34,26 @@ class PushChunk:
     data: bytes
 
 
+def _write(fd: int, digest: hashlib._Hash, data: bytes, offset: int) -> None:
+    written = os.pwrite(fd, data, offset)
+    if written != len(data):
+        raise OSError(f"short write: {written} of {len(data)} bytes at offset {offset}")
+    digest.update(data)
+
+
 class PushReceiver:
-    """Writes the chunks of one push into ``dest``; the files were checked by the caller."""
+    """Writes the chunks of one push into ``dest``; the files were checked by the caller.
+
+    Call :meth:`settle` then :meth:`close` whatever happens, :meth:`finish` when the stream ended.
+    """
 
     def __init__(self, files: tuple[FileSpec, ...], dest: Path) -> None:
         self._specs = {f.name: f for f in files}
         self._received = dict.fromkeys(self._specs, 0)
+        self._digests = {name: hashlib.sha256() for name in self._specs}
         self._dest = dest
         self._fds: dict[str, int] = {}
-        self.bytes = 0
+        self._pending: asyncio.Future[None] | None = None
 
     async def write(self, chunk: PushChunk) -> None:
         spec = self._specs.get(chunk.file)
@@ -59,18 +75,29 @@ class PushReceiver:
         if fd is None:
             fd = os.open(self._dest / chunk.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             self._fds[chunk.file] = fd
-        await asyncio.to_thread(os.pwrite, fd, chunk.data, chunk.offset)
+        await self.settle()
+        self._pending = asyncio.ensure_future(
+            asyncio.to_thread(_write, fd, self._digests[chunk.file], chunk.data, chunk.offset)
+        )
         self._received[chunk.file] = end
-        self.bytes += len(chunk.data)
 
-    def finish(self) -> None:
-        """The client closed its side: every declared file must be complete."""
+    async def settle(self) -> None:
+        """Waits for the write in flight (and raises its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+
+    async def finish(self) -> dict[str, str]:
+        """The client closed its side: every declared file must be complete. Returns each file's
+        SHA-256 as received."""
+        await self.settle()
         for name, spec in self._specs.items():
             got = self._received[name]
             if got != spec.size:
                 raise WeightsRejected(
                     name, f"the stream ended after {got} of its {spec.size} bytes (truncated)"
                 )
+        return {name: d.hexdigest() for name, d in self._digests.items()}
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -76,11 +76,18 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -> int:
+def verify_files(
+    directory: Path,
+    specs: Iterable[FileSpec],
+    concurrency: int,
+    known: Mapping[str, str] | None = None,
+) -> int:
     """Checks every staged file's size, and its SHA-256 where one was declared; returns the bytes.
 
-    Hashing runs on ``concurrency`` threads (hashlib releases the GIL on large blocks).
+    ``known`` holds digests computed as the files were written; the others are hashed here on
+    ``concurrency`` threads (hashlib releases the GIL on large blocks).
     """
+    known = known or {}
     specs = list(specs)
     for spec in specs:
         path = directory / spec.name
@@ -90,8 +97,16 @@ def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -
         if size != spec.size:
             raise WeightsRejected(spec.name, f"is {size} bytes, {spec.size} were declared")
     hashed = [s for s in specs if s.sha256 is not None]
-    with ThreadPoolExecutor(max(1, min(concurrency, len(hashed) or 1))) as pool:
-        digests = list(pool.map(lambda s: sha256_of(directory / s.name), hashed))
+    to_hash = [s for s in hashed if s.name not in known]
+    with ThreadPoolExecutor(max(1, min(concurrency, len(to_hash) or 1))) as pool:
+        computed = dict(
+            zip(
+                (s.name for s in to_hash),
+                pool.map(lambda s: sha256_of(directory / s.name), to_hash),
+                strict=True,
+            )
+        )
+    digests = [known.get(s.name) or computed[s.name] for s in hashed]
     for spec, digest in zip(hashed, digests, strict=True):
         if digest != spec.sha256:
             raise WeightsRejected(
