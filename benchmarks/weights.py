@@ -6,7 +6,7 @@ For each model size (the tiny model, and a larger random model built the same wa
 - ``local_copy_mb_per_s``: ``shutil.copyfile`` of the model's safetensors files into a fresh
   directory (warm page cache, no fsync): the most a transfer into staging could reach here;
 - ``push_mb_per_s``: ``PushWeights`` from the Python client (``RolloutClient.push_weights``),
-  bytes over the service's ``transfer`` phase (header received to last chunk written and hashed);
+  bytes over the service's ``transfer`` phase (header received to last chunk written);
   ``push_vs_local_copy`` is the one over the other;
 - ``push_verified_mb_per_s``: the same bytes over ``transfer`` + ``verify`` (SHA-256 and the
   safetensors headers checked against the served model);

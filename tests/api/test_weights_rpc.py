@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from rolloutd.client import RolloutClient
+from rolloutd.engines.base import EngineDeadError
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -320,3 +321,23 @@ async def test_the_client_pushes_to_every_endpoint_at_once(serve, model, tmp_pat
     with RolloutClient(endpoints, interceptors=[]) as client, pytest.raises(grpc.RpcError) as info:
         await asyncio.to_thread(client.push_weights, 5, new)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+
+
+async def test_an_engine_that_fails_while_loading_stops_the_service(weights_service, tmp_path):
+    service, stub, _ = weights_service
+
+    async def fails_half_way(path: str, version: int, **kw: object) -> None:
+        raise EngineDeadError(f"loading {path} failed half-way; weights may be partly replaced")
+
+    service.engine.update_weights = fails_half_way  # type: ignore[method-assign]
+    new = write_model(tmp_path / "new", seed=1)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await push(stub, [header(1, new), *chunks(new)])
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "not ready" in (info.value.details() or "")
+    assert service.controller.policy_version == 0
+    assert not service.live(), "the service must stop rather than serve mixed weights"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert staged(tmp_path) == []

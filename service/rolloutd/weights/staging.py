@@ -76,18 +76,11 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify_files(
-    directory: Path,
-    specs: Iterable[FileSpec],
-    concurrency: int,
-    known: Mapping[str, str] | None = None,
-) -> int:
+def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -> int:
     """Checks every staged file's size, and its SHA-256 where one was declared; returns the bytes.
 
-    ``known`` holds digests computed as the files were written; the others are hashed here on
-    ``concurrency`` threads (hashlib releases the GIL on large blocks).
+    Files are hashed on ``concurrency`` threads (hashlib releases the GIL on large blocks).
     """
-    known = known or {}
     specs = list(specs)
     for spec in specs:
         path = directory / spec.name
@@ -97,16 +90,8 @@ def verify_files(
         if size != spec.size:
             raise WeightsRejected(spec.name, f"is {size} bytes, {spec.size} were declared")
     hashed = [s for s in specs if s.sha256 is not None]
-    to_hash = [s for s in hashed if s.name not in known]
-    with ThreadPoolExecutor(max(1, min(concurrency, len(to_hash) or 1))) as pool:
-        computed = dict(
-            zip(
-                (s.name for s in to_hash),
-                pool.map(lambda s: sha256_of(directory / s.name), to_hash),
-                strict=True,
-            )
-        )
-    digests = [known.get(s.name) or computed[s.name] for s in hashed]
+    with ThreadPoolExecutor(max(1, min(concurrency, len(hashed) or 1))) as pool:
+        digests = list(pool.map(lambda s: sha256_of(directory / s.name), hashed))
     for spec, digest in zip(hashed, digests, strict=True):
         if digest != spec.sha256:
             raise WeightsRejected(

@@ -164,24 +164,19 @@ class WeightsUpdater:
                         if isinstance(message, PushHeader):
                             raise InvalidArgument("header", "a push has exactly one header")
                         await receiver.write(message)
-                    digests = await receiver.finish()
+                    await receiver.finish()
                 finally:
                     await receiver.settle()
                     receiver.close()
-            return await self._verify_and_load(attempt, staged, specs, digests)
+            return await self._verify_and_load(attempt, staged, specs)
         finally:
             self._staging.discard(staged)
 
     async def _verify_and_load(
-        self,
-        attempt: _Attempt,
-        staged: Path,
-        specs: list[FileSpec],
-        digests: Mapping[str, str] | None = None,
+        self, attempt: _Attempt, staged: Path, specs: list[FileSpec]
     ) -> UpdateResult:
-        """``digests``: SHA-256 of files already hashed as they arrived."""
         with attempt.timeline.phase(WeightsPhase.VERIFY):
-            await asyncio.to_thread(verify_files, staged, specs, self._concurrency, digests or {})
+            await asyncio.to_thread(verify_files, staged, specs, self._concurrency)
             await asyncio.to_thread(self._check_tensors, self._staging.files(staged, specs))
         async with self._load_lock:
             self._check_version(attempt.version)
