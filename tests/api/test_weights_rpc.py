@@ -236,6 +236,20 @@ async def test_a_local_directory_is_checked_then_loaded_in_place(weights_service
     assert set(r.phase_seconds) == {"verify", "pause", "load", "resume"}
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("nope://bucket/w", "Protocol not known: nope"), ("file:///no/such/dir", "does not exist")],
+)
+async def test_a_url_that_cannot_be_read_is_refused(weights_service, url, message):
+    _, stub, spy = weights_service
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path=url))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (info.value.details() or "").startswith("weights_path: ")
+    assert message in (info.value.details() or "")
+    assert spy.calls == []
+
+
 async def test_a_file_url_is_staged_and_verified(weights_service, tmp_path):
     _, stub, spy = weights_service
     new = write_model(tmp_path / "src", seed=5)

@@ -56,7 +56,11 @@ class Source:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
         self.url = url
-        self._fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        try:
+            self._fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        # fsspec's answers to an unknown scheme, and to one whose package is not installed.
+        except (ValueError, ImportError) as exc:
+            raise WeightsRejected("weights_path", f"{url}: {exc}") from None
         self._root = root.rstrip("/")
         self._errors: tuple[type[BaseException], ...] = (OSError, *_client_errors())
 
