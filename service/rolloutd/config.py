@@ -134,8 +134,9 @@ class CheckpointConfig(_Section):
 class WeightsConfig(_Section):
     staging_dir: str = "./.rolloutd/weights"
     """Local directory where weights from a URL or a push are staged and verified before loading;
-    it also keeps the weights being served, so a restarted service reloads them. Needs free space
-    for two copies of the weights."""
+    it also keeps the weights served and those the latest snapshot records, so a restarted service
+    reloads them. Needs room for three copies of the weights (more when several updates come
+    between two checkpoints)."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec when UpdateWeights names a URL; unset uses checkpoint.storage_options."""
     fetch_concurrency: int = Field(8, gt=0)

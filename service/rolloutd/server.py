@@ -241,10 +241,19 @@ class RolloutService:
         while a worker thread writes and publishes its snapshot, it would leave the checkpointer
         a sequence number behind the store, and every later attempt would fail. Shutdown waits
         for the attempts in flight before the final checkpoint.
+
+        Staged weights the snapshot may record stay while it is written and, once it is
+        published, until a later snapshot records a newer version (a restore reloads them).
         """
 
         async def attempt() -> CheckpointReport:
-            report = await self.checkpointer.checkpoint(trigger, tag, trainer_step)
+            weights = self.weights.snapshot_started()
+            published = False
+            try:
+                report = await self.checkpointer.checkpoint(trigger, tag, trainer_step)
+                published = report.outcome is Outcome.COMPLETED
+            finally:
+                self.weights.snapshot_ended(weights, published=published)
             await self._follow_checkpoint_health()
             return report
 
@@ -363,6 +372,8 @@ class RolloutService:
                 )
             finally:
                 self.checkpointer.restoring = False
+            if self.controller.weights_path is not None:
+                self.weights.restored(self.controller.weights_path)
         self.controller.start()
         if self.config.checkpoint.interval_s > 0:
             self._periodic = asyncio.create_task(

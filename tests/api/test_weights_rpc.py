@@ -355,3 +355,33 @@ async def test_an_engine_that_fails_while_loading_stops_the_service(weights_serv
         await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert staged(tmp_path) == []
+
+
+def kept_versions(tmp_path: Path) -> set[str]:
+    return {p.name for p in (tmp_path / "staging").glob("v*")}
+
+
+async def test_staged_weights_stay_while_a_snapshot_may_need_them(serve, model, tmp_path):
+    overrides = {"engine.model": str(model), "weights.staging_dir": str(tmp_path / "staging")}
+    service, stub = await serve(**overrides)
+
+    async def push_version(v: int) -> None:
+        new = write_model(tmp_path / f"w{v}", seed=v)
+        assert (await push(stub, [header(v, new), *chunks(new)])).policy_version == v
+
+    await push_version(1)
+    assert kept_versions(tmp_path) == {"v1"}
+    await stub.Checkpoint(pb.CheckpointRequest(tag="at-v1"))
+    await push_version(2)
+    assert kept_versions(tmp_path) == {"v1", "v2"}, "the latest snapshot records v1"
+    await stub.Checkpoint(pb.CheckpointRequest(tag="at-v2"))
+    assert kept_versions(tmp_path) == {"v2"}
+    await push_version(3)
+    await service.shutdown()  # its final snapshot records v3
+
+    restarted, stub = await serve(**overrides)
+    assert restarted.controller.policy_version == restarted.engine.policy_version == 3
+    assert restarted.controller.weights_path == str(tmp_path / "staging" / "v3")
+    assert kept_versions(tmp_path) == {"v2", "v3"}
+    await push_version(4)
+    assert kept_versions(tmp_path) == {"v3", "v4"}, "the restored snapshot records v3"

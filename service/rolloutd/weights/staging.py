@@ -3,12 +3,12 @@
 Layout under ``weights.staging_dir``::
 
     incoming/<random>/   files being copied or received; removed on any failure, and at start-up
-    v<version>/          the weights the engine serves now, kept so that a restarted service
-                         restores its policy version from them; replaced by the next update
+    v<version>/          weights the engine served, kept so that a restarted service restores
+                         the policy version its snapshot records
 
 What must hold: the engine only ever reads a directory whose every file was verified; a refused
-or failed update leaves no directory behind; at most one ``v<version>`` directory is kept besides
-an update in progress.
+or failed update leaves no directory behind; the served version's directory stays, and so does
+every version a published (or publishing) snapshot may record; the others are removed.
 """
 
 from __future__ import annotations
@@ -137,10 +137,14 @@ class StagingArea:
         os.replace(directory, target)
         return target
 
-    def retire_except(self, keep: Path) -> None:
-        """After ``keep`` serves: removes every other kept version."""
+    def retire(self, current: Path | None, floor: int | None) -> None:
+        """Removes kept versions a restart cannot need: every ``v<N>`` but ``current`` and, when a
+        snapshot may record one, those from version ``floor`` on."""
         for old in self.root.glob("v*"):
-            if old != keep and old.is_dir():
+            version = old.name[1:]
+            if old == current or not old.is_dir() or not version.isdigit():
+                continue
+            if floor is None or int(version) < floor:
                 shutil.rmtree(old, ignore_errors=True)
 
     def files(self, directory: Path, specs: Iterable[FileSpec]) -> Mapping[str, Path]:

@@ -88,6 +88,35 @@ class WeightsUpdater:
         self._concurrency = concurrency
         self._observer = observer or NullWeightsObserver()
         self._load_lock = asyncio.Lock()
+        self._served: Path | None = None
+        self._restorable: int | None = None
+        """Policy version at the start of the latest completed snapshot: what it records is at
+        least this version, so staged versions from here on must stay for a restore."""
+        self._snapshotting: list[int] = []
+        """The same for snapshots being written."""
+
+    def snapshot_started(self) -> int:
+        """A snapshot is being taken: the staged version it records must survive later updates.
+        Returns the token to give :meth:`snapshot_ended`."""
+        version = self._target.policy_version
+        self._snapshotting.append(version)
+        return version
+
+    def snapshot_ended(self, token: int, *, published: bool) -> None:
+        self._snapshotting.remove(token)
+        if published:
+            self._restorable = token
+        self._retire()
+
+    def restored(self, weights_path: str) -> None:
+        """The service restored a snapshot whose weights the engine now serves from
+        ``weights_path``: they must stay."""
+        self._served = Path(weights_path)
+        self._restorable = self._target.policy_version
+
+    def _retire(self) -> None:
+        floors = [*self._snapshotting, *([] if self._restorable is None else [self._restorable])]
+        self._staging.retire(self._served, min(floors) if floors else None)
 
     def _check_version(self, version: int) -> None:
         current = self._target.policy_version
@@ -186,7 +215,8 @@ class WeightsUpdater:
             except BaseException:
                 self._staging.discard(kept)
                 raise
-            self._staging.retire_except(kept)
+            self._served = kept
+            self._retire()
             return result
 
     async def _load_in_place(self, attempt: _Attempt, weights_path: str) -> UpdateResult:
@@ -198,7 +228,10 @@ class WeightsUpdater:
                 attempt.bytes = sum(p.stat().st_size for p in files.values())
                 await asyncio.to_thread(self._check_tensors, files)
         async with self._load_lock:
-            return await self._load(attempt, directory)
+            result = await self._load(attempt, directory)
+            self._served = None
+            self._retire()
+            return result
 
     def _check_tensors(self, files: Mapping[str, Path]) -> None:
         if self._layout is None:
