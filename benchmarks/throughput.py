@@ -64,9 +64,10 @@ from rolloutd.config import Config, load_config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.group import Group, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
-from rolloutd.engines.base import EngineCounters, GenerationRequest, WeightUpdate
+from rolloutd.engines.base import EngineCounters, GenerationRequest
 from rolloutd.server import RolloutService, controller_config
 from rolloutd.telemetry.providers import ExporterName, OtlpProtocol, Telemetry, setup_telemetry
+from rolloutd.weights.report import WeightsTimeline
 
 if TYPE_CHECKING:
     from rolloutd.engines.vllm import VLLMEngine
@@ -160,8 +161,10 @@ class SharedEngine:
     async def abort(self, request_ids: list[str]) -> None:
         await self._engine.abort(request_ids)
 
-    async def update_weights(self, path: str, version: int) -> WeightUpdate:
-        return await self._engine.update_weights(path, version)
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
+        await self._engine.update_weights(path, version, timeline=timeline)
 
     def counters(self) -> EngineCounters:
         return self._engine.counters()

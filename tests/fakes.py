@@ -7,7 +7,8 @@ import time
 from array import array
 
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest, WeightUpdate
+from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.weights.report import WeightsTimeline
 
 
 class GatedEngine:
@@ -69,10 +70,10 @@ class GatedEngine:
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)
 
-    async def update_weights(self, path: str, version: int) -> WeightUpdate:
-        now = time.time_ns()
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
         self._version = version
-        return WeightUpdate(version, path, now, now, now, now)
 
 
 async def settle(predicate, within_s: float = 2.0) -> None:

@@ -1,4 +1,5 @@
-"""The domain and checkpoint packages import no adapter library (DESIGN.md §1)."""
+"""The domain, checkpoint and weights packages import no adapter library (DESIGN.md §1): weight
+updates report plain data that telemetry/ and api/ turn into spans, metrics and responses."""
 
 import ast
 from pathlib import Path
@@ -16,7 +17,7 @@ FORBIDDEN = {
     "torch",
     "transformers",
 }
-PURE = ("domain", "checkpoint")
+PURE = ("domain", "checkpoint", "weights")
 
 
 def imported_roots(path: Path) -> set[str]:

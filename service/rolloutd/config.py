@@ -138,6 +138,18 @@ class CheckpointConfig(_Section):
     """Passed to fsspec (e.g. endpoint_url, key, secret for s3)."""
 
 
+class WeightsConfig(_Section):
+    staging_dir: str = "./.rolloutd/weights"
+    """Local directory where weights from a URL or a push are staged and verified before loading;
+    it also keeps the weights served and those the latest snapshot records, so a restarted service
+    reloads them. Needs room for three copies of the weights (more when several updates come
+    between two checkpoints)."""
+    storage_options: dict[str, Any] | None = None
+    """Passed to fsspec when UpdateWeights names a URL; unset uses checkpoint.storage_options."""
+    fetch_concurrency: int = Field(8, gt=0)
+    """Ranged reads in flight when copying weights from a URL (also the threads that hash)."""
+
+
 class RecoveryConfig(_Section):
     granularity: Literal["sibling", "group"] = "sibling"
     """Reuse staged siblings of unfinished groups (sibling) or re-run whole groups (group)."""
@@ -184,6 +196,7 @@ class Config(_Section):
     limits: LimitsConfig = LimitsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    weights: WeightsConfig = WeightsConfig()
     restore: str = "latest"
     """Snapshot to restore at start: latest, none, a sequence number or a tag."""
     grpc: GrpcConfig = GrpcConfig()

@@ -47,6 +47,9 @@ from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.telemetry.vllm_metrics import VLLMFamilies
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from rolloutd.weights.layout import served_layout
+from rolloutd.weights.staging import StagingArea
+from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +94,10 @@ class RolloutService:
             built = build_engine(
                 config.engine, max_sequences=config.limits.max_in_flight * config.group_size
             )
-            engine, model_id = built.engine, built.model_id
+            engine, model_id, model_dir = built.engine, built.model_id, built.model_dir
         else:
             model_id = engine.name
+            model_dir = None if config.engine.model is None else Path(config.engine.model)
         self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
@@ -115,6 +119,18 @@ class RolloutService:
             journal=self.journal,
         )
         self.fingerprint = config.semantic_fingerprint(self.dataset_digest, model_id)
+        weights = config.weights
+        self.staging = StagingArea(weights.staging_dir)
+        self.weights = WeightsUpdater(
+            self.controller,
+            self.staging,
+            served_layout(model_dir),
+            storage_options=(
+                ckpt.storage_options if weights.storage_options is None else weights.storage_options
+            ),
+            concurrency=weights.fetch_concurrency,
+            observer=self.observer,
+        )
         self.checkpointer = Checkpointer(
             self.controller,
             self.store,
@@ -241,10 +257,19 @@ class RolloutService:
         while a worker thread writes and publishes its snapshot, it would leave the checkpointer
         a sequence number behind the store, and every later attempt would fail. Shutdown waits
         for the attempts in flight before the final checkpoint.
+
+        Staged weights the snapshot may record stay while it is written and, once it is
+        published, until a later snapshot records a newer version (a restore reloads them).
         """
 
         async def attempt() -> CheckpointReport:
-            report = await self.checkpointer.checkpoint(trigger, tag, trainer_step)
+            weights = self.weights.snapshot_started()
+            published = False
+            try:
+                report = await self.checkpointer.checkpoint(trigger, tag, trainer_step)
+                published = report.outcome is Outcome.COMPLETED
+            finally:
+                self.weights.snapshot_ended(weights, published=published)
             await self._follow_checkpoint_health()
             return report
 
@@ -341,7 +366,8 @@ class RolloutService:
             options=options, interceptors=server_interceptors(self.telemetry.tracer_provider)
         )
         pb_grpc.add_RolloutServiceServicer_to_server(
-            RolloutServicer(self.controller, self, self.config.auth.token), server
+            RolloutServicer(self.controller, self, self.config.auth.token, weights=self.weights),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -374,6 +400,7 @@ class RolloutService:
             )
             http_address = f"{self.config.http.host}:{await self._admin.start()}"
         self._gauges = asyncio.create_task(self._refresh_status(), name="rolloutd-status-gauges")
+        await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
         if self.config.restore != "none":
             await self._set_state(ServingState.RESTORING)
@@ -389,6 +416,8 @@ class RolloutService:
                 )
             finally:
                 self.checkpointer.restoring = False
+            if self.controller.weights_path is not None:
+                self.weights.restored(self.controller.weights_path)
         self.controller.start()
         if self.config.checkpoint.interval_s > 0:
             self._periodic = asyncio.create_task(

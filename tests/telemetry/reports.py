@@ -1,8 +1,10 @@
-"""Hand-written checkpoint and restore reports, and a scripted run of every observer call."""
+"""Hand-written checkpoint, restore and weight update reports, and a scripted run of every
+observer call."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from rolloutd.checkpoint.report import (
     CheckpointPhase,
@@ -19,11 +21,14 @@ from rolloutd.checkpoint.report import (
     SkippedSnapshot,
     Trigger,
 )
+from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted, Observer
 from rolloutd.engines.base import EngineCounters
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.weights.report import PhaseTiming as WeightsTiming
+from rolloutd.weights.report import WeightsObserver, WeightsPhase, WeightsReport, WeightsSource
 
 T0 = 1_767_000_000_000_000_000
 """A wall-clock instant in ns (late 2025)."""
@@ -102,6 +107,27 @@ def restore_report(*, start_ns: int = T0, failing: RestorePhase | None = None) -
     )
 
 
+def weights_report(
+    *, start_ns: int = T0, source: WeightsSource = WeightsSource.PUSH, refused: bool = False
+) -> WeightsReport:
+    """A push of 3 MB: every phase (i + 1) ms, or refused during verify."""
+    timings, at = [], start_ns
+    for i, phase in enumerate(WeightsPhase):
+        timings.append(WeightsTiming(phase, at, at + (i + 1) * MS))
+        at += (i + 1) * MS
+        if refused and phase is WeightsPhase.VERIFY:
+            break
+    error = InvalidArgument("model.safetensors", "tensor x is F32[3], the served model's is F32[4]")
+    return WeightsReport(
+        version=5, source=source, started_ns=start_ns, ended_ns=at, phases=tuple(timings),
+        files=1, bytes=3_000_000, error=error if refused else None,
+    )  # fmt: skip
+
+
+class Observes(Observer, WeightsObserver, Protocol):
+    """The telemetry observer: the domain's reports and weight updates."""
+
+
 ENGINE = EngineCounters(
     prompt_tokens=900, generation_tokens=4000, requests_running=3, requests_waiting=1,
     kv_cache_usage=0.25,
@@ -114,7 +140,7 @@ STATUS = StatusSnapshot(
 CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
 
 
-def scripted_run(observer: Observer) -> None:
+def scripted_run(observer: Observes) -> None:
     """Every kind of observer call, in the order a short run makes them."""
     observer.restored(restore_report(start_ns=T0))
     observer.mutation_blocked(MutationKind.STAGE_SAMPLE, 0.002)
@@ -133,3 +159,5 @@ def scripted_run(observer: Observer) -> None:
     observer.checkpoint_attempted(
         checkpoint_report(start_ns=T0 + 61_000 * MS, sequence=8, trigger=Trigger.PERIODIC)
     )
+    observer.weights_updated(weights_report(start_ns=T0 + 62_000 * MS, refused=True))
+    observer.weights_updated(weights_report(start_ns=T0 + 63_000 * MS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -11,6 +12,9 @@ from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample
 from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.weights.receive import PushChunk, PushHeader
+from rolloutd.weights.staging import FileSpec
+from rolloutd.weights.updater import UpdateResult
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_ID_CHARS = 512
@@ -128,3 +132,29 @@ def status_to_proto(s: ControllerStatus, engine: str, state: int) -> pb.GetStatu
             requeued_groups=c.requeued_groups,
         ),
     )
+
+
+async def push_messages(
+    requests: AsyncIterator[pb.PushWeightsRequest],
+) -> AsyncIterator[PushHeader | PushChunk]:
+    """A push's messages as the updater's plain values; chunk bytes are passed on, not copied."""
+    async for r in requests:
+        kind = r.WhichOneof("payload")
+        if kind == "header":
+            files = tuple(FileSpec(f.name, f.size, f.sha256 or None) for f in r.header.files)
+            yield PushHeader(r.header.version, files)
+        elif kind == "chunk":
+            yield PushChunk(r.chunk.file, r.chunk.offset, r.chunk.data)
+        else:
+            raise InvalidArgument("payload", "each message must hold a header or a chunk")
+
+
+def weights_update_fields(result: UpdateResult, seconds: float) -> dict[str, Any]:
+    """The fields UpdateWeightsResponse and PushWeightsResponse share."""
+    return {
+        "policy_version": result.policy_version,
+        "evicted_groups": result.evicted_groups,
+        "seconds": seconds,
+        "bytes": result.report.bytes,
+        "phase_seconds": result.report.phase_seconds(),
+    }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
 from typing import Any, Protocol, TypeVar
 
@@ -20,6 +20,7 @@ from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.sampler import Admission
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,17 @@ def rpc(*, mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    def __init__(self, controller: Controller, host: Host, auth_token: str | None = None) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        host: Host,
+        auth_token: str | None = None,
+        *,
+        weights: WeightsUpdater,
+    ) -> None:
         self._controller = controller
         self._host = host
+        self._weights = weights
         self._token = auth_token.encode() if auth_token else None
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -128,11 +137,21 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         started = time.perf_counter()
-        evicted = await self._controller.update_weights(request.version, request.weights_path)
+        result = await self._weights.update(request.version, request.weights_path)
         return pb.UpdateWeightsResponse(
-            policy_version=self._controller.policy_version,
-            evicted_groups=evicted,
-            seconds=time.perf_counter() - started,
+            **convert.weights_update_fields(result, time.perf_counter() - started)
+        )
+
+    @rpc(mutating=True)
+    async def PushWeights(
+        self,
+        request_iterator: AsyncIterator[pb.PushWeightsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.PushWeightsResponse:
+        started = time.perf_counter()
+        result = await self._weights.push(convert.push_messages(request_iterator))
+        return pb.PushWeightsResponse(
+            **convert.weights_update_fields(result, time.perf_counter() - started)
         )
 
     @rpc(mutating=True)

@@ -33,6 +33,7 @@ from rolloutd.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
+from rolloutd.weights.report import WeightsTimeline
 
 log = logging.getLogger(__name__)
 
@@ -499,8 +500,14 @@ class Controller:
         await self._notify()
         return accepted, duplicates
 
-    async def update_weights(self, version: int, weights_path: str) -> int:
-        """Loads new weights, bumps the policy version, evicts groups now too stale."""
+    async def update_weights(
+        self, version: int, weights_path: str, *, timeline: WeightsTimeline | None = None
+    ) -> int:
+        """Loads new weights, bumps the policy version, evicts groups now too stale.
+
+        An engine that fails while loading may hold a mix of old and new weights: the controller
+        then stops (not ready) rather than generate from them.
+        """
         if version <= self.policy_version:
             raise InvalidArgument(
                 "version", f"must be greater than the current policy version {self.policy_version}"
@@ -508,9 +515,12 @@ class Controller:
         if not weights_path:
             raise InvalidArgument("weights_path", "must not be empty")
         self._check_serving()
-        update = await self.engine.update_weights(weights_path, version)
+        try:
+            await self.engine.update_weights(weights_path, version, timeline=timeline)
+        except EngineDeadError as exc:
+            self._die(exc)
+            raise Unavailable(f"the service is not ready: {exc}") from exc
         self.policy_version, self.weights_path = version, weights_path
-        self.observer.weights_updated(update)
         return await self.evict_stale()
 
     async def evict_stale(self) -> int:

@@ -11,7 +11,6 @@ from typing import Protocol
 
 from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.engines.base import WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,6 @@ class Observer(Protocol):
 
     def groups_evicted(self, count: int) -> None: ...
 
-    def weights_updated(self, update: WeightUpdate) -> None: ...
-
     def checkpoint_attempted(self, report: CheckpointReport) -> None: ...
 
     def restored(self, report: RestoreReport) -> None: ...
@@ -86,9 +83,6 @@ class NullObserver:
         return None
 
     def groups_evicted(self, count: int) -> None:
-        return None
-
-    def weights_updated(self, update: WeightUpdate) -> None:
         return None
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:

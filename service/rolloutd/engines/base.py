@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
+from rolloutd.weights.report import WeightsTimeline
 
 
 @dataclass(frozen=True)
@@ -42,20 +43,6 @@ class EngineCounters:
     kv_cache_usage: float = 0.0
 
 
-@dataclass(frozen=True)
-class WeightUpdate:
-    """How one weight update went, as wall-clock nanoseconds: generation was paused from
-    ``started_ns`` until ``paused_ns`` (requests in flight drained or aborted), the weights loaded
-    until ``loaded_ns``, and generation resumed at ``resumed_ns``."""
-
-    version: int
-    path: str
-    started_ns: int
-    paused_ns: int
-    loaded_ns: int
-    resumed_ns: int
-
-
 class EngineError(RuntimeError):
     """A request failed but the engine lives on; the sibling may be retried."""
 
@@ -76,7 +63,8 @@ class GenerationEngine(Protocol):
     ``generate`` returns a finished :class:`Sample` stamped with the policy version of the
     weights that produced it; it raises ``asyncio.CancelledError`` when aborted.
     ``update_weights`` must not interleave with token generation: new samples started after it
-    returns carry ``version``.
+    returns carry ``version``. It records its ``pause``, ``load`` and ``resume`` phases in
+    ``timeline`` when one is given.
     """
 
     name: str
@@ -89,7 +77,9 @@ class GenerationEngine(Protocol):
 
     async def abort(self, request_ids: list[str]) -> None: ...
 
-    async def update_weights(self, path: str, version: int) -> WeightUpdate: ...
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None: ...
 
     def counters(self) -> EngineCounters: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from rolloutd.config import EngineConfig
 from rolloutd.engines.base import GenerationEngine
@@ -15,6 +16,9 @@ class BuiltEngine:
     model_id: str
     """What generates, for the snapshot fingerprint: a model directory, or the tiny model's
     content-addressed cache name, or ``synthetic``."""
+    model_dir: Path | None = None
+    """The served model's directory, whose tensors new weights must match; the synthetic engine
+    has one only when ``engine.model`` names it."""
 
 
 def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
@@ -25,13 +29,16 @@ def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
         return BuiltEngine(
             SyntheticEngine(SyntheticConfig(s.tokens_per_s, s.latency_s, s.latency_sigma)),
             "synthetic",
+            None if config.model is None else Path(config.model),
         )
     from rolloutd.engines.tiny_model import ensure_tiny_model
     from rolloutd.engines.vllm import VLLMEngine
 
     if config.model is not None:
         return BuiltEngine(
-            VLLMEngine(config, config.model, max_sequences=max_sequences), config.model
+            VLLMEngine(config, config.model, max_sequences=max_sequences),
+            config.model,
+            Path(config.model),
         )
     tiny = ensure_tiny_model(config.cache_dir)
     if config.vllm.dtype == "auto":
@@ -40,4 +47,4 @@ def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
         config = config.model_copy(
             update={"vllm": config.vllm.model_copy(update={"dtype": "float32"})}
         )
-    return BuiltEngine(VLLMEngine(config, tiny, max_sequences=max_sequences), tiny.name)
+    return BuiltEngine(VLLMEngine(config, tiny, max_sequences=max_sequences), tiny.name, tiny)

@@ -16,7 +16,8 @@ from array import array
 from dataclasses import dataclass
 
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest, WeightUpdate
+from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.weights.report import WeightsPhase, WeightsTimeline
 
 _VOCAB = 32_000
 
@@ -112,12 +113,15 @@ class SyntheticEngine:
             if task is not None:
                 task.cancel()
 
-    async def update_weights(self, path: str, version: int) -> WeightUpdate:
-        started = time.time_ns()
-        self._paused.clear()
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
+        timeline = timeline or WeightsTimeline()
+        with timeline.phase(WeightsPhase.PAUSE):
+            self._paused.clear()
         try:
-            self._version = version
-            loaded = time.time_ns()
+            with timeline.phase(WeightsPhase.LOAD):
+                self._version = version
         finally:
-            self._paused.set()
-        return WeightUpdate(version, path, started, started, loaded, time.time_ns())
+            with timeline.phase(WeightsPhase.RESUME):
+                self._paused.set()

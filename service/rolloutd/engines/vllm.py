@@ -61,9 +61,9 @@ from rolloutd.engines.base import (
     EngineError,
     EngineStartError,
     GenerationRequest,
-    WeightUpdate,
 )
 from rolloutd.engines.vllm_start import GIB, explain_start_failure, output_to, plan_cpu_kv_cache
+from rolloutd.weights.report import WeightsPhase, WeightsTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -464,7 +464,9 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def update_weights(self, path: str, version: int) -> WeightUpdate:
+    async def update_weights(
+        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+    ) -> None:
         """Load the safetensors files under ``path`` into the running engine.
 
         Generation is paused around the load (``vllm.weight_update_mode`` says what happens to
@@ -476,19 +478,22 @@ class VLLMEngine:
         llm = self._live_engine()
         if not await asyncio.to_thread(_has_safetensors, Path(path)):
             raise EngineError(f"weights path {path}: not a directory with *.safetensors files")
-        return await asyncio.shield(self._swap_weights(llm, path, version))
+        await asyncio.shield(self._swap_weights(llm, path, version, timeline or WeightsTimeline()))
 
-    async def _swap_weights(self, llm: AsyncLLM, path: str, version: int) -> WeightUpdate:
+    async def _swap_weights(
+        self, llm: AsyncLLM, path: str, version: int, timeline: WeightsTimeline
+    ) -> None:
         async with self._weights_lock:
-            started = time.time_ns()
+            started = time.monotonic()
             try:
-                await llm.pause_generation(
-                    mode=self._config.vllm.weight_update_mode, clear_cache=True
-                )
-                paused = time.time_ns()
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-                await llm.update_weight_version(str(version))
-                loaded = time.time_ns()
+                with timeline.phase(WeightsPhase.PAUSE):
+                    await llm.pause_generation(
+                        mode=self._config.vllm.weight_update_mode, clear_cache=True
+                    )
+                paused = time.monotonic()
+                with timeline.phase(WeightsPhase.LOAD):
+                    await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                    await llm.update_weight_version(str(version))
             # vLLM reports a failed engine-core call (a worker's load error) as a bare Exception.
             except Exception as exc:
                 self._dead = (
@@ -497,16 +502,15 @@ class VLLMEngine:
                 )
                 raise EngineDeadError(self._dead) from exc
             self._version = version
-            await llm.resume_generation()
-            update = WeightUpdate(version, path, started, paused, loaded, time.time_ns())
+            with timeline.phase(WeightsPhase.RESUME):
+                await llm.resume_generation()
         logger.info(
             "weights v%d loaded from %s: drained in %.3f s, loaded in %.3f s",
             version,
             path,
-            (paused - started) / 1e9,
-            (loaded - paused) / 1e9,
+            paused - started,
+            time.monotonic() - paused,
         )
-        return update
 
     def _live_engine(self) -> AsyncLLM:
         if self._dead is not None:

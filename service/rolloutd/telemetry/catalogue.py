@@ -25,6 +25,7 @@ from rolloutd.checkpoint.report import (
 )
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
+from rolloutd.weights.report import WeightsOutcome, WeightsPhase, WeightsSource
 
 
 class Kind(enum.Enum):
@@ -66,6 +67,7 @@ class Area(enum.Enum):
     RESTORE = "restore"
     RECOVERY = "recovery"
     SNAPSHOT_SIZE = "snapshot size"
+    WEIGHTS = "weight updates"
     DRILL_DOWN = "drill-down"
 
 
@@ -234,6 +236,25 @@ POLICY_VERSION = Instrument(
 EVICTED_GROUPS = Instrument(
     "rolloutd.evicted.groups", Kind.COUNTER, "{group}",
     "Groups evicted for being more than max_staleness policy versions old.", Area.DRILL_DOWN,
+)  # fmt: skip
+WEIGHTS_UPDATE_DURATION = Instrument(
+    "rolloutd.weights.update.duration", Kind.HISTOGRAM, "s",
+    "Duration of each phase of a weight update attempt that reached it (transfer, verify; pause, "
+    "load, resume inside the engine), and of the whole attempt (phase=total).",
+    Area.WEIGHTS, attributes={PHASE_ATTR: _values(WeightsPhase, TOTAL)},
+)  # fmt: skip
+WEIGHTS_BYTES = Instrument(
+    "rolloutd.weights.bytes", Kind.COUNTER, "By",
+    "Bytes of safetensors files in weight update attempts, by source and outcome.",
+    Area.WEIGHTS,
+    attributes={"source": _values(WeightsSource), "outcome": _values(WeightsOutcome)},
+)  # fmt: skip
+WEIGHTS_UPDATES = Instrument(
+    "rolloutd.weights.updates", Kind.COUNTER, "{update}",
+    "Weight update attempts, by source and outcome (refused: bad weights that never reached "
+    "the engine).",
+    Area.WEIGHTS,
+    attributes={"source": _values(WeightsSource), "outcome": _values(WeightsOutcome)},
 )  # fmt: skip
 
 CATALOGUE: tuple[Instrument, ...] = tuple(

@@ -9,14 +9,13 @@ the global one, which is the trainer's. Context crosses the wire with the global
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 from opentelemetry.instrumentation.grpc import (
     aio_server_interceptor,
     client_interceptor,
-    grpcext,
 )
 from opentelemetry.trace import TracerProvider
 
@@ -34,6 +33,8 @@ class _ClientInfo(NamedTuple):
 
     full_method: str
     timeout: float | None
+    is_client_stream: bool = False
+    is_server_stream: bool = False
 
 
 class _CallDetails(
@@ -46,8 +47,21 @@ class _CallDetails(
     """The call's details with the trace context added to its metadata."""
 
 
-class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor):
-    """The OpenTelemetry client interceptor behind grpc's standard interface.
+class _OtelClientInterceptor(Protocol):
+    """What ``client_interceptor()`` returns: the instrumentation's unary and stream interfaces."""
+
+    def intercept_unary(
+        self, request: Any, metadata: Any, client_info: Any, invoker: Any
+    ) -> Any: ...
+
+    def intercept_stream(
+        self, request_or_iterator: Any, metadata: Any, client_info: Any, invoker: Any
+    ) -> Any: ...
+
+
+class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    """The OpenTelemetry client interceptor behind grpc's standard interface (unary calls, and
+    client-streaming ones such as ``PushWeights``).
 
     The instrumentation's own interceptor speaks its ``grpcext`` interface, which
     ``grpc.intercept_channel`` does not take; this adapter lets it sit in an ordinary interceptor
@@ -55,7 +69,7 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor):
     the call completes, also for ``future()`` calls.
     """
 
-    def __init__(self, interceptor: grpcext.UnaryClientInterceptor):
+    def __init__(self, interceptor: _OtelClientInterceptor):
         self._interceptor = interceptor
 
     def intercept_unary_unary(
@@ -80,13 +94,37 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor):
         info = _ClientInfo(details.method, details.timeout)
         return self._interceptor.intercept_unary(request, details.metadata, info, invoker)
 
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        client_call_details: grpc.ClientCallDetails,
+        request_iterator: Iterator[Any],
+    ) -> Any:
+        details = client_call_details
+
+        def invoker(requests: Iterator[Any], metadata: Any) -> Any:
+            traced = _CallDetails(
+                details.method,
+                details.timeout,
+                metadata,
+                details.credentials,
+                details.wait_for_ready,
+                details.compression,
+            )
+            return continuation(traced, requests)
+
+        info = _ClientInfo(details.method, details.timeout, is_client_stream=True)
+        return self._interceptor.intercept_stream(request_iterator, details.metadata, info, invoker)
+
 
 def client_interceptors(
     tracer_provider: TracerProvider | None = None,
 ) -> list[grpc.UnaryUnaryClientInterceptor]:
-    """For ``grpc.intercept_channel(channel, *client_interceptors())``: each unary call is a
-    client span and carries the current trace context in its metadata."""
-    return [_TracingInterceptor(client_interceptor(tracer_provider=tracer_provider))]
+    """For ``grpc.intercept_channel(channel, *client_interceptors())``: each unary or
+    client-streaming call is a client span and carries the current trace context in its
+    metadata."""
+    otel: _OtelClientInterceptor = client_interceptor(tracer_provider=tracer_provider)
+    return [_TracingInterceptor(otel)]
 
 
 def instrument_channel(

@@ -32,6 +32,7 @@ from rolloutd.engines.base import EngineCounters
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import TOTAL, EngineRequestState, Instrument, Kind
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.weights.report import WeightsReport
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class MetricsObserver:
         self._checkpoint_rows = self._gauge(cat.CHECKPOINT_ROWS)
         self._checkpoint_size = self._gauge(cat.CHECKPOINT_SIZE)
         self._evicted_groups = self._counter(cat.EVICTED_GROUPS)
+        self._weights_duration = self._histogram(cat.WEIGHTS_UPDATE_DURATION)
+        self._weights_bytes = self._counter(cat.WEIGHTS_BYTES)
+        self._weights_updates = self._counter(cat.WEIGHTS_UPDATES)
 
         self._observable(cat.GENERATION_TOKENS, self._observe_generation_tokens)
         self._observable(cat.PROMPT_TOKENS, self._observe_prompt_tokens)
@@ -132,6 +136,8 @@ class MetricsObserver:
         self._size_part = _Series(cat.CHECKPOINT_SIZE)
         self._group_state = _Series(cat.BUFFER_GROUPS)
         self._request_state = _Series(cat.ENGINE_REQUESTS)
+        self._weights_phase = _Series(cat.WEIGHTS_UPDATE_DURATION)
+        self._weights_attempt = _Series(cat.WEIGHTS_UPDATES)
 
         self._start_counters_at_zero()
 
@@ -180,6 +186,8 @@ class MetricsObserver:
             (self._recovery_groups, cat.RECOVERY_GROUPS),
             (self._recovery_siblings, cat.RECOVERY_SIBLINGS),
             (self._evicted_groups, cat.EVICTED_GROUPS),
+            (self._weights_bytes, cat.WEIGHTS_BYTES),
+            (self._weights_updates, cat.WEIGHTS_UPDATES),
         ]
         for counter, instrument in counters:
             for attributes in _Series(instrument).all():
@@ -245,6 +253,14 @@ class MetricsObserver:
             self._recovery_groups.add(groups, self._recovery_state(state))
         for disposition, siblings in report.siblings.items():
             self._recovery_siblings.add(siblings, self._disposition(disposition))
+
+    def weights_updated(self, report: WeightsReport) -> None:
+        for phase in report.phases:
+            self._weights_duration.record(phase.seconds, self._weights_phase(phase.phase))
+        self._weights_duration.record(report.seconds, self._weights_phase(TOTAL))
+        attempt = self._weights_attempt(report.source, report.outcome)
+        self._weights_updates.add(1, attempt)
+        self._weights_bytes.add(report.bytes, attempt)
 
     # -- observable callbacks (reader threads) --------------------------------------------------
 

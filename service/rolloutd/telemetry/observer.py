@@ -20,11 +20,13 @@ from rolloutd import __version__
 from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
-from rolloutd.engines.base import EngineCounters, WeightUpdate
+from rolloutd.engines.base import EngineCounters
 from rolloutd.telemetry import spans, throttle
 from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.telemetry.weights import record_weights_update
+from rolloutd.weights.report import WeightsReport
 
 logger = logging.getLogger(__name__)
 logger.addFilter(throttle.SHARED)
@@ -89,10 +91,6 @@ class TelemetryObserver:
         with _never_raises("evicted groups"):
             self.metrics.groups_evicted(count)
 
-    def weights_updated(self, update: WeightUpdate) -> None:
-        with _never_raises("weight update spans"):
-            spans.record_weight_update(self._tracer, update)
-
     def checkpoint_attempted(self, report: CheckpointReport) -> None:
         self.record_checkpoint(report)
 
@@ -106,6 +104,14 @@ class TelemetryObserver:
             self.metrics.checkpoint_attempted(report)
         with _never_raises("checkpoint spans"):
             spans.record_checkpoint(self._tracer, report, context)
+
+    def weights_updated(self, report: WeightsReport) -> None:
+        """Implements :class:`rolloutd.weights.report.WeightsObserver`; the span tree joins the
+        current span (the ``UpdateWeights`` / ``PushWeights`` server span)."""
+        with _never_raises("weight update metrics"):
+            self.metrics.weights_updated(report)
+        with _never_raises("weight update spans"):
+            record_weights_update(self._tracer, report)
 
     def record_restore(self, report: RestoreReport, context: Context | None = None) -> None:
         with _never_raises("restore metrics"):

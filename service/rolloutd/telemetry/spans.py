@@ -22,7 +22,6 @@ from rolloutd.checkpoint.report import (
     PhaseTiming,
     RestoreReport,
 )
-from rolloutd.engines.base import WeightUpdate
 
 CHECKPOINT_SPAN = "rolloutd.checkpoint"
 RESTORE_SPAN = "rolloutd.restore"
@@ -177,36 +176,3 @@ def _record_phases(
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-UPDATE_WEIGHTS_SPAN = "rolloutd.update_weights"
-UPDATE_WEIGHTS_PHASES = ("pause", "load", "resume")
-
-
-class WeightsAttr:
-    """Attribute keys of ``rolloutd.update_weights``."""
-
-    VERSION = "rolloutd.weights.version"
-    PATH = "rolloutd.weights.path"
-
-
-def record_weight_update(
-    tracer: Tracer, update: WeightUpdate, context: Context | None = None
-) -> None:
-    """Records ``rolloutd.update_weights`` with one child per phase: ``pause`` (generation paused,
-    requests in flight drained or aborted), ``load`` (weights read and labelled with the new
-    version), ``resume``. Under the current span (the ``UpdateWeights`` RPC's server span)."""
-    root = tracer.start_span(
-        UPDATE_WEIGHTS_SPAN,
-        context=context,
-        kind=SpanKind.INTERNAL,
-        attributes={WeightsAttr.VERSION: update.version, WeightsAttr.PATH: update.path},
-        start_time=update.started_ns,
-    )
-    parent = trace.set_span_in_context(root, context)
-    bounds = (update.started_ns, update.paused_ns, update.loaded_ns, update.resumed_ns)
-    for phase, start, end in zip(UPDATE_WEIGHTS_PHASES, bounds, bounds[1:], strict=False):
-        tracer.start_span(f"{UPDATE_WEIGHTS_SPAN}.{phase}", context=parent, start_time=start).end(
-            end_time=end
-        )
-    root.end(end_time=update.resumed_ns)

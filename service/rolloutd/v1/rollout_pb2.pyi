@@ -193,14 +193,82 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., weights_path: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "evicted_groups", "seconds")
+    __slots__ = ("policy_version", "evicted_groups", "seconds", "bytes", "phase_seconds")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     evicted_groups: int
     seconds: float
-    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    bytes: int
+    phase_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class WeightsFile(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class PushWeightsHeader(_message.Message):
+    __slots__ = ("version", "files")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    files: _containers.RepeatedCompositeFieldContainer[WeightsFile]
+    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightsFile, _Mapping]]] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("file", "offset", "data")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    data: bytes
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushWeightsHeader
+    chunk: WeightsChunk
+    def __init__(self, header: _Optional[_Union[PushWeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightsChunk, _Mapping]] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "evicted_groups", "seconds", "bytes", "phase_seconds")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    evicted_groups: int
+    seconds: float
+    bytes: int
+    phase_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("trainer_step", "tag")

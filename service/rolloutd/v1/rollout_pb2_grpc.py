@@ -59,6 +59,11 @@ class RolloutServiceStub:
                 request_serializer=rolloutd_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rolloutd_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/rolloutd.v1.RolloutService/PushWeights',
+                request_serializer=rolloutd_dot_v1_dot_rollout__pb2.PushWeightsRequest.SerializeToString,
+                response_deserializer=rolloutd_dot_v1_dot_rollout__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/rolloutd.v1.RolloutService/Checkpoint',
                 request_serializer=rolloutd_dot_v1_dot_rollout__pb2.CheckpointRequest.SerializeToString,
@@ -107,7 +112,16 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Load new weights into the engine and bump the policy version.
+        """Load new weights into the engine and bump the policy version. weights_path is a directory on
+        the service's filesystem or an fsspec URL (s3://bucket/prefix, file:///dir) the service copies
+        into local staging first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """Stream new weights to the service, then load them like UpdateWeights. See PushWeightsRequest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +170,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rolloutd_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rolloutd_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=rolloutd_dot_v1_dot_rollout__pb2.PushWeightsRequest.FromString,
+                    response_serializer=rolloutd_dot_v1_dot_rollout__pb2.PushWeightsResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -286,6 +305,33 @@ class RolloutService:
             '/rolloutd.v1.RolloutService/UpdateWeights',
             rolloutd_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             rolloutd_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rolloutd.v1.RolloutService/PushWeights',
+            rolloutd_dot_v1_dot_rollout__pb2.PushWeightsRequest.SerializeToString,
+            rolloutd_dot_v1_dot_rollout__pb2.PushWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,468 @@
+"""Weight updates: pushed over gRPC and copied from S3, against a raw local copy of the same files.
+
+For each model size (the tiny model, and a larger random model built the same way) the real
+``rolloutd serve`` runs as a subprocess on that model, and this process acts as the trainer:
+
+- ``local_copy_mb_per_s``: ``shutil.copyfile`` of the model's safetensors files into a fresh
+  directory (warm page cache, no fsync): the most a transfer into staging could reach here;
+- ``push_mb_per_s``: ``PushWeights`` from the Python client (``RolloutClient.push_weights``),
+  bytes over the service's ``transfer`` phase (header received to last chunk written);
+  ``push_vs_local_copy`` is the one over the other;
+- ``push_verified_mb_per_s``: the same bytes over ``transfer`` + ``verify`` (SHA-256 and the
+  safetensors headers checked against the served model);
+- ``s3_mb_per_s``: ``UpdateWeights("s3://...")`` from moto's S3 server on this machine, bytes over
+  the ``transfer`` phase (ranged reads in parallel);
+- ``update_pause_ms``: generation stopped, from the start of ``pause`` to the end of ``resume``,
+  with the engine idle and while a stream of submitted prompts generates (the pause then waits
+  for requests in flight to finish, ``vllm.weight_update_mode: wait``);
+- the end-to-end update time seen by the trainer, for a push (hashing included) and from S3
+  (with a ``SHA256SUMS`` file, so the service verifies checksums on both paths).
+
+Each figure is the median over the repetitions; one push on a fresh channel comes first and is
+reported on its own (the HTTP/2 windows grow during the first transfer).
+
+The service and the client share 2 cores here with vLLM's CPU engine. The transfer path does not
+involve the engine, so the transfer rates and ``push_vs_local_copy`` are measured against the
+synthetic engine serving the same model (its layout is what pushes are checked against), as
+DESIGN.md has it for figures of the service's own overhead; the same rates measured beside the
+vLLM engine are kept as ``*_beside_engine``. Pauses, loads and end-to-end times come from vLLM.
+``--quick`` runs the synthetic engine (no real pause or load) on the tiny model and a ~60 MB one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import common
+import fsspec
+from moto.server import ThreadedMotoServer
+
+from rolloutd.client import RolloutClient
+from rolloutd.engines.tiny_model import TinyModelSpec, build_tiny_model, write_random_weights
+from rolloutd.v1 import rollout_pb2 as pb
+
+NAME = "weights"
+LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=")
+BUCKET = "rolloutd-bench"
+TARGET_PUSH_VS_COPY = 0.5
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    spec: TinyModelSpec
+
+
+TINY = Size("tiny", TinyModelSpec())
+LARGE = Size(
+    "large",
+    TinyModelSpec(
+        hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=16
+    ),
+)
+QUICK_LARGE = Size(
+    "medium",
+    TinyModelSpec(
+        hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=8
+    ),
+)
+
+
+class Service:
+    """``rolloutd serve`` on one model, its log in a file."""
+
+    def __init__(self, model: Path, work: Path, engine: str, s3: dict[str, Any]) -> None:
+        self.log_path = work / f"serve-{engine}.log"
+        self._log = self.log_path.open("w")
+        dataset = work / "one-prompt.jsonl"
+        dataset.write_text(json.dumps({"id": "warm", "prompt": "What is 1 + 1?"}) + "\n")
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OTEL_SDK_DISABLED": "true",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "ROLLOUTD_ENGINE__VLLM__DTYPE": "float32",
+            "ROLLOUTD_ENGINE__VLLM__KV_CACHE_MEMORY_GIB": "1",
+            "ROLLOUTD_ENGINE__VLLM__MAX_MODEL_LEN": "512",
+            "ROLLOUTD_ENGINE__MAX_TOKENS": "32",
+            "ROLLOUTD_WEIGHTS__STAGING_DIR": str(work / "staging"),
+            "ROLLOUTD_WEIGHTS__STORAGE_OPTIONS": json.dumps(s3),
+            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
+            "ROLLOUTD_LIMITS__BUFFER_CAPACITY": "64",
+        }
+        args = [
+            "--engine", engine, "--model", str(model), "--dataset", str(dataset), "--epochs", "1",
+            "--group-size", "4", "--grpc-port", "0", "--http-port", "0",
+            "--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", "0",
+            "--restore", "none",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+            start_new_session=True,
+        )
+        self.address = ""
+
+    def wait_listening(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (m := LISTENING.search(self.log_path.read_text())) is not None:
+                self.address = f"127.0.0.1:{m['grpc']}"
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        common.fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self._log.close()
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def safetensors_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def phases(answer: Any) -> str:
+    order = ("transfer", "verify", "pause", "load", "resume")
+    return ", ".join(
+        f"{k} {answer.phase_seconds[k]:.3f} s" for k in order if k in answer.phase_seconds
+    )
+
+
+def local_copy_s(source: Path, scratch: Path) -> float:
+    """One raw copy of the files, their source read once before (as the client's hashing reads
+    a push's files before it sends them)."""
+    for p in source.glob("*.safetensors"):
+        sha256(p)
+    target = Path(tempfile.mkdtemp(dir=scratch))
+    started = time.perf_counter()
+    for p in sorted(source.glob("*.safetensors")):
+        shutil.copyfile(p, target / p.name)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(target)
+    return seconds
+
+
+class Generating:
+    """Keeps the engine generating: submits prompts and leases and acks what comes back."""
+
+    def __init__(self, client: RolloutClient) -> None:
+        self._client = client
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._n = 0
+
+    def __enter__(self) -> Generating:
+        self._thread.start()
+        time.sleep(2.0)  # let generation get going
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._halt.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            first = self._n
+            prompts = [
+                {"prompt_id": f"p{i}", "text": f"What is {i} + 7?"} for i in range(first, first + 8)
+            ]
+            self._n += len(prompts)
+            self._client.submit_prompts(prompts)
+            lease = self._client.fetch(max_groups=8, wait_ms=500)
+            if lease is not None:
+                self._client.ack(lease, trainer_step=0)
+
+
+def measure(size: Size, root: Path, engine: str, s3: dict[str, Any], reps: int) -> dict[str, Any]:
+    work = root / size.name
+    work.mkdir()
+    common.progress(f"{size.name}: building the model and {reps + 1} more sets of weights")
+    base = build_tiny_model(work / "base", seed=0, spec=size.spec, progress=lambda _: None)
+    weights = [
+        write_random_weights(base, work / f"w{i}", seed=i + 1, progress=lambda _: None)
+        for i in range(reps + 1)
+    ]
+    for w in weights:
+        digest = sha256(w / "model.safetensors")
+        (w / "SHA256SUMS").write_text(f"{digest}  model.safetensors\n")
+    size_bytes = safetensors_bytes(base)
+    mb = size_bytes / 1e6
+    common.progress(f"{size.name}: {mb:.1f} MB of safetensors")
+
+    fs = fsspec.filesystem("s3", **s3, skip_instance_cache=True)
+    urls = []
+    for w in weights:
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+        for name in ("model.safetensors", "SHA256SUMS"):
+            fs.put_file(str(w / name), f"{url}/{name}")
+        urls.append(url)
+
+    rates = run_service(
+        size, base, weights, urls, work, "synthetic", s3, reps, engine == "synthetic"
+    )
+    updates = (
+        rates
+        if engine == "synthetic"
+        else run_service(size, base, weights, urls, work, engine, s3, reps, True)
+    )
+
+    def phase(r: Any, *names: str) -> float:
+        return float(sum(r.phase_seconds[n] for n in names))
+
+    def paused_ms(r: Any) -> float:
+        return phase(r, "pause", "load", "resume") * 1000
+
+    local = common.median([mb / s for s in rates.copies])
+    push_rate = common.median([mb / phase(r, "transfer") for _, r in rates.push])
+    return {
+        "size": size.name,
+        "bytes": size_bytes,
+        "spec": size.spec.__dict__,
+        "engine": engine,
+        "local_copy_mb_per_s": local,
+        "push_mb_per_s": push_rate,
+        "push_verified_mb_per_s": common.median(
+            [mb / phase(r, "transfer", "verify") for _, r in rates.push]
+        ),
+        "push_vs_local_copy": push_rate / local,
+        "s3_mb_per_s": common.median([mb / phase(r, "transfer") for _, r in rates.fetched]),
+        "push_mb_per_s_beside_engine": common.median(
+            [mb / phase(r, "transfer") for _, r in updates.push]
+        ),
+        "s3_mb_per_s_beside_engine": common.median(
+            [mb / phase(r, "transfer") for _, r in updates.fetched]
+        ),
+        "update_pause_ms": common.median([paused_ms(r) for _, r in updates.push + updates.fetched]),
+        "update_pause_ms_generating": common.median([paused_ms(r) for r in updates.busy]),
+        "push_end_to_end_s": common.median([s for s, _ in updates.push]),
+        "push_first_end_to_end_s": updates.first_push_s,
+        "s3_end_to_end_s": common.median([s for s, _ in updates.fetched]),
+        "push_phases_s": {
+            k: common.median([r.phase_seconds[k] for _, r in updates.push])
+            for k in updates.push[0][1].phase_seconds
+        },
+        "s3_phases_s": {
+            k: common.median([r.phase_seconds[k] for _, r in updates.fetched])
+            for k in updates.fetched[0][1].phase_seconds
+        },
+        "reps": reps,
+    }
+
+
+@dataclass
+class Run:
+    """What one service answered: push and S3 updates with the engine idle, pushes while it
+    generated, and the raw local copies interleaved with them."""
+
+    first_push_s: float
+    copies: list[float]
+    push: list[tuple[float, pb.PushWeightsResponse]]
+    fetched: list[tuple[float, pb.UpdateWeightsResponse]]
+    busy: list[pb.PushWeightsResponse]
+
+
+def run_service(
+    size: Size,
+    base: Path,
+    weights: list[Path],
+    urls: list[str],
+    work: Path,
+    engine: str,
+    s3: dict[str, Any],
+    reps: int,
+    generating: bool,
+) -> Run:
+    service = Service(base, work, engine, s3)
+    try:
+        service.wait_listening()
+        common.progress(f"{size.name}: {engine} service up at {service.address}")
+        client = RolloutClient(service.address, interceptors=(), timeout_s=600)
+        version = 1
+        started = time.perf_counter()
+        client.push_weights(version, weights[-1])
+        run = Run(time.perf_counter() - started, [], [], [], [])
+        common.progress(f"{size.name}: first push on a new channel (not in the medians): "
+                        f"{run.first_push_s:.2f} s")  # fmt: skip
+        for i in range(reps):
+            # A local copy right before each push, so that both see the same machine load.
+            run.copies.append(local_copy_s(weights[i], work))
+            version += 1
+            started = time.perf_counter()
+            [answer] = client.push_weights(version, weights[i]).values()
+            run.push.append((time.perf_counter() - started, answer))
+            common.progress(
+                f"{size.name}: {engine}: push v{version} in {run.push[-1][0]:.2f} s, "
+                f"{phases(answer)} (local copy {run.copies[-1]:.3f} s)"
+            )
+            version += 1
+            started = time.perf_counter()
+            [answer2] = client.update_weights(version, urls[i]).values()
+            run.fetched.append((time.perf_counter() - started, answer2))
+            common.progress(
+                f"{size.name}: {engine}: s3 v{version} in {run.fetched[-1][0]:.2f} s, "
+                f"{phases(answer2)}"
+            )
+        if generating:
+            with Generating(client):
+                for i in range(reps):
+                    version += 1
+                    [answer] = client.push_weights(
+                        version, weights[(i + 1) % len(weights)]
+                    ).values()
+                    run.busy.append(answer)
+                    common.progress(
+                        f"{size.name}: {engine}: push v{version} while generating, {phases(answer)}"
+                    )
+        client.close()
+    finally:
+        service.stop()
+    return run
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = [
+        (
+            r["size"], r["bytes"] / 1e6, r["local_copy_mb_per_s"], r["push_mb_per_s"],
+            r["push_verified_mb_per_s"], r["push_vs_local_copy"], r["s3_mb_per_s"],
+            r["update_pause_ms"], r["update_pause_ms_generating"], r["push_end_to_end_s"],
+            r["s3_end_to_end_s"],
+        )
+        for r in result["sizes"]
+    ]  # fmt: skip
+    table = common.markdown_table(
+        ["model", "MB", "local copy MB/s", "push MB/s", "push+verify MB/s", "push / copy",
+         "S3 (moto) MB/s", "pause ms (idle)", "pause ms (generating)", "push end-to-end s",
+         "S3 end-to-end s"],
+        rows,
+    )  # fmt: skip
+    engine = result["sizes"][0]["engine"]
+    return (
+        f"# Weight updates\n\n{'Quick run. ' if result['quick'] else ''}Engine: {engine}. "
+        "Transfer rates are bytes over the service's transfer phase; end-to-end is what the "
+        "trainer waits for (push: hashing, streaming, verifying, loading).\n\n"
+        + common.headline_table(result["headline"])
+        + "\n"
+        + table
+    )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = common.pyplot()
+    sizes = result["sizes"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['size']}\n{r['bytes'] / 1e6:.0f} MB" for r in sizes]
+    width = 0.25
+    for i, (key, label) in enumerate(
+        [("local_copy_mb_per_s", "local copy"), ("push_mb_per_s", "push (gRPC)"),
+         ("s3_mb_per_s", "S3 (moto)")]
+    ):  # fmt: skip
+        xs = [x + (i - 1) * width for x in range(len(sizes))]
+        left.bar(xs, [r[key] for r in sizes], width, label=label)
+    left.set_xticks(range(len(sizes)), labels)
+    left.set_ylabel("MB/s")
+    left.set_title("transfer rate")
+    left.legend()
+    phases = ["transfer", "verify", "pause", "load", "resume"]
+    for j, source in enumerate(("push", "s3")):
+        bottoms = [0.0] * len(sizes)
+        for k, name in enumerate(phases):
+            values = [r[f"{source}_phases_s"].get(name, 0.0) for r in sizes]
+            xs = [x + (j - 0.5) * 0.4 for x in range(len(sizes))]
+            label = name if j == 0 else None
+            right.bar(xs, values, 0.38, bottom=bottoms, color=f"C{k}", label=label)
+            bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    right.set_xticks(range(len(sizes)), [f"{lab}\npush | S3" for lab in labels])
+    right.set_ylabel("seconds")
+    right.set_title("update phases (median)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    common.progress(f"wrote {path}")
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    started = time.time()
+    engine = "synthetic" if args.quick else "vllm"
+    sizes = [TINY, QUICK_LARGE] if args.quick else [TINY, LARGE]
+    reps = 2 if args.quick else 3
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3 = {"endpoint_url": f"http://{host}:{port}", "key": "bench", "secret": "bench"}
+    fsspec.filesystem("s3", **s3, skip_instance_cache=True).mkdir(BUCKET)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rolloutd-weights-") as tmp:
+            rows = [measure(size, Path(tmp), engine, s3, reps) for size in sizes]
+    finally:
+        server.stop()
+    large = rows[-1]
+    headline = [
+        common.headline(
+            f"push / local copy MB/s, {large['bytes'] / 1e6:.0f} MB model",
+            large["push_vs_local_copy"], "", f">= {TARGET_PUSH_VS_COPY}",
+            large["push_vs_local_copy"] >= TARGET_PUSH_VS_COPY,
+            f"{large['push_mb_per_s']:.0f} / {large['local_copy_mb_per_s']:.0f} MB/s",
+        ),
+        common.headline(f"S3 (moto) transfer, {large['bytes'] / 1e6:.0f} MB model",
+                        large["s3_mb_per_s"], "MB/s", "", None),
+        common.headline(
+            f"generation paused per update, {large['bytes'] / 1e6:.0f} MB model "
+            f"({large['engine']})",
+            large["update_pause_ms"], "ms", "", None,
+            f"{large['update_pause_ms_generating']:.0f} ms while generating",
+        ),
+        common.headline(
+            f"push end-to-end, {large['bytes'] / 1e6:.0f} MB model", large["push_end_to_end_s"],
+            "s", "", None, f"S3: {large['s3_end_to_end_s']:.2f} s",
+        ),
+    ]  # fmt: skip
+    result = {
+        "benchmark": NAME,
+        "quick": args.quick,
+        "headline": headline,
+        "sizes": rows,
+        "conditions": common.conditions(started),
+    }
+    common.publish(result, args.json, NAME, markdown(result), plot)
+
+
+if __name__ == "__main__":
+    main()

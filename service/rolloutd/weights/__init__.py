@@ -1,0 +1,7 @@
+"""New weights from anywhere: a local directory, an fsspec URL, or streamed by the trainer.
+
+Staged (:mod:`~rolloutd.weights.staging`), verified against the served model
+(:mod:`~rolloutd.weights.layout`), then loaded (:mod:`~rolloutd.weights.updater`); what happened
+is reported as plain data (:mod:`~rolloutd.weights.report`). Modules are imported where used, so
+the engines' import of the report does not pull in fsspec.
+"""

@@ -1,0 +1,151 @@
+"""Local staging of new weights: private directories that are loaded, kept or removed whole.
+
+Layout under ``weights.staging_dir``::
+
+    incoming/<random>/   files being copied or received; removed on any failure, and at start-up
+    v<version>/          weights the engine served, kept so that a restarted service restores
+                         the policy version its snapshot records
+
+What must hold: the engine only ever reads a directory whose every file was verified; a refused
+or failed update leaves no directory behind; the served version's directory stays, and so does
+every version a published (or publishing) snapshot may record; the others are removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolloutd.domain.errors import ResourceExhausted
+from rolloutd.weights.layout import WeightsRejected
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HASH_BLOCK = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file of new weights as its sender declares it."""
+
+    name: str
+    size: int
+    sha256: str | None = None
+    """Lowercase hex; None when the source gives no checksum (an fsspec URL without SHA256SUMS)."""
+
+
+def check_specs(specs: Iterable[FileSpec], *, need_sha256: bool) -> list[FileSpec]:
+    """Refuses names that could leave the staging directory or that the engine would not read,
+    duplicate names, and malformed checksums."""
+    out: list[FileSpec] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if not _NAME.fullmatch(spec.name):
+            raise WeightsRejected(
+                f"file {spec.name!r}", "must be a plain file name ending in .safetensors"
+            )
+        if spec.name in seen:
+            raise WeightsRejected(spec.name, "is declared twice")
+        seen.add(spec.name)
+        if spec.sha256 is None:
+            if need_sha256:
+                raise WeightsRejected(spec.name, "sha256 must be given")
+        elif not _SHA256.fullmatch(spec.sha256):
+            raise WeightsRejected(spec.name, "sha256 must be 64 lowercase hexadecimal digits")
+        out.append(spec)
+    if not out:
+        raise WeightsRejected("files", "must name at least one .safetensors file")
+    return out
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb", buffering=0) as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -> int:
+    """Checks every staged file's size, and its SHA-256 where one was declared; returns the bytes.
+
+    Files are hashed on ``concurrency`` threads (hashlib releases the GIL on large blocks).
+    """
+    specs = list(specs)
+    for spec in specs:
+        path = directory / spec.name
+        if not path.is_file():
+            raise WeightsRejected(spec.name, "was declared but never arrived")
+        size = path.stat().st_size
+        if size != spec.size:
+            raise WeightsRejected(spec.name, f"is {size} bytes, {spec.size} were declared")
+    hashed = [s for s in specs if s.sha256 is not None]
+    with ThreadPoolExecutor(max(1, min(concurrency, len(hashed) or 1))) as pool:
+        digests = list(pool.map(lambda s: sha256_of(directory / s.name), hashed))
+    for spec, digest in zip(hashed, digests, strict=True):
+        if digest != spec.sha256:
+            raise WeightsRejected(
+                spec.name,
+                f"SHA-256 is {digest}, {spec.sha256} was declared (corrupted in transit?)",
+            )
+    return sum(s.size for s in specs)
+
+
+class StagingArea:
+    """The staging directory of one service; see the module docstring."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._incoming = self.root / "incoming"
+
+    def prepare(self) -> None:
+        """Creates the area and removes what an earlier process left half-done."""
+        self._incoming.mkdir(parents=True, exist_ok=True)
+        for leftover in self._incoming.iterdir():
+            logger.info("removing unfinished staged weights %s", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def new(self, total_bytes: int) -> Path:
+        """A private directory for an update of ``total_bytes``; refused when the disk lacks room."""
+        self._incoming.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self._incoming).free
+        if total_bytes > free:
+            raise ResourceExhausted(
+                f"weights: {total_bytes} bytes do not fit in {free} free bytes under {self.root}"
+            )
+        return Path(tempfile.mkdtemp(prefix="w-", dir=self._incoming))
+
+    def discard(self, directory: Path) -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def promote(self, directory: Path, version: int) -> Path:
+        """Moves verified files to ``v<version>`` (what the engine will load from), replacing
+        what an earlier refused attempt at the same version may have left."""
+        target = self.root / f"v{version}"
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(directory, target)
+        return target
+
+    def retire(self, current: Path | None, floor: int | None) -> None:
+        """Removes kept versions a restart cannot need: every ``v<N>`` but ``current`` and, when a
+        snapshot may record one, those from version ``floor`` on."""
+        for old in self.root.glob("v*"):
+            version = old.name[1:]
+            if old == current or not old.is_dir() or not version.isdigit():
+                continue
+            if floor is None or int(version) < floor:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def files(self, directory: Path, specs: Iterable[FileSpec]) -> Mapping[str, Path]:
+        return {s.name: directory / s.name for s in specs}
