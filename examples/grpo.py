@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -40,7 +41,7 @@ EXAMPLES = Path(__file__).resolve().parent
 REPO = EXAMPLES.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import conditions, pyplot, write_json  # noqa: E402
+from common import conditions, pyplot  # noqa: E402
 from grpo_trainer import TrainConfig, read_ledger  # noqa: E402
 
 from rolloutd.engines.tiny_model import ensure_tiny_model  # noqa: E402
@@ -172,18 +173,20 @@ def lineage(ledger: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[
 
 
 def duplicates(ledger: list[dict[str, Any]], events: list[dict[str, Any]]) -> int:
-    """Groups delivered again although the lineage that received them already trained on them."""
+    """Groups delivered although the lineage receiving them already trained on them: the same
+    group id, or the same prompt position (a group re-generated for a trained prompt)."""
     count = 0
     for life in sorted({r["life"] for r in ledger}):
         resumed = [e for e in events if e["event"] == "resumed" and e["life"] == life]
-        cut = resumed[0]["from_step"] if resumed else 0
-        held = {g for r in ledger if r["life"] < life and r["step"] <= cut for g in r["group_ids"]}
-        if not resumed:
-            held = set()
+        earlier = lineage([r for r in ledger if r["life"] < life], events)
+        held = [r for r in earlier if resumed and r["step"] <= resumed[0]["from_step"]]
+        ids = {g for r in held for g in r["group_ids"]}
+        positions = {p for r in held for p in r["positions"]}
         for r in (r for r in ledger if r["life"] == life):
-            for g in r["group_ids"]:
-                count += g in held
-                held.add(g)
+            for g, p in zip(r["group_ids"], r["positions"], strict=True):
+                count += g in ids or p in positions
+                ids.add(g)
+                positions.add(p)
     return count
 
 
@@ -195,9 +198,21 @@ def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any
     updates = [r["weight_update_ms"] for r in ledger] + [e["weight_update_ms"] for e in events]
     parity_tokens = sum(r["parity_tokens"] for r in ledger)
     resumes = [e for e in events if e["event"] == "resumed"]
-    expected = {g for e in resumes for g in e["acked_after_checkpoint"]}
-    after = [r for r in ledger if r["life"] > 0]
-    redelivered = [g for r in after for g in r["group_ids"] if g in expected]
+    expected = {p for e in resumes for p in e["acked_after_checkpoint"]}
+    lost_ids = {
+        p: g
+        for r in ledger
+        if resumes and r["life"] == 0 and r["step"] > resumes[0]["from_step"]
+        for g, p in zip(r["group_ids"], r["positions"], strict=True)
+    }
+    again = [
+        (g, p)
+        for r in ledger
+        if r["life"] > 0
+        for g, p in zip(r["group_ids"], r["positions"], strict=True)
+        if p in expected
+    ]
+    redelivered = {p for _, p in again}
     return {
         "reward_first": statistics.fmean(rewards[:3]),
         "reward_last": statistics.fmean(rewards[-3:]),
@@ -216,8 +231,10 @@ def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any
         "resumed": bool(resumes),
         "resumed_from_step": resumes[0]["from_step"] if resumes else None,
         "acked_after_checkpoint": len(expected),
-        "redelivered_after_rewind": len(set(redelivered)),
-        "redelivery_missing": len(expected - set(redelivered)),
+        "redelivered_after_rewind": len(again),
+        "redelivered_same_group": sum(lost_ids.get(p) == g for g, p in again),
+        "redelivered_regenerated": sum(lost_ids.get(p) != g for g, p in again),
+        "redelivery_missing": len(expected - redelivered),
         "policy_versions": [steps[0]["version"], steps[-1]["new_version"]],
         "tokens_trained": sum(r["tokens"] for r in ledger),
         "reward_curve": [[r["step"], r["life"], r["reward"]] for r in ledger],
@@ -317,8 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     run = args.run_dir.resolve()
     if run.exists():
-        import shutil
-
         shutil.rmtree(run)
     run.mkdir(parents=True)
     model = ensure_tiny_model(REPO / ".rolloutd" / "cache", progress=say)
@@ -366,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"trainer failed (exit {rc}); see {run}/trainer-{life}.log")
             break
     result = report(run, args, started)
-    write_json(args.json, result)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    say(f"wrote {args.json}")
     plot(result, args.json.with_suffix(".png"))
     for key in (
         "reward_first",

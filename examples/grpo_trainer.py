@@ -50,6 +50,11 @@ from rolloutd.v1 import rollout_pb2 as pb
 _SMALL_NUMBER = re.compile(r"\d{1,2}")
 
 
+def position(group: pb.Group) -> str:
+    """Which prompt of which epoch a group answers; rolloutd admits each position once an epoch."""
+    return f"{group.epoch}/{group.prompt_id}"
+
+
 def reward(text: str) -> float:
     """Share of the completion's words that are whole numbers of one or two digits (0 if empty).
 
@@ -236,6 +241,9 @@ class TrainerState:
     """Policy version of the current weights (as rolloutd labels the samples they generate)."""
     trained: list[int] = field(default_factory=list)
     """Group ids whose training these weights hold."""
+    positions: list[str] = field(default_factory=list)
+    """Their prompt positions (:func:`position`): a group re-generated for a position already
+    trained is a duplicate too, whatever its id."""
 
 
 def save_checkpoint(run: Path, model: Any, optimizer: Any, state: TrainerState) -> Path:
@@ -272,8 +280,9 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.state = TrainerState()
         self.ledger = run / "ledger.jsonl"
-        self.expected_redelivery: set[int] = set()
-        """Groups acked after the restored checkpoint by the previous life (to come back once)."""
+        self.expected_redelivery: set[str] = set()
+        """Positions of the groups the previous life acked after the restored checkpoint: each
+        comes back once, as the same group or (if its samples were never durable) re-generated."""
         self.started = time.monotonic()
         self.tokens = 0
         self.history: dict[int, dict[str, torch.Tensor]] = {}
@@ -297,7 +306,7 @@ class Trainer:
         lost = [
             r for r in read_ledger(self.ledger) if r["life"] == self.life - 1 and r["step"] > step
         ]
-        self.expected_redelivery = {g for r in lost for g in r["group_ids"]}
+        self.expected_redelivery = {p for r in lost for p in r["positions"]}
         rewound = self.client.rewind(step)
         redelivered = sum(r.redelivered_groups for r in rewound.values())
         readmitted = sum(r.readmitted_prompts for r in rewound.values())
@@ -396,11 +405,12 @@ class Trainer:
         rewards: list[float] = []
         staleness: list[int] = []
         duplicates = 0
-        trained = set(self.state.trained)
+        trained, positions = set(self.state.trained), set(self.state.positions)
         for g in groups:
-            if g.group_id in trained:
+            if g.group_id in trained or position(g) in positions:
                 duplicates += 1
             trained.add(g.group_id)
+            positions.add(position(g))
             r = [reward(s.text) for s in g.samples]
             rewards.extend(r)
             advantages.extend(group_advantages(r))
@@ -423,7 +433,7 @@ class Trainer:
 
         for lease in leases:
             self.client.ack(lease, step)
-        self.state = TrainerState(step, version + 1, sorted(trained))
+        self.state = TrainerState(step, version + 1, sorted(trained), sorted(positions))
         update_ms = self.push_weights()
         tokens = sum(len(s.token_ids) for s in samples)
         self.tokens += tokens
@@ -433,6 +443,7 @@ class Trainer:
             "version": version,
             "new_version": self.state.version,
             "group_ids": [g.group_id for g in groups],
+            "positions": [position(g) for g in groups],
             "sample_versions": [[s.policy_version for s in g.samples] for g in groups],
             "reward": sum(rewards) / len(rewards),
             "staleness_max": max(staleness),
@@ -440,7 +451,7 @@ class Trainer:
             "stale_groups": sum(s > self.cfg.max_staleness for s in staleness),
             "duplicate_groups": duplicates,
             "redelivered": sorted(
-                g.group_id for g in groups if g.group_id in self.expected_redelivery
+                p for p in map(position, groups) if p in self.expected_redelivery
             ),
             "loss": float(loss.detach()),
             "tokens": tokens,
