@@ -238,6 +238,10 @@ def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any
         "policy_versions": [steps[0]["version"], steps[-1]["new_version"]],
         "tokens_trained": sum(r["tokens"] for r in ledger),
         "reward_curve": [[r["step"], r["life"], r["reward"]] for r in ledger],
+        "completions": {
+            "first_step": steps[0]["completion"],
+            "last_step": steps[-1]["completion"],
+        },
         "reward": {
             "what": "share of completion words that are 1-2 digit whole numbers",
             "range": [0, 1],
@@ -329,6 +333,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def supervise(run: Path, model: Path, args: argparse.Namespace) -> None:
+    """rolloutd and the trainer, each in its own process; after the planned crash, both again."""
+    config = run / "rolloutd.yaml"
+    config.write_text(yaml.safe_dump(service_config(run, model, args)))
+    life = 0
+    while True:
+        service = Rolloutd(config, "none" if life == 0 else "latest", run / f"rolloutd-{life}.log")
+        crash = args.crash_at if life == 0 else None
+        try:
+            target = service.wait_listening()
+            say(f"rolloutd (pid {service.proc.pid}) listening on {target}")
+            rc = run_trainer(run, target, life, crash, service.proc.pid)
+        except BaseException:
+            service.stop()
+            raise
+        if rc == -signal.SIGKILL and crash is not None:
+            service.proc.wait(60)
+            say(
+                f"trainer and rolloutd were SIGKILLed (rolloutd exit {service.proc.returncode});"
+                " restarting rolloutd with --restore latest and resuming the trainer"
+            )
+            life += 1
+            continue
+        service.stop()
+        if rc:
+            raise SystemExit(f"trainer failed (exit {rc}); see {run}/trainer-{life}.log")
+        return
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.time()
@@ -353,33 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         if rc:
             raise SystemExit(f"trainer failed (exit {rc}); see {run}/trainer-0.log")
     else:
-        config = run / "rolloutd.yaml"
-        config.write_text(yaml.safe_dump(service_config(run, model, args)))
-        life = 0
-        while True:
-            rc: int | None = None
-            service = Rolloutd(
-                config, "none" if life == 0 else "latest", run / f"rolloutd-{life}.log"
-            )
-            try:
-                target = service.wait_listening()
-                say(f"rolloutd (pid {service.proc.pid}) listening on {target}")
-                crash = args.crash_at if life == 0 else None
-                rc = run_trainer(run, target, life, crash, service.proc.pid)
-            finally:
-                if rc != -signal.SIGKILL:
-                    service.stop()
-            if rc == -signal.SIGKILL and crash is not None:
-                service.proc.wait(60)
-                say(
-                    f"trainer and rolloutd were SIGKILLed (rolloutd exit {service.proc.returncode});"
-                    " restarting rolloutd with --restore latest and resuming the trainer"
-                )
-                life += 1
-                continue
-            if rc:
-                raise SystemExit(f"trainer failed (exit {rc}); see {run}/trainer-{life}.log")
-            break
+        supervise(run, model, args)
     result = report(run, args, started)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -65,7 +65,6 @@ def test_weight_updates_change_the_samples_policy_version(run: Path) -> None:
     assert {v for vs in first_life[0]["sample_versions"] for v in vs} == {0}
     seen = [max(v for vs in r["sample_versions"] for v in vs) for r in first_life]
     assert seen[-1] >= 2, f"samples never carried a pushed version: {seen}"
-    assert seen == sorted(seen)
     for r in ledger:
         # A sample is never from weights newer than the trainer's.
         assert all(v <= r["version"] for vs in r["sample_versions"] for v in vs)
