@@ -230,6 +230,8 @@ def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any
         "duplicate_groups": duplicates(ledger, events),
         "resumed": bool(resumes),
         "resumed_from_step": resumes[0]["from_step"] if resumes else None,
+        "rewind_readmitted": sum(e["rewind_readmitted"] for e in resumes),
+        "evicted_at_resume": sum(e["evicted_at_resume"] for e in resumes),
         "acked_after_checkpoint": len(expected),
         "redelivered_after_rewind": len(again),
         "redelivered_same_group": sum(lost_ids.get(p) == g for g, p in again),

@@ -296,7 +296,7 @@ class Trainer:
         current = max(s.policy_version for s in self.client.status().values())
         if current != 0:
             self.state.version = current + 1
-            ms = self.push_weights()
+            ms, _ = self.push_weights()
             out(
                 f"rolloutd serves v{current}; own weights pushed as v{self.state.version} ({ms:.0f} ms)"
             )
@@ -321,11 +321,12 @@ class Trainer:
         readmitted = sum(r.readmitted_prompts for r in rewound.values())
         current = max(s.policy_version for s in self.client.status().values())
         self.state.version = max(self.state.version, current) + 1
-        ms = self.push_weights()
+        ms, evicted = self.push_weights()
         out(
             f"resumed from trainer checkpoint step {step}: Rewind({step}) made {redelivered} groups "
             f"available again ({readmitted} prompts re-admitted), {len(self.expected_redelivery)} "
-            f"were acked after step {step}; own weights pushed as v{self.state.version} in {ms:.0f} ms"
+            f"were acked after step {step}; own weights pushed as v{self.state.version} in {ms:.0f} ms "
+            f"({evicted} groups now too stale evicted)"
         )
         append_line(
             self.run / "events.jsonl",
@@ -338,21 +339,23 @@ class Trainer:
                 "acked_after_checkpoint": sorted(self.expected_redelivery),
                 "version": self.state.version,
                 "weight_update_ms": ms,
+                "evicted_at_resume": evicted,
             },
         )
 
-    def push_weights(self) -> float:
-        """Writes the current weights and loads them on every endpoint; returns milliseconds."""
+    def push_weights(self) -> tuple[float, int]:
+        """Writes the current weights and loads them on every endpoint; returns the milliseconds
+        it took and the groups rolloutd evicted as now too stale (their prompts are re-admitted)."""
         started = time.perf_counter()
         # A resumed trainer may reuse a version number that the crashed one had pushed.
         out = self.run / "weights" / f"v{self.state.version:06d}-life{self.life}"
         write_weights(self.model, out)
-        self.client.update_weights(self.state.version, str(out.resolve()))
+        responses = self.client.update_weights(self.state.version, str(out.resolve()))
         ms = (time.perf_counter() - started) * 1000
         kept = sorted((self.run / "weights").glob("v[0-9]*-life[0-9]*"))
         for old in kept[: -self.cfg.keep_weights]:
             shutil.rmtree(old)
-        return ms
+        return ms, sum(r.evicted_groups for r in responses.values())
 
     def fetch(self) -> tuple[list[pb.Group], list[Lease]]:
         groups: list[pb.Group] = []
@@ -443,7 +446,7 @@ class Trainer:
         for lease in leases:
             self.client.ack(lease, step)
         self.state = TrainerState(step, version + 1, sorted(trained), sorted(positions))
-        update_ms = self.push_weights()
+        update_ms, _ = self.push_weights()
         tokens = sum(len(s.token_ids) for s in samples)
         self.tokens += tokens
         record = {
