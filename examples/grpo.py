@@ -309,21 +309,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="report file (the PNG goes next to it)")
     p.add_argument("--target", help="use these rolloutd endpoints instead of starting one")
     p.add_argument("--run-dir", type=Path, default=REPO / ".rolloutd" / "grpo")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--crash-at", type=int, help="crash after this step (0: no crash)")
-    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--steps", type=int, help="trainer steps (quick 60, full 150)")
+    p.add_argument(
+        "--crash-at", type=int, help="SIGKILL both after this step (quick 33, full 77; 0: none)"
+    )
+    p.add_argument("--checkpoint-every", type=int, help="trainer checkpoints (quick 5, full 10)")
     p.add_argument("--groups-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--max-tokens", type=int, default=16, help="longest completion")
+    p.add_argument("--max-staleness", type=int, default=4, help="rolloutd limits.max_staleness")
+    p.add_argument("--temperature", type=float, default=2.0, help="sampling temperature")
+    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     args = p.parse_args(argv)
     quick = {"steps": 60, "crash_at": 33, "checkpoint_every": 5}
     full = {"steps": 150, "crash_at": 77, "checkpoint_every": 10}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.target and args.crash_at:
+        print("crash and resume need the example's own rolloutd; running without", flush=True)
     if args.crash_at == 0 or args.target:
         args.crash_at = None
     if args.crash_at is not None and not args.crash_at < args.steps:
@@ -368,9 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.time()
     run = args.run_dir.resolve()
-    if run.exists():
+    if run.exists() and any(run.iterdir()):
+        if not (run / "run.json").exists():
+            raise SystemExit(
+                f"{run} is not empty and holds no earlier run; choose another --run-dir"
+            )
         shutil.rmtree(run)
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model(REPO / ".rolloutd" / "cache", progress=say)
     cfg = TrainConfig(
         model=str(model),
