@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lint format bench bench-quick proto docs clean
+.PHONY: setup run test test-fast lint format bench bench-quick example proto docs clean
 
 $(STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	@scripts/setup.sh $(VENV)
@@ -36,6 +36,10 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) benchmarks/run_all.py --quick
+
+EXAMPLE_ARGS ?= --quick
+example: $(STAMP)
+	$(PY) examples/grpo.py $(EXAMPLE_ARGS)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py

@@ -212,9 +212,11 @@ def _replay_metadata(
 
 def _replay_acks(controller: Controller, entries: list[Any]) -> None:
     """Acks after the snapshot: applied to groups it holds; for groups it lacks (admitted after
-    it), their prompts are never admitted again, but kept so a Rewind can re-admit them."""
+    it), their prompts are never admitted again, but kept so a Rewind can re-admit them. Their ids
+    were issued and acked, so the id sequence moves past them: ids stay unique for the store."""
     for entry in entries:
         record = sidecar_state.ack_from_json(entry.record)
+        controller.next_group_id = max(controller.next_group_id, max(record.group_ids) + 1)
         if (
             record.lease_id in controller.buffer.acks
             or record.lease_id in controller.buffer.finalized_leases
