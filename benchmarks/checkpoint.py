@@ -47,7 +47,13 @@ import common
 import numpy as np
 
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
     Outcome,
@@ -55,12 +61,6 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.checkpoint.restore import Granularity, restore
-from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord
-from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import Group, Prompt, Sample
-from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.synthetic import SyntheticEngine
 

@@ -62,9 +62,9 @@ from telemetry_overhead import OtlpSink, Scraper
 
 from rolloutd.config import Config, load_config
 from rolloutd.dataset import load_prompts
+from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import Group, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
-from rolloutd.engines.base import EngineCounters, GenerationRequest
 from rolloutd.server import RolloutService, controller_config
 from rolloutd.telemetry.providers import ExporterName, OtlpProtocol, Telemetry, setup_telemetry
 

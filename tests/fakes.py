@@ -6,8 +6,8 @@ import asyncio
 import time
 from array import array
 
+from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
 
 
 class GatedEngine:

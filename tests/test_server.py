@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from rolloutd.checkpoint.format import Manifest
-from rolloutd.checkpoint.report import Outcome, Trigger
 from rolloutd.config import load_config
+from rolloutd.domain.report import Outcome, Trigger
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc

@@ -27,16 +27,16 @@ from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
 from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
 from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.report import CheckpointReport, Outcome, Trigger
 from rolloutd.domain.sampler import Sampler
-from rolloutd.engines.base import GenerationEngine, SamplingParams
 from rolloutd.engines.factory import build_engine
 from rolloutd.telemetry.interceptors import server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry

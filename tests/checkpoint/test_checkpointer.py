@@ -8,7 +8,11 @@ from dataclasses import replace
 import pytest
 
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.report import (
     CheckpointPhase,
     Disposition,
     Outcome,
@@ -17,10 +21,6 @@ from rolloutd.checkpoint.report import (
     RowKind,
     Trigger,
 )
-from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
-from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import GroupState, Prompt
 from rolloutd.domain.sampler import Sampler
 from tests.fakes import GatedEngine, settle
 

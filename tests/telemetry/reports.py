@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rolloutd.checkpoint.report import (
+from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GroupCommitted, Observer
+from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
     Disposition,
@@ -19,10 +23,6 @@ from rolloutd.checkpoint.report import (
     SkippedSnapshot,
     Trigger,
 )
-from rolloutd.domain.group import GroupState
-from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, Observer
-from rolloutd.engines.base import EngineCounters
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 T0 = 1_767_000_000_000_000_000

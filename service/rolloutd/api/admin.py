@@ -27,7 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, Field
 
 from rolloutd import __version__
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason, Trigger
+from rolloutd.domain.report import CheckpointReport, Outcome, Reason, Trigger
 
 logger = logging.getLogger(__name__)
 

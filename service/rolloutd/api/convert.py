@@ -6,10 +6,10 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason
 from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.report import CheckpointReport, Outcome, Reason
 from rolloutd.v1 import rollout_pb2 as pb
 
 MAX_PROMPT_CHARS = 1_000_000
@@ -85,7 +85,7 @@ def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
 
 
 def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
-    from rolloutd.checkpoint.report import RowKind, SizePart
+    from rolloutd.domain.report import RowKind, SizePart
 
     return pb.CheckpointResponse(
         outcome=OUTCOMES[r.outcome],

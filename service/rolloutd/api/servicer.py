@@ -13,10 +13,10 @@ import grpc
 
 from rolloutd.api import convert
 from rolloutd.api.errors import status_of
-from rolloutd.checkpoint.report import CheckpointReport
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import InvalidArgument, RolloutError, Unavailable
 from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.report import CheckpointReport
 from rolloutd.domain.sampler import Admission
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc

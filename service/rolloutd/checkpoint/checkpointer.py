@@ -25,7 +25,13 @@ from typing import Any
 from rolloutd.checkpoint import state as sidecar_state
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import Manifest, next_manifest
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.store import SnapshotStore, keep_tagged, plan_compaction
+from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord, GroupMeta
+from rolloutd.domain.controller import Controller, ControllerCapture
+from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.group import Group
+from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
     Outcome,
@@ -35,12 +41,6 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.checkpoint.store import SnapshotStore, keep_tagged, plan_compaction
-from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord, GroupMeta
-from rolloutd.domain.controller import Controller, ControllerCapture
-from rolloutd.domain.errors import InvariantError
-from rolloutd.domain.group import Group
-from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.sampler import Admission
 
 log = logging.getLogger(__name__)

@@ -25,18 +25,18 @@ from typing import Any
 from rolloutd.checkpoint import state as sidecar_state
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.buffer import GroupMeta
+from rolloutd.domain.controller import Controller
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.report import (
     Disposition,
     PhaseClock,
     RecoveryState,
     RestorePhase,
     RestoreReport,
 )
-from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.buffer import GroupMeta
-from rolloutd.domain.controller import Controller
-from rolloutd.domain.group import GroupState
-from rolloutd.domain.mutation import MutationKind
 
 log = logging.getLogger(__name__)
 

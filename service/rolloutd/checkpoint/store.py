@@ -62,7 +62,7 @@ from rolloutd.checkpoint.format import (
     checksum_algorithm,
     rows_to_batches,
 )
-from rolloutd.checkpoint.report import SkippedSnapshot
+from rolloutd.domain.report import SkippedSnapshot
 
 log = logging.getLogger(__name__)
 

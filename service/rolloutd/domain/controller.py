@@ -21,18 +21,18 @@ from typing import Protocol
 
 from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import AckRecord, BufferCounts, BufferDelta, Lease, RolloutBuffer
-from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rolloutd.domain.group import Group, GroupState
-from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, NullObserver, Observer
-from rolloutd.domain.sampler import Admission, Sampler, SamplerCapture
-from rolloutd.engines.base import (
+from rolloutd.domain.engine import (
     EngineDeadError,
     EngineError,
     GenerationEngine,
     GenerationRequest,
     SamplingParams,
 )
+from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rolloutd.domain.group import Group, GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GroupCommitted, NullObserver, Observer
+from rolloutd.domain.sampler import Admission, Sampler, SamplerCapture
 
 log = logging.getLogger(__name__)
 

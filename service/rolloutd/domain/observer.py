@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.report import CheckpointReport, RestoreReport
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rolloutd.config import EngineConfig
-from rolloutd.engines.base import GenerationEngine
+from rolloutd.domain.engine import GenerationEngine
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 
 

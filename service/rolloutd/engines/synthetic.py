@@ -15,8 +15,8 @@ import time
 from array import array
 from dataclasses import dataclass
 
+from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
 
 _VOCAB = 32_000
 

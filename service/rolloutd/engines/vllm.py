@@ -52,13 +52,13 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from rolloutd.config import EngineConfig
-from rolloutd.domain.group import Prompt, Sample
-from rolloutd.engines.base import (
+from rolloutd.domain.engine import (
     EngineCounters,
     EngineDeadError,
     EngineError,
     GenerationRequest,
 )
+from rolloutd.domain.group import Prompt, Sample
 
 logger = logging.getLogger(__name__)
 

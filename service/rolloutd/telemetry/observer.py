@@ -17,10 +17,10 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from rolloutd import __version__
-from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
+from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted
-from rolloutd.engines.base import EngineCounters
+from rolloutd.domain.report import CheckpointReport, RestoreReport
 from rolloutd.telemetry import spans, throttle
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot

@@ -1,4 +1,5 @@
-"""The seam between the controller and whatever generates tokens."""
+"""Port of the domain to whatever generates tokens: the engine protocol, its requests, its
+errors and its counters. ``engines/`` implements it; the controller and telemetry use it."""
 
 from __future__ import annotations
 
