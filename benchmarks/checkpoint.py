@@ -201,7 +201,7 @@ class Node:
         self.root = root
         self.plan = plan
         self.store = SnapshotStore(str(root))
-        self.journal = AckJournal(self.store)
+        self.journal = AckJournal(self.store.journal)
         self.controller = Controller(
             ControllerConfig(
                 group_size=plan.group_size,

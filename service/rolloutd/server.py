@@ -100,7 +100,7 @@ class RolloutService:
         )
         ckpt = config.checkpoint
         self.store = SnapshotStore(ckpt.dir, ckpt.storage_options)
-        self.journal = AckJournal(self.store)
+        self.journal = AckJournal(self.store.journal)
         self.controller = Controller(
             controller_config(config),
             self.engine,

@@ -42,7 +42,7 @@ class Node:
         }
         self.engine = engine or GatedEngine(auto=True)
         self.store = SnapshotStore(str(root))
-        self.journal = AckJournal(self.store)
+        self.journal = AckJournal(self.store.journal)
         self.controller = Controller(
             ControllerConfig(**cfg),
             self.engine,

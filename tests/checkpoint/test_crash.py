@@ -15,7 +15,7 @@ import pytest
 
 from rolloutd.checkpoint.faults import ENV, FaultPoint, parse
 from tests.checkpoint.crash_worker import checkpoint_once, expected_rows
-from tests.checkpoint.helpers import Location
+from tests.checkpoint.helpers import Location, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def _assert_consistent(location: Location, newest: int) -> None:
     assert resolution.snapshot.manifest.sequence == newest
     assert resolution.snapshot.rows() == expected_rows(newest)
     for manifest in store.list():
-        assert store.verify(manifest) == []
+        assert verify(store, manifest) == []
     # every kept snapshot finds the acks journaled after it, none missing
     oldest = min(m.acks_through for m in store.list())
     acks = store.read_acks(oldest)

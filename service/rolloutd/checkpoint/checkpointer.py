@@ -25,7 +25,9 @@ from typing import Any
 from rolloutd.checkpoint import state as sidecar_state
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import Manifest, next_manifest
-from rolloutd.checkpoint.store import SnapshotStore, keep_tagged, plan_compaction
+from rolloutd.checkpoint.journal import Journal
+from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
+from rolloutd.checkpoint.store import SnapshotWriter
 from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord, GroupMeta
 from rolloutd.domain.controller import Controller, ControllerCapture
 from rolloutd.domain.errors import InvariantError
@@ -68,13 +70,13 @@ class AckJournal:
     and restore replays the records after it.
     """
 
-    def __init__(self, store: SnapshotStore) -> None:
-        self._store = store
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
 
     @property
     def position(self) -> int:
         """Position of the last durable record; no I/O, so it can be read under the hold."""
-        return self._store.journal_position
+        return self._journal.position
 
     async def append(self, record: AckRecord, groups: list[Group]) -> None:
         payload = {
@@ -87,14 +89,14 @@ class AckJournal:
                 for g in groups
             ],
         }
-        await asyncio.to_thread(self._store.append_ack, payload)
+        await asyncio.to_thread(self._journal.append, payload)
 
 
 class Checkpointer:
     def __init__(
         self,
         controller: Controller,
-        store: SnapshotStore,
+        store: SnapshotWriter,
         journal: AckJournal,
         config: CheckpointerConfig,
         fingerprint: Mapping[str, Any],

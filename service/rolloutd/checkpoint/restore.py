@@ -25,7 +25,7 @@ from typing import Any
 from rolloutd.checkpoint import state as sidecar_state
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
-from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.checkpoint.store import SnapshotReader
 from rolloutd.domain.buffer import GroupMeta
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.group import GroupState
@@ -67,7 +67,7 @@ def differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list
 
 async def restore(
     controller: Controller,
-    store: SnapshotStore,
+    store: SnapshotReader,
     checkpointer: Checkpointer,
     spec: str,
     fingerprint: Mapping[str, Any],
@@ -101,7 +101,7 @@ async def restore(
 
 async def _run(
     controller: Controller,
-    store: SnapshotStore,
+    store: SnapshotReader,
     checkpointer: Checkpointer,
     spec: str,
     fingerprint: Mapping[str, Any],
