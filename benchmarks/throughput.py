@@ -63,7 +63,7 @@ from telemetry_overhead import OtlpSink, Scraper
 from rolloutd.config import Config, load_config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.engine import EngineCounters, GenerationRequest
-from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.group import GroupMeta, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
 from rolloutd.server import RolloutService, controller_config
 from rolloutd.telemetry.providers import ExporterName, OtlpProtocol, Telemetry, setup_telemetry
@@ -201,7 +201,7 @@ class EngineDriver:
         ctl = self._ctl
         while (admission := self._sampler.next()) is not None:
             gid, self._next_gid = self._next_gid, self._next_gid + 1
-            group = Group(
+            group = GroupMeta(
                 group_id=gid,
                 prompt=admission.prompt,
                 position=admission.position,

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
 from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
 from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
-from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
@@ -100,7 +100,7 @@ class RolloutService:
         )
         ckpt = config.checkpoint
         self.store = SnapshotStore(ckpt.dir, ckpt.storage_options)
-        self.journal = AckJournal(self.store.journal)
+        self.journal = self.store.journal
         self.controller = Controller(
             controller_config(config),
             self.engine,

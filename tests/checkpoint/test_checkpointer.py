@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
@@ -42,7 +42,7 @@ class Node:
         }
         self.engine = engine or GatedEngine(auto=True)
         self.store = SnapshotStore(str(root))
-        self.journal = AckJournal(self.store.journal)
+        self.journal = self.store.journal
         self.controller = Controller(
             ControllerConfig(**cfg),
             self.engine,
@@ -157,7 +157,7 @@ async def test_restore_brings_back_every_state(nodes):
     )  # only the missing ones
     assert b.controller.sampler.cursor == cursor
     g_acked = b.controller.buffer.groups[acked[0].group_id]
-    assert g_acked.state is GroupState.ACKED and g_acked.ack_step == 7
+    assert g_acked.state is GroupState.ACKED and g_acked.meta.ack_step == 7
     assert (
         b.controller.buffer.groups[leased[0].group_id].state is GroupState.COMMITTED
     )  # available again
@@ -211,10 +211,10 @@ async def test_acks_journaled_after_the_snapshot_are_applied(nodes):
     b.controller.start()
     delivered = []
     while (leased := await b.controller.fetch(4, 300, "t")) is not None:
-        delivered += [g.position for g in leased[1]]
+        delivered += [g.meta.position for g in leased[1]]
         await b.controller.ack(leased[0].lease_id, 5)
-    assert newest.position not in delivered  # its position is never admitted again
-    assert in_snapshot[1][0].position not in delivered
+    assert newest.meta.position not in delivered  # its position is never admitted again
+    assert in_snapshot[1][0].meta.position not in delivered
     rewound = await b.controller.rewind(3)
     assert rewound.readmitted_prompts >= 1  # the lost group's prompt comes back on a rewind
 

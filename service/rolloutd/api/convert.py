@@ -47,19 +47,20 @@ def sample_to_proto(s: Sample) -> pb.Sample:
 
 
 def group_to_proto(g: Group) -> pb.Group:
-    position = g.position
+    m = g.meta
+    position = m.position
     return pb.Group(
         group_id=g.group_id,
-        prompt_id=g.prompt.prompt_id,
+        prompt_id=m.prompt.prompt_id,
         epoch=position.epoch if position else 0,
         offset=position.offset if position else 0,
         source=pb.PROMPT_SOURCE_DATASET if position else pb.PROMPT_SOURCE_SUBMITTED,
         samples=[sample_to_proto(s) for s in g.ordered_samples()],
-        prompt_text=g.prompt.text,
-        metadata=_struct(g.prompt.metadata),
-        policy_version=g.policy_version,
-        admitted_at=g.admitted_at,
-        committed_at=g.committed_at or 0.0,
+        prompt_text=m.prompt.text,
+        metadata=_struct(m.prompt.metadata),
+        policy_version=m.policy_version,
+        admitted_at=m.admitted_at,
+        committed_at=m.committed_at or 0.0,
     )
 
 

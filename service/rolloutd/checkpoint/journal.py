@@ -11,12 +11,13 @@ The next issues grow this module to journal lease grants and submissions too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,11 @@ from rolloutd.checkpoint.backends import (
     makedirs,
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
+from rolloutd.checkpoint.sidecar import from_json, to_json
+from rolloutd.domain.buffer import AckRecord
+from rolloutd.domain.group import Group
+from rolloutd.domain.sampler import Admission
+from rolloutd.domain.state import JournaledAck
 
 
 class CorruptJournal(StoreError):
@@ -191,7 +197,7 @@ class Journal:
         """Position of the last durable ack record; no I/O (capture it under the exclusive hold)."""
         return self._position
 
-    def append(self, record: Mapping[str, Any]) -> int:
+    def write(self, record: Mapping[str, Any]) -> int:
         """Journal ``record`` (JSON-able); it is durable when this returns its position.
 
         Appends are serialised; locally each costs one ``fdatasync``, on an object store one put.
@@ -221,3 +227,30 @@ class Journal:
         """Delete records at positions up to ``through`` where whole files/objects allow."""
         with self._lock:
             return self._files.prune(through)
+
+    # --- acks (the domain's AckJournal port) --------------------------------------------------
+
+    async def append(self, record: AckRecord, groups: Sequence[Group]) -> None:
+        """Journals an ack with the admission of each of its groups; durable on return."""
+        await asyncio.to_thread(self.write, encode_ack(record, groups))
+
+    def acks_after(self, after: int) -> list[JournaledAck]:
+        """The acks journaled after position ``after``, in order."""
+        return [decode_ack(entry.record) for entry in self.read(after)]
+
+
+def encode_ack(record: AckRecord, groups: Sequence[Group]) -> dict[str, Any]:
+    return {
+        **to_json(record),
+        "groups": [
+            {"group_id": g.group_id, **to_json(Admission(g.meta.prompt, g.meta.position))}
+            for g in groups
+        ],
+    }
+
+
+def decode_ack(d: Mapping[str, Any]) -> JournaledAck:
+    return JournaledAck(
+        from_json(AckRecord, d),
+        {int(g["group_id"]): from_json(Admission, g) for g in d["groups"]},
+    )

@@ -66,6 +66,7 @@ from rolloutd.checkpoint.journal import CorruptJournal, Journal, JournalEntry
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
 from rolloutd.domain.report import SkippedSnapshot
+from rolloutd.domain.state import JournaledAck
 
 __all__ = [
     "LATEST",
@@ -123,7 +124,7 @@ class SnapshotReader(Protocol):
     def check_sizes(self, manifest: Manifest) -> builtins.list[str]: ...
     def verify_file(self, entry: FileEntry) -> builtins.list[str]: ...
     def resolve(self, spec: str | int = ...) -> Resolution: ...
-    def read_acks(self, after: int = 0) -> builtins.list[JournalEntry]: ...
+    def acks_after(self, after: int) -> builtins.list[JournaledAck]: ...
 
 
 class SnapshotStore:
@@ -370,8 +371,12 @@ class SnapshotStore:
 
     def append_ack(self, record: Mapping[str, Any]) -> int:
         """Journal ``record`` (JSON-able); durable when this returns its position."""
-        return self.journal.append(record)
+        return self.journal.write(record)
 
     def read_acks(self, after: int = 0) -> builtins.list[JournalEntry]:
         """Journal records after ``after`` (a manifest's ``acks_through``), in order."""
         return self.journal.read(after)
+
+    def acks_after(self, after: int) -> builtins.list[JournaledAck]:
+        """Acks journaled after ``after`` (a manifest's ``acks_through``), decoded, in order."""
+        return self.journal.acks_after(after)

@@ -2,7 +2,12 @@
 
 Background loops (one task each): admission and lease expiry. Every change to the buffer or the
 sampler happens inside a barrier mutation of one kind, so a checkpoint's exclusive hold sees a
-consistent cut. Engine calls happen outside mutations.
+consistent cut. Generation and weight updates run outside mutations; aborting the siblings of a
+group being dropped or evicted happens inside one (the engine only cancels requests there).
+
+Persistent state goes in and out in one value (:class:`ControllerState`): ``capture()`` under the
+checkpoint's exclusive hold, ``restore(state)`` before ``start()``. Acks, live or replayed from the
+journal after a restore, take one path (``_apply_ack``).
 
 Delivery contract (DESIGN.md §2): an ack is durable (journaled) before ``ack`` returns and is
 idempotent; ``finalize(step)`` drops groups acked at steps <= step; ``rewind(step)`` makes groups
@@ -15,12 +20,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 from rolloutd.domain.barrier import MutationBarrier
-from rolloutd.domain.buffer import AckRecord, BufferCounts, BufferDelta, Lease, RolloutBuffer
+from rolloutd.domain.buffer import AckRecord, BufferCounts, Lease, RolloutBuffer
 from rolloutd.domain.engine import (
     EngineDeadError,
     EngineError,
@@ -28,11 +32,26 @@ from rolloutd.domain.engine import (
     GenerationRequest,
     SamplingParams,
 )
-from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rolloutd.domain.group import Group, GroupState
+from rolloutd.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantError,
+    NotFound,
+    RestoreRefused,
+    Unavailable,
+)
+from rolloutd.domain.group import Group, GroupMeta, GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted, NullObserver, Observer
-from rolloutd.domain.sampler import Admission, Sampler, SamplerCapture
+from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.state import (
+    AckJournal,
+    ControllerState,
+    Counters,
+    JournaledAck,
+    LostAck,
+    NullJournal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,29 +84,6 @@ class ControllerConfig:
     """How often expired leases are looked for."""
 
 
-class AckJournal(Protocol):
-    """Makes an ack durable before the RPC returns."""
-
-    async def append(self, record: AckRecord, groups: list[Group]) -> None: ...
-
-
-class NullJournal:
-    async def append(self, record: AckRecord, groups: list[Group]) -> None:
-        return None
-
-
-@dataclass
-class Counters:
-    admitted_groups: int = 0
-    committed_groups: int = 0
-    acked_groups: int = 0
-    finalized_groups: int = 0
-    evicted_groups: int = 0
-    requeued_groups: int = 0
-    dropped_groups: int = 0
-    committed_tokens: int = 0
-
-
 @dataclass(frozen=True)
 class AckResult:
     acked_groups: int
@@ -98,21 +94,6 @@ class AckResult:
 class RewindResult:
     redelivered_groups: int
     readmitted_prompts: int
-
-
-@dataclass(frozen=True)
-class ControllerCapture:
-    """A consistent cut of everything a snapshot holds, taken under the exclusive hold."""
-
-    buffer: BufferDelta
-    sampler: SamplerCapture
-    next_group_id: int
-    policy_version: int
-    weights_path: str | None
-    max_acked_step: int
-    finalized_through: int
-    counters: Counters
-    lost_acks: tuple[tuple[int, tuple[Admission, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -155,8 +136,8 @@ class Controller:
         self.next_group_id = 1
         self.max_acked_step = -1
         self.finalized_through = -1
-        self.lost_acks: list[tuple[int, list[Admission]]] = []
-        """(trainer_step, prompts) of acks journaled for groups no snapshot held (after restore)."""
+        self.lost_acks: list[LostAck] = []
+        """Acks journaled for groups no snapshot held (found by a restore)."""
         self._siblings: dict[int, dict[int, asyncio.Task[None]]] = {}
         self._changed = asyncio.Condition()
         self._loops: list[asyncio.Task[None]] = []
@@ -233,13 +214,15 @@ class Controller:
         gid = self.next_group_id
         self.next_group_id += 1
         return Group(
-            group_id=gid,
-            prompt=admission.prompt,
-            position=admission.position,
-            group_size=self.config.group_size,
-            policy_version=self.policy_version,
-            admitted_at=self.clock(),
-            seed=(self.config.seed * 7_919 + gid * 104_729) % (2**31 - 1),
+            GroupMeta(
+                group_id=gid,
+                prompt=admission.prompt,
+                position=admission.position,
+                group_size=self.config.group_size,
+                policy_version=self.policy_version,
+                admitted_at=self.clock(),
+                seed=(self.config.seed * 7_919 + gid * 104_729) % (2**31 - 1),
+            )
         )
 
     @staticmethod
@@ -260,8 +243,8 @@ class Controller:
             request_id=self._request_id(group.group_id, index),
             group_id=group.group_id,
             index=index,
-            prompt=group.prompt,
-            seed=group.sibling_seed(index),
+            prompt=group.meta.prompt,
+            seed=group.meta.sibling_seed(index),
             params=self.config.sampling,
         )
         for attempt in range(self.config.sibling_retries + 1):
@@ -301,7 +284,9 @@ class Controller:
             self.counters.committed_groups += 1
             self.counters.committed_tokens += tokens
         self.observer.group_committed(
-            GroupCommitted(group.group_id, tokens, exact=True, completion_s=now - group.admitted_at)
+            GroupCommitted(
+                group.group_id, tokens, exact=True, completion_s=now - group.meta.admitted_at
+            )
         )
         await self._notify()
 
@@ -368,7 +353,9 @@ class Controller:
                         [] if lease is None else [self.buffer.groups[g] for g in lease.group_ids]
                     )
                 if lease is not None:
-                    self.observer.groups_leased([now - (g.committed_at or now) for g in groups])
+                    self.observer.groups_leased(
+                        [now - (g.meta.committed_at or now) for g in groups]
+                    )
                     return lease, groups
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -389,26 +376,49 @@ class Controller:
         return self.buffer.ready_count > 0 or self.fatal is not None or self._draining
 
     async def ack(self, lease_id: str, trainer_step: int) -> AckResult:
+        """Consumes a lease at ``trainer_step``; durable (journaled) before it returns, and
+        idempotent: acking a lease acked before (also before a restart) succeeds again."""
         if not lease_id:
             raise InvalidArgument("lease_id", "must not be empty")
         if trainer_step < 0:
             raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
         async with self.barrier.mutation(MutationKind.ACK):
+            known = self.buffer.acks.get(lease_id)
+            if known is not None:
+                return AckResult(len(known.group_ids), already_acked=True)
+            if lease_id in self.buffer.finalized_leases:
+                return AckResult(0, already_acked=True)
             lease = self.buffer.leases.get(lease_id)
-            if lease is not None:
-                groups = [self.buffer.groups[g] for g in lease.group_ids]
-                record = AckRecord(lease_id, lease.group_ids, trainer_step, self.clock())
-                await self.journal.append(record, groups)
-            result, already = self.buffer.ack(lease_id, trainer_step, self.clock())
-            acked = 0 if result is None else len(result.group_ids)
-            if not already:
-                self.counters.acked_groups += acked
-                self.max_acked_step = max(self.max_acked_step, trainer_step)
-        if not already:
-            await self._notify()  # acked groups no longer count against the buffer's capacity
-            if self.max_acked_step - self.config.rewind_window > self.finalized_through:
-                await self.finalize(self.max_acked_step - self.config.rewind_window)
-        return AckResult(acked, already)
+            if lease is None:
+                raise NotFound(f"lease {lease_id!r} is unknown or expired")
+            record = AckRecord(lease_id, lease.group_ids, trainer_step, self.clock())
+            await self.journal.append(record, [self.buffer.groups[g] for g in lease.group_ids])
+            self._apply_ack(JournaledAck(record))
+        await self._notify()  # acked groups no longer count against the buffer's capacity
+        if self.max_acked_step - self.config.rewind_window > self.finalized_through:
+            await self.finalize(self.max_acked_step - self.config.rewind_window)
+        return AckResult(len(record.group_ids), already_acked=False)
+
+    def _apply_ack(self, ack: JournaledAck) -> None:
+        """The one ack path, live and in journal replay; inside an ACK or RESTORE mutation.
+
+        Groups of the ack that the buffer does not hold (admitted and acked after the snapshot
+        a restore started from) are never admitted again, but remembered so that a ``Rewind``
+        to before the ack re-admits them.
+        """
+        record = ack.record
+        lost = self.buffer.ack(record)
+        if lost is None:
+            return  # acked already: idempotent
+        self.counters.acked_groups += len(record.group_ids)
+        self.max_acked_step = max(self.max_acked_step, record.trainer_step)
+        if lost:
+            if not ack.admissions:
+                raise InvariantError(f"live ack of lease {record.lease_id} lost groups {lost}")
+            admissions = tuple(ack.admissions[gid] for gid in lost)
+            for admission in admissions:
+                self.sampler.skip(admission)
+            self.lost_acks.append(LostAck(record.trainer_step, admissions))
 
     async def finalize(self, through_step: int) -> int:
         """Drops groups acked at steps <= ``through_step``; returns how many."""
@@ -431,14 +441,14 @@ class Controller:
         async with self.barrier.mutation(MutationKind.REQUEUE):
             groups = self.buffer.rewind(trainer_step)
             readmitted = 0
-            keep: list[tuple[int, list[Admission]]] = []
-            for step, admissions in self.lost_acks:
-                if step > trainer_step:
-                    for a in admissions:
+            keep: list[LostAck] = []
+            for lost in self.lost_acks:
+                if lost.trainer_step > trainer_step:
+                    for a in lost.admissions:
                         self.sampler.readmit(a)
-                    readmitted += len(admissions)
+                    readmitted += len(lost.admissions)
                 else:
-                    keep.append((step, admissions))
+                    keep.append(lost)
             self.lost_acks = keep
             self.counters.requeued_groups += len(groups)
             self.max_acked_step = min(self.max_acked_step, trainer_step)
@@ -479,7 +489,11 @@ class Controller:
         if not weights_path:
             raise InvalidArgument("weights_path", "must not be empty")
         self._check_serving()
-        await self.engine.update_weights(weights_path, version)
+        try:
+            await self.engine.update_weights(weights_path, version)
+        except EngineDeadError as exc:
+            self._die(exc)
+            raise
         self.policy_version, self.weights_path = version, weights_path
         return await self.evict_stale()
 
@@ -489,36 +503,86 @@ class Controller:
             stale = [
                 g
                 for g in self.buffer.groups.values()
-                if g.policy_version < limit
+                if g.meta.policy_version < limit
                 and g.state in (GroupState.GENERATING, GroupState.COMMITTED)
             ]
             for g in stale:
                 await self._cancel_siblings(g.group_id)
                 self.buffer.remove(g.group_id)
-                self.sampler.readmit(Admission(g.prompt, g.position))
+                self.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
             self.counters.evicted_groups += len(stale)
         if stale:
             self.observer.groups_evicted(len(stale))
             await self._notify()
         return len(stale)
 
-    # --- snapshots -------------------------------------------------------------------------
+    # --- persistent state ------------------------------------------------------------------
 
-    def capture(self) -> ControllerCapture:
-        """O(changes since the last capture). Call only while holding the barrier exclusively."""
+    def capture(self) -> ControllerState:
+        """The changes since the last capture and the rest of the state: O(changes) pointer
+        work, no I/O. Call only while holding the barrier exclusively."""
         if not self.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
-        return ControllerCapture(
+        return ControllerState(
             buffer=self.buffer.capture(),
             sampler=self.sampler.capture(),
+            counters=replace(self.counters),
             next_group_id=self.next_group_id,
             policy_version=self.policy_version,
             weights_path=self.weights_path,
             max_acked_step=self.max_acked_step,
             finalized_through=self.finalized_through,
-            counters=replace(self.counters),
-            lost_acks=tuple((step, tuple(adm)) for step, adm in self.lost_acks),
+            lost_acks=tuple(self.lost_acks),
         )
+
+    def capture_failed(self, state: ControllerState) -> None:
+        """Hands back a capture whose snapshot failed, so the next capture includes it."""
+        self.buffer.restore_uncaptured(state.buffer)
+
+    def retained_from_step(self, state: ControllerState) -> int:
+        """Snapshots tagged with an older trainer step than this are no longer needed: a
+        ``Rewind`` cannot go back further than the rewind window."""
+        return state.max_acked_step - self.config.rewind_window
+
+    async def restore(self, state: ControllerState) -> None:
+        """Rebuilds the controller from a whole state, before ``start()``.
+
+        Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
+        position (admission would create a second group for a buffered position). Leases did not
+        survive the restart: their groups become available again. The engine gets the state's
+        weights when it is behind them.
+        """
+        cursor = state.sampler.cursor
+        ahead = sorted(
+            str(m.position)
+            for m in state.buffer.groups.values()
+            if m is not None and m.position is not None and m.position >= cursor
+        )
+        if ahead:
+            raise RestoreRefused(
+                f"sampler cursor {cursor} is not ahead of restored group positions "
+                + ", ".join(ahead[:10])
+                + (" ..." if len(ahead) > 10 else "")
+            )
+        async with self.barrier.mutation(MutationKind.RESTORE):
+            self.sampler.restore(state.sampler)
+            self.buffer.load(state.buffer)
+            self.counters = replace(state.counters)
+            self.next_group_id = state.next_group_id
+            self.max_acked_step = state.max_acked_step
+            self.finalized_through = state.finalized_through
+            self.lost_acks = list(state.lost_acks)
+            for lease_id in list(self.buffer.leases):
+                self.buffer.requeue(lease_id)
+        if state.weights_path and state.policy_version > self.engine.policy_version:
+            await self.engine.update_weights(state.weights_path, state.policy_version)
+        self.policy_version, self.weights_path = state.policy_version, state.weights_path
+
+    async def replay_acks(self, acks: Iterable[JournaledAck]) -> None:
+        """Applies acks journaled after the restored snapshot, in journal order."""
+        async with self.barrier.mutation(MutationKind.RESTORE):
+            for ack in acks:
+                self._apply_ack(ack)
 
     def generating_groups(self) -> list[Group]:
         return [g for g in self.buffer.groups.values() if g.state is GroupState.GENERATING]
