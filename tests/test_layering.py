@@ -31,9 +31,12 @@ ALLOWED: dict[str, set[str]] = {
     "v1": {"google", "grpc"},
     "api": {
         "domain",
+        "checkpoint",
         "v1",
         "rolloutd",
         "grpc",
+        "grpc_health",
+        "grpc_reflection",
         "google",
         "fastapi",
         "uvicorn",
@@ -46,7 +49,9 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"v1", "telemetry", "grpc", "google"},
     "trainer": {"client", "v1", "grpc"},
     # the composition root and the command line
+    "supervisor": set(),
     "server": {
+        "supervisor",
         "api",
         "checkpoint",
         "config",
@@ -55,10 +60,6 @@ ALLOWED: dict[str, set[str]] = {
         "engines",
         "telemetry",
         "v1",
-        "grpc",
-        "grpc_health",
-        "grpc_reflection",
-        "google",
     },
     "cli": {"checkpoint", "config", "engines", "server", "trainer", "rolloutd"},
     "rolloutd": set(),

@@ -269,15 +269,32 @@ async def test_io_errors_are_failed_attempts_and_count_in_a_row(nodes, tmp_path)
     assert r.rows[RowKind.NEW] == r.rows[RowKind.LIVE] == staged  # nothing lost by the failures
 
 
-async def test_concurrent_attempt_is_skipped_in_progress(nodes):
+async def test_concurrent_periodic_attempt_is_skipped_in_progress(nodes):
     a = nodes()
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 1)
-    first, second = await asyncio.gather(a.checkpoint(), a.checkpoint())
+    periodic = a.checkpointer.checkpoint(Trigger.PERIODIC)
+    first, second = await asyncio.gather(a.checkpoint(), periodic)
     assert {(first.outcome, first.reason), (second.outcome, second.reason)} == {
         (Outcome.COMPLETED, Reason.COMPLETED),
         (Outcome.SKIPPED, Reason.IN_PROGRESS),
     }
+
+
+async def test_an_on_demand_attempt_waits_for_the_running_one_and_finalizes_its_step(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    lease, groups = await a.controller.fetch(2, 0, "t")
+    await a.controller.ack(lease.lease_id, 4)
+    running = asyncio.ensure_future(a.checkpointer.checkpoint(Trigger.PERIODIC, tag="p"))
+    await asyncio.sleep(0)  # the periodic attempt holds the checkpointer
+    on_demand = await a.checkpoint(trainer_step=4)
+    assert (await running).outcome is Outcome.COMPLETED
+    assert (on_demand.outcome, on_demand.reason) == (Outcome.COMPLETED, Reason.COMPLETED)
+    assert on_demand.sequence == (await running).sequence + 1
+    assert a.controller.counters.finalized_groups == len(groups)
+    assert all(g.group_id not in a.controller.buffer.groups for g in groups)
 
 
 async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):

@@ -1,4 +1,4 @@
-"""Proto <-> domain conversion, in one place."""
+"""Proto <-> domain conversion: every proto message the service builds or reads is built or read here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from google.protobuf import json_format, struct_pb2
 from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample
-from rolloutd.domain.report import CheckpointReport, Outcome, Reason
+from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
 from rolloutd.v1 import rollout_pb2 as pb
 
 MAX_PROMPT_CHARS = 1_000_000
@@ -22,6 +23,9 @@ OUTCOMES = {
 }
 REASONS: dict[Reason, Any] = {
     r: pb.CheckpointReason.Value(f"CHECKPOINT_REASON_{r.name}") for r in Reason
+}
+SERVING_STATES: dict[ServingState, Any] = {
+    s: pb.ServingState.Value(f"SERVING_STATE_{s.name}") for s in ServingState
 }
 
 
@@ -86,8 +90,6 @@ def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
 
 
 def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
-    from rolloutd.domain.report import RowKind, SizePart
-
     return pb.CheckpointResponse(
         outcome=OUTCOMES[r.outcome],
         reason=REASONS[r.reason],
@@ -99,10 +101,33 @@ def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
     )
 
 
-def status_to_proto(s: ControllerStatus, engine: str, state: int) -> pb.GetStatusResponse:
+def checkpoint_status_to_proto(
+    sequence: int,
+    consecutive_failures: int,
+    completed_at: float,
+    last_attempt: CheckpointReport | None,
+) -> pb.CheckpointStatus:
+    status = pb.CheckpointStatus(
+        sequence=sequence, consecutive_failures=consecutive_failures, completed_at=completed_at
+    )
+    if last_attempt is not None:
+        status.outcome = OUTCOMES[last_attempt.outcome]
+        status.reason = REASONS[last_attempt.reason]
+        status.attempted_at = last_attempt.ended_ns / 1e9
+        status.tag = last_attempt.tag
+    return status
+
+
+def status_to_proto(
+    s: ControllerStatus,
+    engine: str,
+    state: ServingState,
+    generation_tokens: int,
+    last_checkpoint: pb.CheckpointStatus,
+) -> pb.GetStatusResponse:
     c = s.counters
     return pb.GetStatusResponse(
-        state=state,  # type: ignore[arg-type]
+        state=SERVING_STATES[state],
         engine=engine,
         policy_version=s.policy_version,
         group_size=s.group_size,
@@ -127,5 +152,7 @@ def status_to_proto(s: ControllerStatus, engine: str, state: int) -> pb.GetStatu
             evicted_groups=c.evicted_groups,
             committed_tokens=c.committed_tokens,
             requeued_groups=c.requeued_groups,
+            generation_tokens=generation_tokens,
         ),
+        last_checkpoint=last_checkpoint,
     )

@@ -112,7 +112,10 @@ class Checkpointer:
     async def checkpoint(
         self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
     ) -> CheckpointReport:
-        """One attempt; never raises for I/O trouble or timeouts (they are its outcome)."""
+        """One attempt; never raises for I/O trouble or timeouts (they are its outcome).
+
+        A periodic attempt that finds another one running is skipped; any other waits for it and
+        then runs, so ``trainer_step`` is always finalized. An invariant violation is raised."""
         started = time.time_ns()
         skip = self._skip_reason(trigger)
         if skip is not None:
@@ -167,8 +170,8 @@ class Checkpointer:
             return Reason.RESTORING
         if self.shutting_down and trigger is not Trigger.SHUTDOWN:
             return Reason.SHUTTING_DOWN
-        if self._lock.locked():
-            return Reason.IN_PROGRESS
+        if self._lock.locked() and trigger is Trigger.PERIODIC:
+            return Reason.IN_PROGRESS  # an on-demand or final attempt waits for it instead
         return None
 
     async def _attempt(self, clock: PhaseClock, report: CheckpointReport, *, force: bool) -> None:

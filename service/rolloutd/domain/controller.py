@@ -152,8 +152,8 @@ class Controller:
         """Starts admission and lease expiry. Call after any restore."""
         self._admitting = True
         self._loops = [
-            asyncio.create_task(self._admission_loop(), name="rolloutd-admission"),
-            asyncio.create_task(self._lease_reaper(), name="rolloutd-lease-reaper"),
+            self._watched(asyncio.create_task(self._admission_loop(), name="rolloutd-admission")),
+            self._watched(asyncio.create_task(self._lease_reaper(), name="rolloutd-lease-reaper")),
         ]
 
     async def set_admitting(self, admitting: bool) -> None:
@@ -233,9 +233,11 @@ class Controller:
         """Starts one engine request per missing sibling, each with its own seed."""
         tasks = self._siblings.setdefault(group.group_id, {})
         for index in indices:
-            tasks[index] = asyncio.create_task(
-                self._run_sibling(group, index),
-                name=f"rolloutd-{self._request_id(group.group_id, index)}",
+            tasks[index] = self._watched(
+                asyncio.create_task(
+                    self._run_sibling(group, index),
+                    name=f"rolloutd-{self._request_id(group.group_id, index)}",
+                )
             )
 
     async def _run_sibling(self, group: Group, index: int) -> None:
@@ -307,6 +309,17 @@ class Controller:
         for task in tasks.values():
             if task is not current:
                 task.cancel()
+
+    def _watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """A task of the controller whose unexpected error ends the controller (never silently:
+        the service waits on :meth:`wait_dead`)."""
+
+        def ended(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                self._die(t.exception())  # type: ignore[arg-type]
+
+        task.add_done_callback(ended)
+        return task
 
     def _die(self, exc: BaseException) -> None:
         if self.fatal is None:
@@ -519,8 +532,10 @@ class Controller:
     # --- persistent state ------------------------------------------------------------------
 
     def capture(self) -> ControllerState:
-        """The changes since the last capture and the rest of the state: O(changes) pointer
-        work, no I/O. Call only while holding the barrier exclusively."""
+        """The changes since the last capture and the rest of the state, no I/O: pointer work
+        proportional to the changed rows and groups, plus copies of the lease and ack tables and
+        of the sampler's queues (bounded by leases and acks outstanding, not by the buffer).
+        Call only while holding the barrier exclusively."""
         if not self.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
         return ControllerState(

@@ -143,7 +143,9 @@ class Sampler:
     # --- state for snapshots ---------------------------------------------------------------
 
     def capture(self) -> SamplerState:
-        """O(1) apart from the small readmit and skip queues; call under the exclusive hold."""
+        """Shares the append-only submitted list; copies the readmit and skip queues (prompts
+        lost, evicted or rewound: their length, not the dataset's). Call under the exclusive
+        hold."""
         return SamplerState(
             self._cursor,
             self._submitted,
