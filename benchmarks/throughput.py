@@ -65,7 +65,7 @@ from rolloutd.dataset import load_prompts
 from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import GroupMeta, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
-from rolloutd.server import RolloutService, controller_config
+from rolloutd.server import RolloutService
 from rolloutd.telemetry.providers import ExporterName, OtlpProtocol, Telemetry, setup_telemetry
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class EngineDriver:
 
     def __init__(self, engine: VLLMEngine, config: Config, prompts: Sequence[Prompt]) -> None:
         self._engine = engine
-        self._ctl = controller_config(config)
+        self._ctl = config.controller()
         ds = config.dataset
         self._sampler = Sampler(prompts, seed=ds.seed, shuffle=ds.shuffle, epochs=ds.epochs)
         self._next_gid = 1

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from rolloutd.api.admin import AdminServer, create_admin_app
 from rolloutd.api.grpc_server import GrpcServer
 from rolloutd.api.view import ServiceView
-from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
-from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.engine import EngineDeadError, GenerationEngine, SamplingParams
+from rolloutd.domain.controller import Controller
+from rolloutd.domain.engine import EngineDeadError, GenerationEngine
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler
@@ -52,22 +52,6 @@ UNRECOVERABLE = (InvariantError, EngineDeadError)
 class Addresses:
     grpc: str
     http: str | None
-
-
-def controller_config(config: Config) -> ControllerConfig:
-    lim, eng = config.limits, config.engine
-    return ControllerConfig(
-        group_size=config.group_size,
-        max_in_flight=lim.max_in_flight,
-        buffer_capacity=lim.buffer_capacity,
-        max_staleness=lim.max_staleness,
-        lease_timeout_s=lim.lease_timeout_s,
-        rewind_window=lim.rewind_window,
-        max_fetch_groups=lim.max_fetch_groups,
-        max_wait_ms=lim.max_wait_ms,
-        seed=config.dataset.seed,
-        sampling=SamplingParams(eng.max_tokens, eng.temperature, eng.top_p),
-    )
 
 
 class RolloutService:
@@ -93,7 +77,7 @@ class RolloutService:
         ckpt = config.checkpoint
         self.store = SnapshotStore(ckpt.dir, ckpt.storage_options)
         self.controller = Controller(
-            controller_config(config),
+            config.controller(),
             engine,
             Sampler(
                 prompts,
@@ -110,13 +94,7 @@ class RolloutService:
             self.controller,
             self.store,
             self.store.journal,
-            CheckpointerConfig(
-                interval_s=ckpt.interval_s,
-                keep_latest=ckpt.keep_latest,
-                max_consecutive_failures=ckpt.max_consecutive_failures,
-                timeout_s=ckpt.timeout_s,
-                compact_segments=ckpt.compact_segments,
-            ),
+            config.checkpointer(),
             self.fingerprint,
             observer=self.observer,
         )

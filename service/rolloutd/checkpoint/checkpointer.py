@@ -47,12 +47,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CheckpointerConfig:
+    """The checkpointer's settings; ``config.py`` exposes them as ``checkpoint.*`` keys with
+    these defaults and meanings."""
+
     interval_s: float = 60.0
     """Seconds between periodic checkpoints; 0 disables them."""
     keep_latest: int = 3
     """Snapshots kept besides those tagged with a trainer step still inside the rewind window."""
     max_consecutive_failures: int = 3
-    """Failed attempts in a row after which the service turns not-ready."""
+    """Failed attempts in a row after which the service reports not-ready."""
     timeout_s: float = 120.0
     """An attempt taking longer fails with reason ``timeout``."""
     compact_segments: int = 8

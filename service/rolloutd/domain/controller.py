@@ -58,23 +58,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """The controller's settings; ``config.py`` exposes them as keys (``limits.*``,
+    ``group_size``) with these defaults and meanings."""
+
     group_size: int = 4
-    """Siblings per prompt."""
+    """Siblings per prompt (N in GRPO)."""
     max_in_flight: int = 16
     """Most groups generating at once."""
     buffer_capacity: int = 256
     """Most groups generating, ready or leased. Acked groups waiting for finalization are not
     counted (else a trainer could stall admission for good); ``rewind_window`` bounds them."""
     max_staleness: int = 4
-    """Groups more than this many policy versions behind are evicted."""
+    """Groups more than this many policy versions old are evicted."""
     lease_timeout_s: float = 300.0
-    """Unacked leases expire after this long."""
+    """An unacknowledged lease expires after this long and its groups become available again."""
     rewind_window: int = 8
-    """Acks older than this many trainer steps finalize by themselves."""
+    """Acked groups wait at most this many trainer steps for Checkpoint before finalizing."""
     max_fetch_groups: int = 1024
-    """Upper bound of FetchGroups.max_groups."""
+    """Largest max_groups a FetchGroups request may ask for."""
     max_wait_ms: int = 600_000
-    """Upper bound of FetchGroups.wait_ms."""
+    """Longest wait_ms a FetchGroups request may ask for."""
     seed: int = 0
     """Root of every group's and sibling's seed."""
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -15,8 +15,11 @@ class SamplingParams:
     """Sampling settings shared by every sibling; each sibling brings its own seed."""
 
     max_tokens: int = 64
+    """Longest completion of one sibling, in tokens."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling threshold."""
 
 
 @dataclass(frozen=True)
