@@ -41,7 +41,7 @@ def checkpoint_once(store: SnapshotStore) -> Manifest:
     sequence = (sequences[0] if sequences else 0) + 1
     if parent is not None and parent.sequence != sequence - 1:
         raise AssertionError(f"newest snapshot {sequence - 1} did not verify: {resolution}")
-    acks_through = store.append_ack({"sequence": sequence})
+    acks_through = store.journal.write({"sequence": sequence})
     segment = store.write_segment(sequence, added(sequence))
     sidecar = write_sidecar(store, sequence, {"sequence": sequence, "pad": "x" * 5000})
     manifest = next_manifest(

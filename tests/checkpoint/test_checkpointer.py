@@ -108,14 +108,15 @@ async def test_snapshots_are_incremental(nodes):
 async def test_the_hold_does_no_io(nodes):
     a = nodes()
     calls = []
-    for name in ("write_segment", "write_sidecar_json", "publish", "retire", "append_ack"):
-        real = getattr(a.store, name)
+    targets = [(a.store, n) for n in ("write_segment", "write_sidecar_json", "publish", "retire")]
+    for owner, name in [*targets, (a.store.journal, "write")]:
+        real = getattr(owner, name)
 
         def spy(*args, _real=real, _name=name, **kw):
             calls.append((_name, a.controller.barrier.exclusive_held))
             return _real(*args, **kw)
 
-        setattr(a.store, name, spy)
+        setattr(owner, name, spy)
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
     await a.checkpoint()

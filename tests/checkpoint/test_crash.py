@@ -51,9 +51,9 @@ def _assert_consistent(location: Location, newest: int) -> None:
         assert verify(store, manifest) == []
     # every kept snapshot finds the acks journaled after it, none missing
     oldest = min(m.acks_through for m in store.list())
-    acks = store.read_acks(oldest)
-    assert [e.position for e in acks] == list(range(oldest + 1, store.journal_position + 1))
-    assert store.journal_position >= newest
+    acks = store.journal.read(oldest)
+    assert [e.position for e in acks] == list(range(oldest + 1, store.journal.position + 1))
+    assert store.journal.position >= newest
 
 
 def _assert_no_garbage(location: Location) -> None:

@@ -268,52 +268,52 @@ def test_retire_deletes_nothing_while_a_kept_manifest_is_unreadable(location: Lo
 
 def test_journal_is_ordered_durable_and_pruned(location: Location):
     store = location.open()
-    positions = [store.append_ack({"lease": f"l{i}", "step": i}) for i in range(1, 6)]
+    positions = [store.journal.write({"lease": f"l{i}", "step": i}) for i in range(1, 6)]
     assert positions == [1, 2, 3, 4, 5]
     reopened = location.open()
-    assert reopened.journal_position == 5
-    assert [e.record["lease"] for e in reopened.read_acks(0)] == ["l1", "l2", "l3", "l4", "l5"]
-    assert [e.position for e in reopened.read_acks(3)] == [4, 5]
+    assert reopened.journal.position == 5
+    assert [e.record["lease"] for e in reopened.journal.read(0)] == ["l1", "l2", "l3", "l4", "l5"]
+    assert [e.position for e in reopened.journal.read(3)] == [4, 5]
 
     first = publish(reopened, None, make_rows(0, 5), acks_through=3)
     for i in range(6, 9):
-        reopened.append_ack({"lease": f"l{i}"})
+        reopened.journal.write({"lease": f"l{i}"})
     second = publish(reopened, first, make_rows(5, 5), acks_through=7)
     reopened.retire(keep_latest=2)
-    assert [e.position for e in reopened.read_acks(first.acks_through)] == [4, 5, 6, 7, 8]
+    assert [e.position for e in reopened.journal.read(first.acks_through)] == [4, 5, 6, 7, 8]
     reopened.retire(keep_latest=1)
-    assert [e.position for e in reopened.read_acks(second.acks_through)] == [8]
+    assert [e.position for e in reopened.journal.read(second.acks_through)] == [8]
     with pytest.raises(CorruptJournal, match="missing"):
-        reopened.read_acks(0)
+        reopened.journal.read(0)
 
     # positions continue after everything was pruned and the process restarted
     third = publish(reopened, second, acks_through=8)
     reopened.retire(keep_latest=1)
     again = location.open()
-    assert again.journal_position == 8
-    assert again.append_ack({"lease": "l9"}) == 9
-    assert [e.record for e in again.read_acks(third.acks_through)] == [{"lease": "l9"}]
+    assert again.journal.position == 8
+    assert again.journal.write({"lease": "l9"}) == 9
+    assert [e.record for e in again.journal.read(third.acks_through)] == [{"lease": "l9"}]
 
 
 def test_journal_ignores_a_torn_tail(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
-    store.append_ack({"n": 1})
-    store.append_ack({"n": 2})
+    store.journal.write({"n": 1})
+    store.journal.write({"n": 2})
     (name,) = location.listdir("journal")
     with open(os.path.join(location.url, "journal", name), "ab") as f:
         f.write(b'{"position":3,"rec')  # the process died inside write(2)
     reopened = location.open()
-    assert reopened.journal_position == 2
-    assert reopened.append_ack({"n": 3}) == 3
-    assert [e.record["n"] for e in reopened.read_acks()] == [1, 2, 3]
+    assert reopened.journal.position == 2
+    assert reopened.journal.write({"n": 3}) == 3
+    assert [e.record["n"] for e in reopened.journal.read()] == [1, 2, 3]
 
 
 def test_journal_damage_before_the_tail_is_an_error(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
     for n in range(3):
-        store.append_ack({"n": n})
+        store.journal.write({"n": n})
     (name,) = location.listdir("journal")
     path = os.path.join(location.url, "journal", name)
     with open(path, "rb") as f:
@@ -322,7 +322,7 @@ def test_journal_damage_before_the_tail_is_an_error(tmp_path):
     with open(path, "wb") as f:
         f.write(b"\n".join(lines))
     with pytest.raises(CorruptJournal, match="line 2"):
-        store.read_acks()
+        store.journal.read()
     with pytest.raises(CorruptJournal):
         location.open()
 
@@ -404,7 +404,7 @@ def test_store_under_a_regular_file_raises_oserror(tmp_path):
     with pytest.raises(NotADirectoryError):
         write_sidecar(store, 1, {})
     with pytest.raises(NotADirectoryError):
-        store.append_ack({"x": 1})
+        store.journal.write({"x": 1})
     with pytest.raises(NotADirectoryError):
         store.resolve()
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import operator
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from typing import Any
 
@@ -37,67 +38,100 @@ SIDECAR_FORMAT = 1
 
 def to_json(value: Any) -> Any:
     """A domain value as JSON-able data, derived from its declaration."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Position):
-        return [value.epoch, value.offset]
-    if isinstance(value, Prompt):
-        return {
-            "id": value.prompt_id,
-            "text": value.text,
-            "metadata": value.metadata,
-            "messages": list(value.messages),
-        }
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
         return [to_json(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: to_json(v) for k, v in value.items()}
-    raise TypeError(f"no sidecar encoding for {type(value).__name__}")
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    kind: Any = type(value)
+    return _encoder(kind)(value)
 
 
 def from_json(kind: Any, data: Any) -> Any:
     """The value of type ``kind`` that :func:`to_json` encoded as ``data``."""
+    return _decoder(kind)(data)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _prompt_to_json(p: Prompt) -> dict[str, Any]:
+    return {"id": p.prompt_id, "text": p.text, "metadata": p.metadata, "messages": list(p.messages)}
+
+
+def _prompt_from_json(d: Mapping[str, Any]) -> Prompt:
+    return Prompt(
+        prompt_id=str(d["id"]),
+        text=str(d["text"]),
+        metadata=dict(d["metadata"]),
+        messages=tuple(d["messages"]),
+    )
+
+
+@cache
+def _encoder(kind: Any) -> Callable[[Any], Any]:
+    """value -> JSON for values of type ``kind``, planned once per type from its declaration."""
     origin = typing.get_origin(kind)
     if origin in (types.UnionType, typing.Union):
-        if data is None:
-            return None
         (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
-        return from_json(inner, data)
-    if origin is tuple:
-        (item, _) = typing.get_args(kind)
-        return tuple(from_json(item, v) for v in data)
-    if origin in (dict, Mapping):
-        _, item = typing.get_args(kind)
-        return {k: from_json(item, v) for k, v in data.items()}
-    if kind is Any:
-        return data
+        encode = _encoder(inner)
+        return _same if encode is _same else lambda v: None if v is None else encode(v)
+    if origin is tuple or origin is list:
+        item = _encoder(typing.get_args(kind)[0])
+        return list if item is _same else lambda v: [item(x) for x in v]
+    if origin in (dict, Mapping) or kind is Any or kind in (int, float, str, bool, type(None)):
+        return _same
     if kind is Position:
-        return Position(int(data[0]), int(data[1]))
+        return lambda p: [p.epoch, p.offset]
     if kind is Prompt:
-        return Prompt(
-            prompt_id=str(data["id"]),
-            text=str(data["text"]),
-            metadata=dict(data["metadata"]),
-            messages=tuple(data["messages"]),
-        )
+        return _prompt_to_json
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return kind(data)
-    if kind in (int, float, str, bool):
-        return kind(data)
+        return lambda e: e.value
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        hints = _hints(kind)
-        return kind(
-            **{f.name: from_json(hints[f.name], data[f.name]) for f in dataclasses.fields(kind)}
-        )
+        hints = typing.get_type_hints(kind)
+        plan = [(f.name, _encoder(hints[f.name])) for f in dataclasses.fields(kind)]
+        direct = [name for name, enc in plan if enc is _same]
+        converted = [(name, enc) for name, enc in plan if enc is not _same]
+        get = operator.attrgetter(*direct) if len(direct) > 1 else None
+
+        def encode(v: Any) -> dict[str, Any]:
+            out = dict(zip(direct, get(v), strict=True)) if get else {}
+            if len(direct) == 1:
+                out[direct[0]] = getattr(v, direct[0])
+            for name, enc in converted:
+                out[name] = enc(getattr(v, name))
+            return out
+
+        return encode
+    raise TypeError(f"no sidecar encoding for {kind!r}")
+
+
+@cache
+def _decoder(kind: Any) -> Callable[[Any], Any]:
+    """JSON -> value of type ``kind``, planned once per type from its declaration."""
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        decode = _decoder(inner)
+        return lambda d: None if d is None else decode(d)
+    if origin is tuple:
+        item = _decoder(typing.get_args(kind)[0])
+        return lambda d: tuple(item(x) for x in d)
+    if origin in (dict, Mapping):
+        value = _decoder(typing.get_args(kind)[1])
+        return lambda d: {k: value(v) for k, v in d.items()}
+    if kind is Any:
+        return _same
+    if kind in (int, float, str, bool):
+        return kind  # type: ignore[no-any-return]
+    if kind is Position:
+        return lambda d: Position(int(d[0]), int(d[1]))
+    if kind is Prompt:
+        return _prompt_from_json
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        plan = [(f.name, _decoder(hints[f.name])) for f in dataclasses.fields(kind)]
+        return lambda d: kind(**{name: dec(d[name]) for name, dec in plan})
     raise TypeError(f"no sidecar decoding for {kind!r}")
 
 
@@ -107,7 +141,7 @@ def from_json(kind: Any, data: Any) -> Any:
 def sampler_to_json(s: SamplerState) -> dict[str, Any]:
     return {
         "cursor": to_json(s.cursor),
-        "submitted": to_json(s.submitted_prompts),
+        "submitted": [_prompt_to_json(p) for p in s.submitted_prompts],
         "submitted_head": s.submitted_head,
         "readmit": to_json(s.readmit),
         "skip": to_json(s.skip),
@@ -116,7 +150,7 @@ def sampler_to_json(s: SamplerState) -> dict[str, Any]:
 
 
 def sampler_from_json(d: Mapping[str, Any]) -> SamplerState:
-    submitted = [from_json(Prompt, p) for p in d["submitted"]]
+    submitted = [_prompt_from_json(p) for p in d["submitted"]]
     return SamplerState(
         cursor=from_json(Position, d["cursor"]),
         submitted=submitted,
@@ -133,7 +167,7 @@ def sampler_from_json(d: Mapping[str, Any]) -> SamplerState:
 
 def encode_group(meta: GroupMeta) -> bytes:
     """One group's metadata as it stands in the sidecar's ``groups`` array."""
-    return json.dumps(to_json(meta), separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(_encoder(GroupMeta)(meta), separators=(",", ":"), allow_nan=False).encode()
 
 
 def head(state: ControllerState) -> dict[str, Any]:

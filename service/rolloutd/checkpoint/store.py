@@ -62,7 +62,7 @@ from rolloutd.checkpoint.format import (
     checksum_algorithm,
     rows_to_batches,
 )
-from rolloutd.checkpoint.journal import CorruptJournal, Journal, JournalEntry
+from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
 from rolloutd.domain.report import SkippedSnapshot
@@ -363,19 +363,6 @@ class SnapshotStore:
     ) -> RetireResult:
         """See :func:`retention.retire`."""
         return retention.retire(self, keep_latest, keep)
-
-    @property
-    def journal_position(self) -> int:
-        """Position of the last durable ack record; no I/O (capture it under the exclusive hold)."""
-        return self.journal.position
-
-    def append_ack(self, record: Mapping[str, Any]) -> int:
-        """Journal ``record`` (JSON-able); durable when this returns its position."""
-        return self.journal.write(record)
-
-    def read_acks(self, after: int = 0) -> builtins.list[JournalEntry]:
-        """Journal records after ``after`` (a manifest's ``acks_through``), in order."""
-        return self.journal.read(after)
 
     def acks_after(self, after: int) -> builtins.list[JournaledAck]:
         """Acks journaled after ``after`` (a manifest's ``acks_through``), decoded, in order."""

@@ -3,8 +3,8 @@
 Every method is a synchronous step called inside a barrier mutation. Besides the groups, the buffer
 records what changed since the last ``capture()`` — rows (staged samples) added, rows removed, and
 groups whose metadata changed — so a checkpoint's exclusive hold does pointer work proportional to
-that delta only: lists are swapped, immutable samples are shared by reference, and only changed
-groups are copied into small frozen records.
+that delta only: lists are swapped, and immutable samples and the frozen metadata of changed
+groups are shared by reference (a change replaces a group's ``GroupMeta``, never edits it).
 """
 
 from __future__ import annotations
