@@ -8,8 +8,9 @@
 4. ``sidecar_write``  write controller state as JSON.
 5. ``commit``         fsync and publish atomically; then retention.
 
-A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its delta
-back to the buffer, so the next attempt still writes everything since the last success.
+A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
+back to the controller (``capture_failed``), so the next attempt still writes everything since
+the last success. When attempts run (periodic, on demand, at shutdown) is the scheduler's choice.
 """
 
 from __future__ import annotations
