@@ -139,7 +139,7 @@ class RolloutBuffer:
 
     def _change(self, g: Group, **fields: object) -> None:
         """Every metadata change goes through here: a new frozen value, marked for the capture."""
-        g.meta = replace(g.meta, **fields)  # type: ignore[arg-type]
+        g.meta = g.meta.evolve(**fields)
         self._dirty[g.group_id] = g
 
     def add(self, group: Group) -> None:
