@@ -46,8 +46,14 @@ from typing import Any
 import common
 import numpy as np
 
-from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import Group, GroupMeta, Prompt, Sample
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
     Outcome,
@@ -55,12 +61,6 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.checkpoint.restore import Granularity, restore
-from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord
-from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import Group, Prompt, Sample
-from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.synthetic import SyntheticEngine
 
@@ -201,7 +201,7 @@ class Node:
         self.root = root
         self.plan = plan
         self.store = SnapshotStore(str(root))
-        self.journal = AckJournal(self.store)
+        self.journal = self.store.journal
         self.controller = Controller(
             ControllerConfig(
                 group_size=plan.group_size,
@@ -232,13 +232,15 @@ class Node:
                     gid = ctl.next_group_id
                     ctl.next_group_id += 1
                     group = Group(
-                        group_id=gid,
-                        prompt=admission.prompt,
-                        position=admission.position,
-                        group_size=gs,
-                        policy_version=ctl.policy_version,
-                        admitted_at=ctl.clock(),
-                        seed=gid * 104_729 % (2**31 - 1),
+                        GroupMeta(
+                            group_id=gid,
+                            prompt=admission.prompt,
+                            position=admission.position,
+                            group_size=gs,
+                            policy_version=ctl.policy_version,
+                            admitted_at=ctl.clock(),
+                            seed=gid * 104_729 % (2**31 - 1),
+                        )
                     )
                     ctl.buffer.add(group)
                     ctl.counters.admitted_groups += 1

@@ -62,12 +62,12 @@ from telemetry_overhead import OtlpSink, Scraper
 
 from rolloutd.config import Config, load_config
 from rolloutd.dataset import load_prompts
-from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.engine import EngineCounters, GenerationRequest
+from rolloutd.domain.group import GroupMeta, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
-from rolloutd.engines.base import EngineCounters, GenerationRequest
-from rolloutd.server import RolloutService, controller_config
+from rolloutd.domain.weights import WeightsTimeline
+from rolloutd.server import RolloutService
 from rolloutd.telemetry.providers import ExporterName, OtlpProtocol, Telemetry, setup_telemetry
-from rolloutd.weights.report import WeightsTimeline
 
 if TYPE_CHECKING:
     from rolloutd.engines.vllm import VLLMEngine
@@ -191,7 +191,7 @@ class EngineDriver:
 
     def __init__(self, engine: VLLMEngine, config: Config, prompts: Sequence[Prompt]) -> None:
         self._engine = engine
-        self._ctl = controller_config(config)
+        self._ctl = config.controller()
         ds = config.dataset
         self._sampler = Sampler(prompts, seed=ds.seed, shuffle=ds.shuffle, epochs=ds.epochs)
         self._next_gid = 1
@@ -204,7 +204,7 @@ class EngineDriver:
         ctl = self._ctl
         while (admission := self._sampler.next()) is not None:
             gid, self._next_gid = self._next_gid, self._next_gid + 1
-            group = Group(
+            group = GroupMeta(
                 group_id=gid,
                 prompt=admission.prompt,
                 position=admission.position,

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import fsspec
 import pytest
+from moto.server import ThreadedMotoServer
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
@@ -11,3 +14,23 @@ os.environ.setdefault("OTEL_SDK_DISABLED", "true")
 @pytest.fixture
 def tmp_checkpoints(tmp_path):
     return str(tmp_path / "checkpoints")
+
+
+BUCKET = "rolloutd-test"
+
+
+@pytest.fixture(scope="session")
+def s3_options() -> Iterator[dict[str, object]]:
+    """A moto S3 server on a free port of 127.0.0.1, with one bucket; its fsspec options. One for
+    the whole session: moto keeps its buckets in process, so a second server would see them."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options: dict[str, object] = {
+        "endpoint_url": f"http://{host}:{port}",
+        "key": "testing",
+        "secret": "testing",
+    }
+    fsspec.filesystem("s3", **options, skip_instance_cache=True).mkdir(BUCKET)
+    yield options
+    server.stop()

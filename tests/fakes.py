@@ -6,9 +6,9 @@ import asyncio
 import time
 from array import array
 
+from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
-from rolloutd.weights.report import WeightsTimeline
+from rolloutd.domain.weights import WeightsTimeline
 
 
 class GatedEngine:

@@ -1,52 +1,132 @@
-"""The domain, checkpoint and weights packages import no adapter library (DESIGN.md §1): weight
-updates report plain data that telemetry/ and api/ turn into spans, metrics and responses."""
+"""Which part of rolloutd may import what (DESIGN.md §1): one table, no exception list.
+
+A unit is a subpackage (``domain``, ``checkpoint`` ...) or a top-level module (``server``,
+``cli`` ...). Every import of every module is checked, including those inside functions: a unit
+may import the standard library, itself, and exactly what its row lists, third-party included.
+Any new edge fails here and must be added to the table on purpose; an edge nothing takes any
+more must leave it.
+"""
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "service" / "rolloutd"
-FORBIDDEN = {
-    "grpc",
-    "grpc_health",
-    "grpc_reflection",
-    "opentelemetry",
-    "fastapi",
-    "uvicorn",
-    "vllm",
-    "google",
-    "torch",
-    "transformers",
+
+ALLOWED: dict[str, set[str]] = {
+    # the pure core: owns its ports (engine protocol, observer and report types, state)
+    "domain": set(),
+    # adapters around the domain
+    "checkpoint": {"domain", "pyarrow", "fsspec", "numpy", "botocore"},
+    "engines": {
+        "domain",
+        "config",
+        "torch",
+        "transformers",
+        "vllm",
+        "tokenizers",
+        "safetensors",
+        "psutil",
+    },
+    "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc"},
+    # new weights: staged, checked against the served model, then loaded through the controller
+    "weights": {"domain", "fsspec", "botocore"},
+    "v1": {"google", "grpc"},
+    "api": {
+        "domain",
+        "checkpoint",
+        "v1",
+        "rolloutd",
+        "grpc",
+        "grpc_health",
+        "grpc_reflection",
+        "google",
+        "fastapi",
+        "uvicorn",
+        "pydantic",
+        "prometheus_client",
+        "telemetry",
+        "weights",
+    },
+    # leaves used by the composition root
+    "config": {"pydantic", "yaml", "domain", "checkpoint"},
+    "dataset": {"domain", "pyarrow"},
+    "client": {"v1", "telemetry", "grpc", "google"},
+    "trainer": {"client", "v1", "grpc"},
+    # the composition root and the command line
+    "supervisor": set(),
+    "server": {
+        "supervisor",
+        "api",
+        "checkpoint",
+        "config",
+        "dataset",
+        "domain",
+        "engines",
+        "telemetry",
+        "weights",
+    },
+    "cli": {"checkpoint", "config", "domain", "engines", "server", "trainer", "rolloutd"},
+    "rolloutd": set(),
 }
-PURE = ("domain", "checkpoint", "weights")
+"""unit -> what it may import besides the standard library and itself (``rolloutd``: the
+package's own ``__init__``, e.g. ``__version__``)."""
 
 
-def imported_roots(path: Path) -> set[str]:
-    roots = set()
+def unit_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    if rel.name == "__init__.py" and len(rel.parts) == 1:
+        return "rolloutd"
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_units(path: Path) -> set[str]:
+    """What ``path`` imports, as units of rolloutd or third-party top-level names."""
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            roots |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-            if node.module.startswith("rolloutd.") and node.module.split(".")[1] in (
-                "api",
-                "telemetry",
-                "v1",
-            ):
-                roots.add(node.module)
-    return roots
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "rolloutd":
+                found.add(parts[1] if len(parts) > 1 else "rolloutd")
+            elif parts[0] not in sys.stdlib_module_names and parts[0] != "__future__":
+                found.add(parts[0])
+    return found
 
 
-def test_pure_packages_import_no_adapters():
+def test_every_import_is_an_allowed_edge():
     offenders = {}
-    for pkg in PURE:
-        for path in (PACKAGE / pkg).rglob("*.py"):
-            bad = {r for r in imported_roots(path) if r in FORBIDDEN or r.startswith("rolloutd.")}
-            if bad:
-                offenders[str(path.relative_to(PACKAGE))] = sorted(bad)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        unit = unit_of(path)
+        assert unit in ALLOWED, f"{path.relative_to(PACKAGE)}: unit {unit!r} is not in the table"
+        bad = imported_units(path) - ALLOWED[unit] - {unit}
+        if bad:
+            offenders[str(path.relative_to(PACKAGE))] = sorted(bad)
     assert not offenders, offenders
 
 
-def test_the_rule_catches_an_adapter_import(tmp_path):
+def test_the_domain_imports_the_standard_library_only():
+    assert ALLOWED["domain"] == set()
+
+
+def test_the_rule_catches_a_new_edge(tmp_path):
     f = tmp_path / "x.py"
-    f.write_text("import grpc\nfrom opentelemetry import trace\nfrom rolloutd.api import convert\n")
-    assert {"grpc", "opentelemetry", "rolloutd.api"} <= imported_roots(f)
+    f.write_text(
+        "import grpc\nfrom opentelemetry import trace\nfrom rolloutd.api import convert\n"
+        "def late():\n    from rolloutd.checkpoint import store\n"
+    )
+    assert imported_units(f) == {"grpc", "opentelemetry", "api", "checkpoint"}
+
+
+def test_the_table_allows_no_edge_that_nothing_takes():
+    used: dict[str, set[str]] = {unit: set() for unit in ALLOWED}
+    for path in PACKAGE.rglob("*.py"):
+        unit = unit_of(path)
+        used[unit] |= imported_units(path) - {unit}
+    unused = {unit: sorted(ALLOWED[unit] - used[unit]) for unit in ALLOWED}
+    assert not {unit: edges for unit, edges in unused.items() if edges}, unused

@@ -1,9 +1,12 @@
-"""The composition root's checkpoint lifecycle: an attempt whose caller goes away still finishes,
-and shutdown's final checkpoint follows the attempts in flight."""
+"""The composition root's lifecycle: an attempt whose caller goes away still finishes, shutdown's
+final checkpoint follows the attempts in flight, an on-demand checkpoint during a periodic one
+still finalizes its step, a background task that dies turns readiness off (and an unrecoverable
+one stops the service with exit code 1), and a failed start shuts down what it started."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -11,16 +14,21 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rolloutd.api.errors import STATUS, status_of
 from rolloutd.checkpoint.format import Manifest
-from rolloutd.checkpoint.report import Outcome, Trigger
 from rolloutd.config import load_config
+from rolloutd.domain.engine import EngineDeadError, EngineError
+from rolloutd.domain.errors import InvalidArgument, InvariantError, RestoreRefused, RolloutError
+from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.report import Outcome, Trigger
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
 
-def service(tmp_path: Path, interval_s: float) -> RolloutService:
+def service(tmp_path: Path, interval_s: float, **overrides: object) -> RolloutService:
     config = load_config(
         overrides={
             "engine.kind": "synthetic",
@@ -31,6 +39,7 @@ def service(tmp_path: Path, interval_s: float) -> RolloutService:
             "checkpoint.dir": str(tmp_path / "checkpoints"),
             "checkpoint.interval_s": interval_s,
             "restore": "none",
+            **overrides,
         },
         environ={},
     )
@@ -95,3 +104,96 @@ async def test_shutdown_during_a_periodic_checkpoint_follows_it(tmp_path, monkey
     assert final.outcome is Outcome.COMPLETED, final.error
     assert final.sequence == 2
     assert sequences(s)[-2:] == [1, 2]
+
+
+async def test_a_checkpoint_with_a_trainer_step_during_a_periodic_one_finalizes_the_step(
+    tmp_path, monkeypatch
+):
+    s = service(tmp_path, interval_s=0.1)
+    entered = slow_first_publish(s, monkeypatch, seconds=1.0)
+    addresses = await s.start()
+    try:
+        async with grpc.aio.insecure_channel(addresses.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            fetched = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=2, wait_ms=5000))
+            assert fetched.groups
+            await stub.AckGroups(pb.AckGroupsRequest(lease_id=fetched.lease_id, trainer_step=3))
+            assert await asyncio.to_thread(entered.wait, 10)  # the periodic attempt publishes
+            assert s.checkpointer.last_attempt is None  # ... and has not finished yet
+            response = await stub.Checkpoint(pb.CheckpointRequest(trainer_step=3), timeout=30)
+            status = await stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    finally:
+        await s.shutdown()
+    assert (response.outcome, response.reason) == (
+        pb.CHECKPOINT_OUTCOME_COMPLETED,
+        pb.CHECKPOINT_REASON_COMPLETED,
+    ), response.message
+    assert response.sequence == 2  # after the periodic one
+    assert status.counters.finalized_groups == len(fetched.groups)
+
+
+async def test_a_background_loop_that_raises_turns_readiness_off(tmp_path, monkeypatch):
+    s = service(tmp_path, interval_s=0.05)
+
+    def broken(manifest: Manifest) -> None:
+        raise RuntimeError("the periodic loop meets a bug")
+
+    monkeypatch.setattr(s.store, "publish", broken)
+    addresses = await s.start()
+    try:
+        async with grpc.aio.insecure_channel(addresses.grpc) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            ready = health_pb2.HealthCheckRequest(service="rolloutd.v1.RolloutService")
+            for _ in range(200):
+                if (await health.Check(ready)).status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            stub = pb_grpc.RolloutServiceStub(channel)
+            status = await stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1), timeout=10)
+            reason = s.lifecycle.reason
+    finally:
+        await s.shutdown(final_checkpoint=False)
+    assert status.state == pb.SERVING_STATE_NOT_READY
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "checkpoints ended: the periodic loop meets a bug" in reason
+
+
+async def test_an_invariant_violation_in_a_background_loop_exits_non_zero(tmp_path, monkeypatch):
+    s = service(tmp_path, interval_s=0.05)
+
+    def violated(manifest: Manifest) -> None:
+        raise InvariantError("a snapshot would lose rows")
+
+    monkeypatch.setattr(s.store, "publish", violated)
+    await s.start()
+    code = await asyncio.wait_for(s.run_until_stopped(), 30)
+    assert code == 1
+    assert s.lifecycle.state is ServingState.DRAINING
+
+
+async def test_a_failed_start_shuts_down_what_it_started(tmp_path):
+    first = service(tmp_path, interval_s=0)
+    await first.start()
+    await first.shutdown()  # leaves snapshot 1, taken with group_size 4
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    second = service(tmp_path, interval_s=0, group_size=2, restore="latest", **{"grpc.port": port})
+    with pytest.raises(RestoreRefused, match="group_size"):
+        await second.start()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # the gRPC server let its port go
+    assert second.lifecycle.state is ServingState.DRAINING
+    assert sequences(second) == [1]  # no final checkpoint hides the snapshot it refused
+
+
+def test_every_domain_and_engine_error_has_a_status():
+    def subclasses(cls: type) -> set[type]:
+        return {cls} | {s for sub in cls.__subclasses__() for s in subclasses(sub)}
+
+    errors = subclasses(RolloutError) - {RolloutError} | {EngineError, EngineDeadError}
+    assert {e: status_of(e("f", "x") if issubclass(e, InvalidArgument) else e("x")) for e in errors}
+    assert STATUS[EngineError] is grpc.StatusCode.INVALID_ARGUMENT
+    assert STATUS[EngineDeadError] is grpc.StatusCode.UNAVAILABLE

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from rolloutd.engines.base import EngineStartError
+    from rolloutd.domain.engine import EngineStartError
     from rolloutd.server import RolloutService
 
     overrides = {

@@ -1,22 +1,62 @@
 """Configuration: one YAML file, overridden by ``ROLLOUTD_*`` environment variables, then flags.
 
-Every key is declared here, with its default and meaning; this model is the single source of truth
-for configuration (``docs/configuration.md`` is generated from it). Errors name the offending key.
+Every key is declared here; a key that configures a component (the controller, the checkpointer,
+sampling) takes its default and meaning from that component's own frozen config, which this module
+composes (:meth:`Config.controller`, :meth:`Config.checkpointer`) instead of restating it. This
+model is the single source of truth for configuration keys (``docs/configuration.md`` is
+generated from it). Errors name the offending key.
 Environment variables nest with a double underscore: ``ROLLOUTD_LIMITS__MAX_IN_FLIGHT=32`` sets
 ``limits.max_in_flight``; values are parsed as YAML scalars.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import itertools
 import os
+import textwrap
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rolloutd.checkpoint.checkpointer import CheckpointerConfig
+from rolloutd.domain.controller import ControllerConfig
+from rolloutd.domain.engine import SamplingParams
+
 ENV_PREFIX = "ROLLOUTD_"
+
+T = TypeVar("T")
+
+
+@cache
+def _attribute_docs(owner: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(owner)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for field, doc in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = inspect.cleandoc(doc.value.value)
+    return docs
+
+
+def owned(owner: type, name: str, **constraints: Any) -> Any:
+    """A key whose default and meaning the component config ``owner`` declares (its field
+    ``name``); only the accepted range is stated here."""
+    field = {f.name: f for f in dataclasses.fields(owner)}[name]
+    return Field(field.default, description=_attribute_docs(owner)[name], **constraints)
 
 
 class ConfigError(ValueError):
@@ -81,12 +121,9 @@ class EngineConfig(_Section):
     """Local Hugging Face model directory; unset builds the tiny model once into the cache."""
     cache_dir: str = "./.rolloutd/cache"
     """Where the tiny model is built."""
-    max_tokens: int = Field(64, gt=0)
-    """Longest completion of one sibling, in tokens."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature (0: greedy)."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
+    max_tokens: int = owned(SamplingParams, "max_tokens", gt=0)
+    temperature: float = owned(SamplingParams, "temperature", ge=0)
+    top_p: float = owned(SamplingParams, "top_p", gt=0, le=1)
     synthetic: SyntheticSettings = SyntheticSettings()
     vllm: VLLMSettings = VLLMSettings()
 
@@ -103,20 +140,13 @@ class DatasetConfig(_Section):
 
 
 class LimitsConfig(_Section):
-    max_in_flight: int = Field(16, gt=0)
-    """Most groups generating at once."""
-    buffer_capacity: int = Field(256, gt=0)
-    """Most groups generating, ready or leased at once (acked ones are bounded by rewind_window)."""
-    max_staleness: int = Field(4, ge=0)
-    """Groups more than this many policy versions old are evicted."""
-    lease_timeout_s: float = Field(300.0, gt=0)
-    """An unacknowledged lease expires after this long and its groups become available again."""
-    rewind_window: int = Field(8, ge=0)
-    """Acked groups wait at most this many trainer steps for Checkpoint before finalizing."""
-    max_fetch_groups: int = Field(1024, gt=0)
-    """Largest max_groups a FetchGroups request may ask for."""
-    max_wait_ms: int = Field(600_000, ge=0)
-    """Longest wait_ms a FetchGroups request may ask for."""
+    max_in_flight: int = owned(ControllerConfig, "max_in_flight", gt=0)
+    buffer_capacity: int = owned(ControllerConfig, "buffer_capacity", gt=0)
+    max_staleness: int = owned(ControllerConfig, "max_staleness", ge=0)
+    lease_timeout_s: float = owned(ControllerConfig, "lease_timeout_s", gt=0)
+    rewind_window: int = owned(ControllerConfig, "rewind_window", ge=0)
+    max_fetch_groups: int = owned(ControllerConfig, "max_fetch_groups", gt=0)
+    max_wait_ms: int = owned(ControllerConfig, "max_wait_ms", ge=0)
     max_pending_prompts: int = Field(100_000, gt=0)
     """Most submitted prompts waiting for admission; more get RESOURCE_EXHAUSTED."""
 
@@ -124,16 +154,11 @@ class LimitsConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str = "./.rolloutd/checkpoints"
     """Snapshot store: a directory or an fsspec URL (s3://bucket/prefix)."""
-    interval_s: float = Field(60.0, ge=0)
-    """Periodic checkpoint interval in seconds; 0 disables periodic checkpoints."""
-    keep_latest: int = Field(3, gt=0)
-    """Snapshots kept besides those tagged by a trainer step still needed."""
-    max_consecutive_failures: int = Field(3, gt=0)
-    """Failed attempts in a row after which the service reports not-ready."""
-    timeout_s: float = Field(120.0, gt=0)
-    """An attempt that takes longer fails with reason timeout."""
-    compact_segments: int = Field(8, gt=1)
-    """Compact once a snapshot references more than this many segments."""
+    interval_s: float = owned(CheckpointerConfig, "interval_s", ge=0)
+    keep_latest: int = owned(CheckpointerConfig, "keep_latest", gt=0)
+    max_consecutive_failures: int = owned(CheckpointerConfig, "max_consecutive_failures", gt=0)
+    timeout_s: float = owned(CheckpointerConfig, "timeout_s", gt=0)
+    compact_segments: int = owned(CheckpointerConfig, "compact_segments", gt=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to fsspec (e.g. endpoint_url, key, secret for s3)."""
 
@@ -191,8 +216,7 @@ class AuthConfig(_Section):
 class Config(_Section):
     engine: EngineConfig = EngineConfig()
     dataset: DatasetConfig = DatasetConfig()
-    group_size: int = Field(4, gt=0, le=1024)
-    """Siblings per prompt (N in GRPO)."""
+    group_size: int = owned(ControllerConfig, "group_size", gt=0, le=1024)
     limits: LimitsConfig = LimitsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
@@ -220,6 +244,20 @@ class Config(_Section):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
         return self
 
+    def controller(self) -> ControllerConfig:
+        """The controller's config: its keys from ``limits``, ``group_size``, ``dataset.seed``
+        and the sampling keys of ``engine``."""
+        return _compose(
+            ControllerConfig,
+            self.limits,
+            group_size=self.group_size,
+            seed=self.dataset.seed,
+            sampling=_compose(SamplingParams, self.engine),
+        )
+
+    def checkpointer(self) -> CheckpointerConfig:
+        return _compose(CheckpointerConfig, self.checkpoint)
+
     def semantic_fingerprint(self, dataset_digest: str, model_id: str) -> dict[str, Any]:
         """Keys whose change makes a snapshot's groups mean something else. The dataset is
         identified by its content, so the same file mounted elsewhere still restores."""
@@ -230,6 +268,13 @@ class Config(_Section):
             "dataset.seed": self.dataset.seed,
             "dataset.shuffle": self.dataset.shuffle,
         }
+
+
+def _compose(component: type[T], section: BaseModel, **rest: Any) -> T:
+    """``component``'s frozen config from the keys of ``section`` that it declares, and ``rest``."""
+    names = {f.name for f in dataclasses.fields(component)}  # type: ignore[arg-type]
+    given = {k: getattr(section, k) for k in type(section).model_fields if k in names}
+    return component(**given, **rest)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

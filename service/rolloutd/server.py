@@ -1,10 +1,17 @@
-"""The composition root: builds every component from the config, serves, shuts down in order.
+"""The composition root: builds every component from the config and wires them; runs them in order.
 
-Health: the overall status ``""`` is liveness (SERVING while the process can recover by itself),
-``rolloutd.v1.RolloutService`` is readiness (SERVING only while accepting work).
+Nothing here decides policy or encodes anything: checkpoint cadence and the readiness it implies
+are the :class:`CheckpointScheduler`'s, serving state the :class:`Lifecycle`'s, background tasks
+the :class:`Supervisor`'s, proto encoding ``api/convert.py``'s.
 
-Shutdown (SIGTERM/SIGINT, idempotent): readiness NOT_SERVING, stop accepting RPCs with a grace
-period, stop generation, final checkpoint, stop the engine, flush telemetry.
+Start-up: gRPC and admin servers (health NOT_SERVING), engine, restore, admission, periodic
+checkpoints, SERVING. A start that fails shuts down what it started, without a final checkpoint.
+
+Shutdown (SIGTERM/SIGINT, idempotent): DRAINING, stop accepting RPCs with a grace period, stop
+generation, final checkpoint, stop the engine, flush telemetry.
+
+Exit code: 0 after a requested stop, 1 after an unrecoverable failure (a dead engine, an invariant
+violation, a background task that died of one), so the orchestrator restarts the process.
 """
 
 from __future__ import annotations
@@ -14,46 +21,39 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import grpc
-from google.protobuf import json_format
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
-from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
+from rolloutd.api.admin import AdminServer, create_admin_app
 from rolloutd.api.dashboard import dashboard_router
-from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
-from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
+from rolloutd.api.grpc_server import GrpcServer
+from rolloutd.api.view import ServiceView
+from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
-from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import GroupState
-from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.controller import Controller
+from rolloutd.domain.engine import EngineDeadError, GenerationEngine
+from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler
-from rolloutd.engines.base import GenerationEngine, SamplingParams
 from rolloutd.engines.factory import build_engine
+from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
-from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot, status_snapshot
 from rolloutd.telemetry.vllm_metrics import VLLMFamilies
-from rolloutd.v1 import rollout_pb2 as pb
-from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from rolloutd.weights.layout import served_layout
 from rolloutd.weights.staging import StagingArea
 from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+UNRECOVERABLE = (InvariantError, EngineDeadError)
+"""Errors after which the process must be restarted rather than wait to be ready again."""
 
 
 @dataclass(frozen=True)
@@ -62,24 +62,8 @@ class Addresses:
     http: str | None
 
 
-def controller_config(config: Config) -> ControllerConfig:
-    lim, eng = config.limits, config.engine
-    return ControllerConfig(
-        group_size=config.group_size,
-        max_in_flight=lim.max_in_flight,
-        buffer_capacity=lim.buffer_capacity,
-        max_staleness=lim.max_staleness,
-        lease_timeout_s=lim.lease_timeout_s,
-        rewind_window=lim.rewind_window,
-        max_fetch_groups=lim.max_fetch_groups,
-        max_wait_ms=lim.max_wait_ms,
-        seed=config.dataset.seed,
-        sampling=SamplingParams(eng.max_tokens, eng.temperature, eng.top_p),
-    )
-
-
 class RolloutService:
-    """One running rolloutd: engine, controller, gRPC server, and their lifecycle."""
+    """One running rolloutd: every component, built from ``config`` (the wiring is __init__)."""
 
     def __init__(
         self,
@@ -89,7 +73,7 @@ class RolloutService:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
-        prompts, self.dataset_digest = load_prompts(config.dataset.path)
+        prompts, dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
             built = build_engine(
                 config.engine, max_sequences=config.limits.max_in_flight * config.group_size
@@ -101,24 +85,22 @@ class RolloutService:
         self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
-        sampler = Sampler(
-            prompts,
-            seed=config.dataset.seed,
-            shuffle=config.dataset.shuffle,
-            epochs=config.dataset.epochs,
-            max_pending=config.limits.max_pending_prompts,
-        )
         ckpt = config.checkpoint
         self.store = SnapshotStore(ckpt.dir, ckpt.storage_options)
-        self.journal = AckJournal(self.store)
         self.controller = Controller(
-            controller_config(config),
-            self.engine,
-            sampler,
+            config.controller(),
+            engine,
+            Sampler(
+                prompts,
+                seed=config.dataset.seed,
+                shuffle=config.dataset.shuffle,
+                epochs=config.dataset.epochs,
+                max_pending=config.limits.max_pending_prompts,
+            ),
             observer=self.observer,
-            journal=self.journal,
+            journal=self.store.journal,
         )
-        self.fingerprint = config.semantic_fingerprint(self.dataset_digest, model_id)
+        self.fingerprint = config.semantic_fingerprint(dataset_digest, model_id)
         weights = config.weights
         self.staging = StagingArea(weights.staging_dir)
         self.weights = WeightsUpdater(
@@ -134,35 +116,48 @@ class RolloutService:
         self.checkpointer = Checkpointer(
             self.controller,
             self.store,
-            self.journal,
-            CheckpointerConfig(
-                interval_s=ckpt.interval_s,
-                keep_latest=ckpt.keep_latest,
-                max_consecutive_failures=ckpt.max_consecutive_failures,
-                timeout_s=ckpt.timeout_s,
-                compact_segments=ckpt.compact_segments,
-            ),
+            self.store.journal,
+            config.checkpointer(),
             self.fingerprint,
             observer=self.observer,
         )
-        self._periodic: asyncio.Task[None] | None = None
-        self._attempts: set[asyncio.Task[CheckpointReport]] = set()
-        self._gauges: asyncio.Task[None] | None = None
-        self._status_snapshot = StatusSnapshot()
-        self._admin: AdminServer | None = None
+        self.lifecycle = Lifecycle(self._state_changed)
+        self.scheduler = CheckpointScheduler(
+            self.checkpointer, self.lifecycle, ckpt.interval_s, kept=self.weights
+        )
+        self.supervisor = Supervisor(self._task_failed, UNRECOVERABLE)
+        view = ServiceView(self.controller, engine, self.lifecycle, self.scheduler, self.store)
+        self._grpc = GrpcServer(
+            self.controller,
+            view,
+            address=f"{config.grpc.host}:{config.grpc.port}",
+            max_message_mb=config.grpc.max_message_mb,
+            auth_token=config.auth.token,
+            tls_cert=config.grpc.tls_cert,
+            tls_key=config.grpc.tls_key,
+            interceptors=server_interceptors(self.telemetry.tracer_provider),
+            weights=self.weights,
+        )
         self.history = MetricHistory(
             self.telemetry.prometheus_registry,
             run=uuid.uuid4().hex[:12],
             capacity=config.http.dashboard_points,
             path=history_path(ckpt.dir),
         )
-        self._history_task: asyncio.Task[None] | None = None
-        if self.engine.name == "vllm":
+        if engine.name == "vllm":
             self.telemetry.prometheus_registry.register(VLLMFamilies())
+        self._admin: AdminServer | None = None
+        if config.http.enabled:
+            app = create_admin_app(
+                view, self.telemetry.prometheus_registry, auth_token=config.auth.token
+            )
+            app.include_router(dashboard_router(self.history, config.http.dashboard_interval_s))
+            self._admin = AdminServer(app, host=config.http.host, port=config.http.port)
+        self._status = StatusSnapshot()
         self.observer.register_sources(
-            engine_counters=self.engine.counters,
-            engine_name=self.engine.name,
-            status=lambda: self._status_snapshot,
+            engine_counters=engine.counters,
+            engine_name=engine.name,
+            status=lambda: self._status,
             checkpoint_state=lambda: CheckpointState(
                 interval_s=ckpt.interval_s,
                 since_success_s=self.checkpointer.since_success_s(),
@@ -170,261 +165,54 @@ class RolloutService:
             ),
             model=model_id,
         )
-        self._state = ServingState.STARTING
-        self._health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._stopped = False
+        self._exit_code = 0
         self.addresses: Addresses | None = None
-        tls = config.grpc
-        self._credentials = (
-            grpc.ssl_server_credentials(
-                [(Path(tls.tls_key).read_bytes(), Path(tls.tls_cert).read_bytes())]
-            )
-            if tls.tls_cert and tls.tls_key
-            else None
-        )
 
-    # --- Host protocol of the servicer -----------------------------------------------------
-
-    @property
-    def state(self) -> ServingState:
-        return self._state
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    async def checkpoint(self, tag: str, trainer_step: int | None) -> CheckpointReport:
-        return await self._checkpoint(Trigger.ON_DEMAND, tag, trainer_step)
-
-    def status_proto(self) -> pb.GetStatusResponse:
-        response = status_to_proto(
-            self.controller.status(), self.engine.name, SERVING_STATES[self._state]
-        )
-        response.counters.generation_tokens = self.engine.counters().generation_tokens
-        response.last_checkpoint.CopyFrom(self.last_checkpoint())
-        return response
-
-    # --- AdminState protocol of the admin app ----------------------------------------------
-
-    def live(self) -> bool:
-        return self.controller.fatal is None
-
-    def readiness(self) -> tuple[bool, str]:
-        if self._state.ready:
-            return True, ""
-        if self._state is ServingState.NOT_READY:
-            return False, (
-                f"not ready: {self.checkpointer.consecutive_failures} checkpoint failures in a row"
-                if self.controller.fatal is None
-                else f"not ready: {self.controller.fatal}"
-            )
-        return False, self._state.value
-
-    def status(self) -> Mapping[str, Any]:
-        return json_format.MessageToDict(self.status_proto(), preserving_proto_field_name=True)
-
-    def checkpoints(self) -> Sequence[SnapshotInfo]:
-        return [
-            SnapshotInfo(
-                m.sequence, m.tag, m.trainer_step, m.created_at, m.live_rows, m.total_bytes
-            )
-            for m in self.store.list()
-        ]
-
-    def last_checkpoint(self) -> pb.CheckpointStatus:
-        c = self.checkpointer
-        status = pb.CheckpointStatus(
-            sequence=c.sequence,
-            consecutive_failures=c.consecutive_failures,
-            completed_at=c.last_success_at,
-        )
-        if c.last_attempt is not None:
-            status.outcome = OUTCOMES[c.last_attempt.outcome]
-            status.reason = REASONS[c.last_attempt.reason]
-            status.attempted_at = c.last_attempt.ended_ns / 1e9
-            status.tag = c.last_attempt.tag
-        return status
-
-    async def _checkpoint(
-        self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
-    ) -> CheckpointReport:
-        """One attempt, after which readiness follows the checkpointer's health.
-
-        The attempt runs as a task of its own that the caller's cancellation does not reach (an
-        RPC past its deadline, a client gone, shutdown stopping the periodic loop): cut short
-        while a worker thread writes and publishes its snapshot, it would leave the checkpointer
-        a sequence number behind the store, and every later attempt would fail. Shutdown waits
-        for the attempts in flight before the final checkpoint.
-
-        Staged weights the snapshot may record stay while it is written and, once it is
-        published, until a later snapshot records a newer version (a restore reloads them).
-        """
-
-        async def attempt() -> CheckpointReport:
-            weights = self.weights.snapshot_started()
-            published = False
-            try:
-                report = await self.checkpointer.checkpoint(trigger, tag, trainer_step)
-                published = report.outcome is Outcome.COMPLETED
-            finally:
-                self.weights.snapshot_ended(weights, published=published)
-            await self._follow_checkpoint_health()
-            return report
-
-        task = asyncio.create_task(attempt(), name=f"rolloutd-checkpoint-{trigger.value}")
-        self._attempts.add(task)
-        task.add_done_callback(self._attempts.discard)
-        return await asyncio.shield(task)
-
-    async def _follow_checkpoint_health(self) -> None:
-        """Repeated checkpoint failures make the service not-ready; a success makes it ready."""
-        if self._state is ServingState.SERVING and self.checkpointer.failing:
-            log.error(
-                "%d checkpoint failures in a row: not ready, admission paused",
-                self.checkpointer.consecutive_failures,
-            )
-            await self.controller.set_admitting(False)
-            await self._set_state(ServingState.NOT_READY)
-        elif self._state is ServingState.NOT_READY and not self.checkpointer.failing:
-            await self.controller.set_admitting(True)
-            await self._set_state(ServingState.SERVING)
-
-    async def _periodic_checkpoints(self) -> None:
-        interval = self.config.checkpoint.interval_s
-        while True:
-            await asyncio.sleep(interval)
-            await self._checkpoint(Trigger.PERIODIC)
-
-    # --- lifecycle -------------------------------------------------------------------------
-
-    async def _set_state(self, state: ServingState) -> None:
-        self._state = state
-        serving, not_serving = (
-            health_pb2.HealthCheckResponse.SERVING,
-            health_pb2.HealthCheckResponse.NOT_SERVING,
-        )
-        await self._health.set(SERVICE_NAME, serving if state.ready else not_serving)
-        alive = state is not ServingState.DRAINING and self.controller.fatal is None
-        await self._health.set("", serving if alive else not_serving)
-        log.info("state: %s", state.value)
-
-    async def _refresh_status(self) -> None:
-        """Keeps the snapshot that metric readers (other threads) observe fresh, once a second."""
-        while True:
-            s = self.controller.status()
-            b = s.buffer
-            self._status_snapshot = StatusSnapshot(
-                groups={
-                    GroupState.GENERATING: b.generating,
-                    GroupState.COMMITTED: b.committed,
-                    GroupState.LEASED: b.leased,
-                    GroupState.ACKED: b.acked,
-                },
-                inflight_samples=s.inflight_samples,
-                policy_version=s.policy_version,
-            )
-            await asyncio.sleep(1.0)
-
-    def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT request an orderly shutdown, also while still starting or restoring."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+    # --- start, run, stop ------------------------------------------------------------------
 
     async def start(self) -> Addresses:
-        """Starts every part; a start that fails leaves none of them running."""
+        """Starts every component; on failure shuts down what it started and raises."""
         try:
             return await self._start()
         except BaseException:
-            await self._close_failed_start()
+            log.error("start-up failed; shutting down what was started")
+            await self.shutdown(final_checkpoint=False)
             raise
 
-    async def _close_failed_start(self) -> None:
-        """No port, task or engine process outlives a failed start; there is nothing to save."""
-        self._stopped = True
-        for task in (self._gauges, self._periodic):
-            if task is not None:
-                task.cancel()
-        if self._server is not None:
-            await self._server.stop(0)
-        if self._admin is not None:
-            await self._admin.stop()
-        await self.engine.stop()
-        await self.telemetry.aclose()
-
     async def _start(self) -> Addresses:
-        await self._set_state(ServingState.STARTING)
-        cfg = self.config.grpc
-        options = [
-            ("grpc.max_receive_message_length", cfg.max_message_mb * 2**20),
-            ("grpc.max_send_message_length", cfg.max_message_mb * 2**20),
-            ("grpc.so_reuseport", 0),
-        ]
-        server = grpc.aio.server(
-            options=options, interceptors=server_interceptors(self.telemetry.tracer_provider)
-        )
-        pb_grpc.add_RolloutServiceServicer_to_server(
-            RolloutServicer(self.controller, self, self.config.auth.token, weights=self.weights),
-            server,
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
-        address = f"{cfg.host}:{cfg.port}"
-        if self._credentials is not None:
-            port = server.add_secure_port(address, self._credentials)
-        else:
-            port = server.add_insecure_port(address)
-        await server.start()
-        self._server = server
-        http_address = None
-        if self.config.http.enabled:
-            app = create_admin_app(
-                self, self.telemetry.prometheus_registry, auth_token=self.config.auth.token
+        await self._state_changed(self.lifecycle.state)
+        port = await self._grpc.start()
+        http = None
+        if self._admin is not None:
+            http = f"{self.config.http.host}:{await self._admin.start()}"
+            self.supervisor.spawn(
+                "dashboard-history", self.history.run_every(self.config.http.dashboard_interval_s)
             )
-            app.include_router(
-                dashboard_router(self.history, self.config.http.dashboard_interval_s)
-            )
-            self._admin = AdminServer(app, host=self.config.http.host, port=self.config.http.port)
-            self._history_task = asyncio.create_task(
-                self.history.run_every(self.config.http.dashboard_interval_s),
-                name="rolloutd-dashboard-history",
-            )
-            http_address = f"{self.config.http.host}:{await self._admin.start()}"
-        self._gauges = asyncio.create_task(self._refresh_status(), name="rolloutd-status-gauges")
+        self.supervisor.spawn("status-gauges", self._refresh_status())
         await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
         if self.config.restore != "none":
-            await self._set_state(ServingState.RESTORING)
+            await self.lifecycle.enter(ServingState.RESTORING)
             self.checkpointer.restoring = True
-            try:
-                await restore(
-                    self.controller,
-                    self.store,
-                    self.checkpointer,
-                    self.config.restore,
-                    self.fingerprint,
-                    Granularity(self.config.recovery.granularity),
-                )
-            finally:
-                self.checkpointer.restoring = False
+            await restore(
+                self.controller,
+                self.store,
+                self.checkpointer,
+                self.config.restore,
+                self.fingerprint,
+                Granularity(self.config.recovery.granularity),
+            )
+            self.checkpointer.restoring = False
             if self.controller.weights_path is not None:
                 self.weights.restored(self.controller.weights_path)
         self.controller.start()
+        self.supervisor.spawn("controller", self._watch_controller())
         if self.config.checkpoint.interval_s > 0:
-            self._periodic = asyncio.create_task(
-                self._periodic_checkpoints(), name="rolloutd-checkpoints"
-            )
-        await self._set_state(ServingState.SERVING)
-        self.addresses = Addresses(grpc=f"{cfg.host}:{port}", http=http_address)
+            self.supervisor.spawn("checkpoints", self.scheduler.run_periodic())
+        await self.lifecycle.enter(ServingState.SERVING)
+        self.addresses = Addresses(grpc=f"{self.config.grpc.host}:{port}", http=http)
         log.info(
             "listening: grpc=%s http=%s engine=%s group_size=%d",
             self.addresses.grpc,
@@ -434,48 +222,71 @@ class RolloutService:
         )
         return self.addresses
 
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT request an orderly shutdown, also while still starting or restoring."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
     def request_stop(self) -> None:
         self._stopping.set()
 
     async def run_until_stopped(self) -> int:
-        """Serves until SIGTERM/SIGINT or a fatal controller error; returns an exit code."""
-        dead = asyncio.create_task(self.controller.wait_dead())
-        stop = asyncio.create_task(self._stopping.wait())
-        done, _ = await asyncio.wait({dead, stop}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (dead, stop):
+        """Serves until SIGTERM/SIGINT or an unrecoverable failure; returns the exit code."""
+        fatal = asyncio.ensure_future(self.supervisor.wait_fatal())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({fatal, stop}, return_when=asyncio.FIRST_COMPLETED)
+        error = fatal.result() if fatal.done() else None
+        for t in (fatal, stop):
             t.cancel()
-        await self.shutdown()
-        return 1 if dead in done else 0
+        # After an invariant violation the state may be wrong: restart from the last snapshot
+        # and the journal rather than save it.
+        await self.shutdown(final_checkpoint=not isinstance(error, InvariantError))
+        return 1 if error is not None else self._exit_code
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, *, final_checkpoint: bool = True) -> None:
+        """Idempotent. ``final_checkpoint=False`` after a failed start: a snapshot of what did
+        not start would hide the one that could not be restored."""
         if self._stopped:
             return
         self._stopped = True
         started = time.perf_counter()
-        await self._set_state(ServingState.DRAINING)
+        await self.lifecycle.enter(ServingState.DRAINING)
         await self.controller.begin_drain()
-        if self._server is not None:
-            await self._server.stop(self.config.grpc.grace_s)
-        if self._periodic is not None:
-            self._periodic.cancel()
-        if self._attempts:  # the final checkpoint follows the attempts in flight
-            await asyncio.wait(self._attempts)
+        await self._grpc.stop(self.config.grpc.grace_s)
+        await self.supervisor.stop()
         await self.controller.stop()
-        self.checkpointer.shutting_down = True
-        final = await self.checkpointer.checkpoint(Trigger.SHUTDOWN)
-        if final.outcome is Outcome.FAILED:
-            log.error(
-                "final checkpoint failed: %s; restart restores snapshot %d",
-                final.error,
-                self.checkpointer.sequence,
-            )
+        if final_checkpoint:
+            try:
+                await self.scheduler.final()
+            except InvariantError as exc:  # the rest of the shutdown still runs, in order
+                log.critical("final checkpoint: %s", exc)
+                self._exit_code = 1
         await self.engine.stop()
-        for task in (self._gauges, self._history_task):
-            if task is not None:
-                task.cancel()
-        if self._history_task is not None:  # the final checkpoint is on the dashboard
-            await asyncio.to_thread(self.history.sample)
         if self._admin is not None:
+            await asyncio.to_thread(self.history.sample)  # the final checkpoint on the dashboard
             await self._admin.stop()
         await self.telemetry.aclose()
         log.info("stopped in %.2fs", time.perf_counter() - started)
+
+    # --- wiring callbacks ------------------------------------------------------------------
+
+    async def _state_changed(self, state: ServingState) -> None:
+        """Health follows the serving state; admission pauses while not ready."""
+        alive = state is not ServingState.DRAINING and self.controller.fatal is None
+        await self._grpc.set_health(state, alive=alive)
+        if state in (ServingState.SERVING, ServingState.NOT_READY):
+            await self.controller.set_admitting(state.ready)
+
+    async def _task_failed(self, name: str, error: BaseException) -> None:
+        await self.lifecycle.block(f"task:{name}", f"{name} ended: {error}")
+
+    async def _watch_controller(self) -> None:
+        """Ends, with the controller's fatal error, when the controller cannot go on."""
+        raise await self.controller.wait_dead()
+
+    async def _refresh_status(self) -> None:
+        """Keeps the snapshot that metric readers (other threads) observe fresh, once a second."""
+        while True:
+            self._status = status_snapshot(self.controller.status())
+            await asyncio.sleep(1.0)

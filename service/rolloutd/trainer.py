@@ -132,7 +132,10 @@ def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
             groups_total += len(batch)
             tokens_total += sum(len(s.token_ids) for g in batch for s in g.samples)  # type: ignore[misc]
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                client.checkpoint(trainer_step=step, tag=f"step-{step}")
+                for ep, r in client.checkpoint(trainer_step=step, tag=f"step-{step}").items():
+                    if r.outcome != pb.CHECKPOINT_OUTCOME_COMPLETED:  # its acks stay unfinalized
+                        reason = pb.CheckpointReason.Name(r.reason)
+                        out(f"checkpoint step {step} on {ep} not completed: {reason} {r.message}")
             if now - last_report >= cfg.report_every_s:
                 last_report = now
                 elapsed = now - started

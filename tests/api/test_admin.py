@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
-from rolloutd.checkpoint.report import CheckpointPhase, CheckpointReport
+from rolloutd.domain.report import CheckpointPhase, CheckpointReport
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.prometheus import prometheus_name
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry

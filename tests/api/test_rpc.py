@@ -131,8 +131,6 @@ async def test_update_weights_bumps_version_and_new_samples_carry_it(serve):
 
 
 async def test_liveness_stays_serving_while_readiness_follows_the_state(serve):
-    from rolloutd.domain.lifecycle import ServingState
-
     service, _ = await serve()
     channel = grpc.aio.insecure_channel(service.addresses.grpc)
     health = health_pb2_grpc.HealthStub(channel)
@@ -140,13 +138,13 @@ async def test_liveness_stays_serving_while_readiness_follows_the_state(serve):
     async def check(name):
         return (await health.Check(health_pb2.HealthCheckRequest(service=name))).status
 
-    await service._set_state(ServingState.NOT_READY)
+    await service.lifecycle.block("test", "held off by the test")
     assert await check("rolloutd.v1.RolloutService") == health_pb2.HealthCheckResponse.NOT_SERVING
     assert await check("") == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await pb_stub(channel).FetchGroups(pb.FetchGroupsRequest(max_groups=1))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    await service._set_state(ServingState.SERVING)
+    await service.lifecycle.unblock("test")
     assert await check("rolloutd.v1.RolloutService") == health_pb2.HealthCheckResponse.SERVING
     await channel.close()
 

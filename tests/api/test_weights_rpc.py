@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from rolloutd.client import RolloutClient
-from rolloutd.engines.base import EngineDeadError
+from rolloutd.domain.engine import EngineDeadError
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
-from tests.checkpoint.conftest import BUCKET, s3_options  # noqa: F401 (fixture)
+from tests.conftest import BUCKET
 from tests.weights.helpers import SHAPES, sha256, write_model, write_sums
 
 CHUNK = 256
@@ -265,7 +265,7 @@ async def test_weights_from_s3_are_copied_verified_and_loaded(
     serve,
     model,
     tmp_path,
-    s3_options,  # noqa: F811
+    s3_options,
 ):
     service, stub = await serve(
         **{
@@ -350,7 +350,7 @@ async def test_an_engine_that_fails_while_loading_stops_the_service(weights_serv
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "not ready" in (info.value.details() or "")
     assert service.controller.policy_version == 0
-    assert not service.live(), "the service must stop rather than serve mixed weights"
+    assert service.controller.fatal is not None, "the service must stop, not serve mixed weights"
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -382,6 +382,6 @@ async def test_staged_weights_stay_while_a_snapshot_may_need_them(serve, model, 
     restarted, stub = await serve(**overrides)
     assert restarted.controller.policy_version == restarted.engine.policy_version == 3
     assert restarted.controller.weights_path == str(tmp_path / "staging" / "v3")
-    assert kept_versions(tmp_path) == {"v2", "v3"}
+    assert kept_versions(tmp_path) == {"v3"}, "the final snapshot records v3; v2 is not needed"
     await push_version(4)
     assert kept_versions(tmp_path) == {"v3", "v4"}, "the restored snapshot records v3"

@@ -13,7 +13,7 @@ import time
 
 from rolloutd.checkpoint.format import Manifest, Row, next_manifest
 from rolloutd.checkpoint.store import SnapshotStore, plan_compaction
-from tests.checkpoint.helpers import make_rows
+from tests.checkpoint.helpers import make_rows, write_sidecar
 
 ROWS = 20
 MAX_SEGMENTS = 2
@@ -41,9 +41,9 @@ def checkpoint_once(store: SnapshotStore) -> Manifest:
     sequence = (sequences[0] if sequences else 0) + 1
     if parent is not None and parent.sequence != sequence - 1:
         raise AssertionError(f"newest snapshot {sequence - 1} did not verify: {resolution}")
-    acks_through = store.append_ack({"sequence": sequence})
+    acks_through = store.journal.write({"sequence": sequence})
     segment = store.write_segment(sequence, added(sequence))
-    sidecar = store.write_sidecar(sequence, {"sequence": sequence, "pad": "x" * 5000})
+    sidecar = write_sidecar(store, sequence, {"sequence": sequence, "pad": "x" * 5000})
     manifest = next_manifest(
         parent,
         sequence=sequence,

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 import numpy as np
 
-from rolloutd.checkpoint.format import Manifest, Row, next_manifest
+from rolloutd.checkpoint.format import FileEntry, Manifest, Row, next_manifest
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.group import Sample
 
@@ -100,7 +101,7 @@ def publish(
     """One checkpoint as the checkpointer writes it: segment, sidecar, manifest, publication."""
     sequence = parent.sequence + 1 if parent else 1
     segment = store.write_segment(sequence, rows) if rows else None
-    sidecar = store.write_sidecar(sequence, state or {"sequence": sequence})
+    sidecar = write_sidecar(store, sequence, state or {"sequence": sequence})
     manifest = next_manifest(
         parent,
         sequence=sequence,
@@ -120,3 +121,24 @@ def publish(
 def live(rows: Sequence[Row], removed: Sequence[int] = ()) -> list[Row]:
     gone = set(removed)
     return [row for row in rows if row[0] not in gone]
+
+
+def write_sidecar(store: SnapshotStore, sequence: int, state: Mapping[str, Any]) -> FileEntry:
+    """Write a JSON-able ``state`` as the sidecar of snapshot ``sequence``."""
+    data = json.dumps(state, separators=(",", ":"), allow_nan=False).encode()
+    return store.write_sidecar_json(sequence, data)
+
+
+def read_rows(store: SnapshotStore, manifest: Manifest) -> list[Row]:
+    """Live rows of a snapshot, verified as they are read."""
+    return store.open(manifest).rows()
+
+
+def read_sidecar(store: SnapshotStore, manifest: Manifest) -> dict[str, Any]:
+    """The sidecar of a snapshot, verified as it is read."""
+    return store.open(manifest).sidecar
+
+
+def verify(store: SnapshotStore, manifest: Manifest) -> list[str]:
+    """Problems with ``manifest``'s files (every file re-read and checksummed); [] if none."""
+    return [p for entry in manifest.files() for p in store.verify_file(entry)]

@@ -7,8 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.report import (
     CheckpointPhase,
     Disposition,
     Outcome,
@@ -17,10 +21,6 @@ from rolloutd.checkpoint.report import (
     RowKind,
     Trigger,
 )
-from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
-from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import GroupState, Prompt
 from rolloutd.domain.sampler import Sampler
 from tests.fakes import GatedEngine, settle
 
@@ -42,7 +42,7 @@ class Node:
         }
         self.engine = engine or GatedEngine(auto=True)
         self.store = SnapshotStore(str(root))
-        self.journal = AckJournal(self.store)
+        self.journal = self.store.journal
         self.controller = Controller(
             ControllerConfig(**cfg),
             self.engine,
@@ -108,14 +108,15 @@ async def test_snapshots_are_incremental(nodes):
 async def test_the_hold_does_no_io(nodes):
     a = nodes()
     calls = []
-    for name in ("write_segment", "write_sidecar_json", "publish", "retire", "append_ack"):
-        real = getattr(a.store, name)
+    targets = [(a.store, n) for n in ("write_segment", "write_sidecar_json", "publish", "retire")]
+    for owner, name in [*targets, (a.store.journal, "write")]:
+        real = getattr(owner, name)
 
         def spy(*args, _real=real, _name=name, **kw):
             calls.append((_name, a.controller.barrier.exclusive_held))
             return _real(*args, **kw)
 
-        setattr(a.store, name, spy)
+        setattr(owner, name, spy)
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
     await a.checkpoint()
@@ -157,7 +158,7 @@ async def test_restore_brings_back_every_state(nodes):
     )  # only the missing ones
     assert b.controller.sampler.cursor == cursor
     g_acked = b.controller.buffer.groups[acked[0].group_id]
-    assert g_acked.state is GroupState.ACKED and g_acked.ack_step == 7
+    assert g_acked.state is GroupState.ACKED and g_acked.meta.ack_step == 7
     assert (
         b.controller.buffer.groups[leased[0].group_id].state is GroupState.COMMITTED
     )  # available again
@@ -211,10 +212,10 @@ async def test_acks_journaled_after_the_snapshot_are_applied(nodes):
     b.controller.start()
     delivered = []
     while (leased := await b.controller.fetch(4, 300, "t")) is not None:
-        delivered += [g.position for g in leased[1]]
+        delivered += [g.meta.position for g in leased[1]]
         await b.controller.ack(leased[0].lease_id, 5)
-    assert newest.position not in delivered  # its position is never admitted again
-    assert in_snapshot[1][0].position not in delivered
+    assert newest.meta.position not in delivered  # its position is never admitted again
+    assert in_snapshot[1][0].meta.position not in delivered
     rewound = await b.controller.rewind(3)
     assert rewound.readmitted_prompts >= 1  # the lost group's prompt comes back on a rewind
 
@@ -269,15 +270,32 @@ async def test_io_errors_are_failed_attempts_and_count_in_a_row(nodes, tmp_path)
     assert r.rows[RowKind.NEW] == r.rows[RowKind.LIVE] == staged  # nothing lost by the failures
 
 
-async def test_concurrent_attempt_is_skipped_in_progress(nodes):
+async def test_concurrent_periodic_attempt_is_skipped_in_progress(nodes):
     a = nodes()
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 1)
-    first, second = await asyncio.gather(a.checkpoint(), a.checkpoint())
+    periodic = a.checkpointer.checkpoint(Trigger.PERIODIC)
+    first, second = await asyncio.gather(a.checkpoint(), periodic)
     assert {(first.outcome, first.reason), (second.outcome, second.reason)} == {
         (Outcome.COMPLETED, Reason.COMPLETED),
         (Outcome.SKIPPED, Reason.IN_PROGRESS),
     }
+
+
+async def test_an_on_demand_attempt_waits_for_the_running_one_and_finalizes_its_step(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    lease, groups = await a.controller.fetch(2, 0, "t")
+    await a.controller.ack(lease.lease_id, 4)
+    running = asyncio.ensure_future(a.checkpointer.checkpoint(Trigger.PERIODIC, tag="p"))
+    await asyncio.sleep(0)  # the periodic attempt holds the checkpointer
+    on_demand = await a.checkpoint(trainer_step=4)
+    assert (await running).outcome is Outcome.COMPLETED
+    assert (on_demand.outcome, on_demand.reason) == (Outcome.COMPLETED, Reason.COMPLETED)
+    assert on_demand.sequence == (await running).sequence + 1
+    assert a.controller.counters.finalized_groups == len(groups)
+    assert all(g.group_id not in a.controller.buffer.groups for g in groups)
 
 
 async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):

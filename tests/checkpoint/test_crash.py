@@ -15,7 +15,7 @@ import pytest
 
 from rolloutd.checkpoint.faults import ENV, FaultPoint, parse
 from tests.checkpoint.crash_worker import checkpoint_once, expected_rows
-from tests.checkpoint.helpers import Location
+from tests.checkpoint.helpers import Location, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,12 +48,12 @@ def _assert_consistent(location: Location, newest: int) -> None:
     assert resolution.snapshot.manifest.sequence == newest
     assert resolution.snapshot.rows() == expected_rows(newest)
     for manifest in store.list():
-        assert store.verify(manifest) == []
+        assert verify(store, manifest) == []
     # every kept snapshot finds the acks journaled after it, none missing
     oldest = min(m.acks_through for m in store.list())
-    acks = store.read_acks(oldest)
-    assert [e.position for e in acks] == list(range(oldest + 1, store.journal_position + 1))
-    assert store.journal_position >= newest
+    acks = store.journal.read(oldest)
+    assert [e.position for e in acks] == list(range(oldest + 1, store.journal.position + 1))
+    assert store.journal.position >= newest
 
 
 def _assert_no_garbage(location: Location) -> None:

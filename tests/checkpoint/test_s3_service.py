@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.checkpoint.conftest import BUCKET
+from tests.conftest import BUCKET
 from tests.integration.crash_scenario import Scenario
 from tests.integration.trainer_harness import Trainer
 

@@ -24,7 +24,16 @@ from rolloutd.checkpoint.store import (
     keep_tagged,
     plan_compaction,
 )
-from tests.checkpoint.helpers import Location, live, make_rows, publish
+from tests.checkpoint.helpers import (
+    Location,
+    live,
+    make_rows,
+    publish,
+    read_rows,
+    read_sidecar,
+    verify,
+    write_sidecar,
+)
 
 
 def test_round_trip(location: Location):
@@ -37,7 +46,7 @@ def test_round_trip(location: Location):
     assert reopened.sequences() == [1]
     assert reopened.list() == [manifest]
     assert reopened.load(1) == manifest
-    assert reopened.verify(manifest) == []
+    assert verify(reopened, manifest) == []
     resolution = reopened.resolve(LATEST)
     assert resolution.skipped == []
     assert resolution.snapshot is not None
@@ -45,15 +54,15 @@ def test_round_trip(location: Location):
     assert resolution.snapshot.rows() == rows
     assert resolution.snapshot.sidecar == state
     assert resolution.snapshot.table().equals(rows_to_table(rows))
-    assert reopened.read_rows(manifest) == rows
-    assert reopened.read_sidecar(manifest) == state
+    assert read_rows(reopened, manifest) == rows
+    assert read_sidecar(reopened, manifest) == state
 
 
 def test_file_url_is_the_local_directory(tmp_path):
     manifest = publish(SnapshotStore(f"file://{tmp_path}/store"), None, make_rows(0, 5))
     plain = SnapshotStore(str(tmp_path / "store"))
     assert plain.list() == [manifest]
-    assert plain.read_rows(manifest) == make_rows(0, 5)
+    assert read_rows(plain, manifest) == make_rows(0, 5)
 
 
 def test_empty_store_resolves_to_nothing(location: Location):
@@ -87,8 +96,8 @@ def test_incremental_snapshots_share_segments(location: Location):
     assert second.segments[1].removed.ids().tolist() == [120]
     assert second.written_bytes == second.segments[1].file.size + second.sidecar.size
     assert (second.new_rows, second.removed_rows, second.live_rows) == (50, 3, 147)
-    assert store.read_rows(second) == live(first_rows + second_rows, [3, 4, 120])
-    assert store.read_rows(first) == first_rows
+    assert read_rows(store, second) == live(first_rows + second_rows, [3, 4, 120])
+    assert read_rows(store, first) == first_rows
 
 
 def test_segment_without_live_rows_is_dropped(location: Location):
@@ -96,7 +105,7 @@ def test_segment_without_live_rows_is_dropped(location: Location):
     first = publish(store, None, make_rows(0, 10))
     second = publish(store, first, make_rows(10, 5), removed=range(10))
     assert [s.written_by for s in second.segments] == [2]
-    assert store.read_rows(second) == make_rows(10, 5)
+    assert read_rows(store, second) == make_rows(10, 5)
     third = publish(store, second, removed=range(10, 15))
     assert third.segments == () and third.live_rows == 0
     assert store.resolve().snapshot.rows() == []  # type: ignore[union-attr]
@@ -106,7 +115,7 @@ def test_unpublished_snapshot_is_invisible(location: Location):
     store = location.open()
     first = publish(store, None, make_rows(0, 10))
     segment = store.write_segment(2, make_rows(10, 10))
-    sidecar = store.write_sidecar(2, {"x": 1})
+    sidecar = write_sidecar(store, 2, {"x": 1})
     assert store.sequences() == [1]
     assert store.resolve().snapshot.manifest == first  # type: ignore[union-attr]
     second = next_manifest(first, sequence=2, created_at=0.0, sidecar=sidecar, new_segment=segment)
@@ -123,7 +132,7 @@ def test_truncated_segment_is_skipped_and_restore_falls_back(location: Location)
     path = second.segments[1].file.path
     location.truncate(path, second.segments[1].file.size // 2)
 
-    problems = store.verify(second)
+    problems = verify(store, second)
     assert len(problems) == 1 and path in problems[0] and "truncated" in problems[0]
     resolution = location.open().resolve()
     assert resolution.snapshot is not None
@@ -131,7 +140,7 @@ def test_truncated_segment_is_skipped_and_restore_falls_back(location: Location)
     assert [(s.sequence, path in s.reason) for s in resolution.skipped] == [(2, True)]
     assert "truncated" in resolution.skipped[0].reason
     with pytest.raises(CorruptSnapshot, match="truncated"):
-        store.read_rows(second)
+        read_rows(store, second)
 
 
 @pytest.mark.parametrize("part", ["new segment", "shared segment", "sidecar"])
@@ -146,8 +155,8 @@ def test_bit_flip_is_detected(location: Location, part: str):
     }[part]
     location.flip_bit(entry.path)
 
-    assert [p.split(":")[0] for p in store.verify(second)] == [entry.path]
-    assert "checksum" in store.verify(second)[0]
+    assert [p.split(":")[0] for p in verify(store, second)] == [entry.path]
+    assert "checksum" in verify(store, second)[0]
     resolution = store.resolve()
     if part == "shared segment":  # both snapshots list it: nothing verifies
         assert resolution.snapshot is None
@@ -219,10 +228,10 @@ def test_retention_keeps_latest_and_tagged(location: Location):
     assert _stored(location) == referenced
     assert location.listdir("trash") == []
     for manifest in manifests[3:]:
-        assert store.verify(manifest) == []
+        assert verify(store, manifest) == []
     # segment 1 is listed by every kept snapshot, so it is still there
     assert manifests[0].segments[0].file.path in referenced
-    assert store.read_rows(manifests[5])[:9] == make_rows(0, 9)
+    assert read_rows(store, manifests[5])[:9] == make_rows(0, 9)
 
     result = store.retire(keep_latest=1, keep=keep_tagged())
     assert sorted(result.kept) == [4, 6]
@@ -259,52 +268,52 @@ def test_retire_deletes_nothing_while_a_kept_manifest_is_unreadable(location: Lo
 
 def test_journal_is_ordered_durable_and_pruned(location: Location):
     store = location.open()
-    positions = [store.append_ack({"lease": f"l{i}", "step": i}) for i in range(1, 6)]
+    positions = [store.journal.write({"lease": f"l{i}", "step": i}) for i in range(1, 6)]
     assert positions == [1, 2, 3, 4, 5]
     reopened = location.open()
-    assert reopened.journal_position == 5
-    assert [e.record["lease"] for e in reopened.read_acks(0)] == ["l1", "l2", "l3", "l4", "l5"]
-    assert [e.position for e in reopened.read_acks(3)] == [4, 5]
+    assert reopened.journal.position == 5
+    assert [e.record["lease"] for e in reopened.journal.read(0)] == ["l1", "l2", "l3", "l4", "l5"]
+    assert [e.position for e in reopened.journal.read(3)] == [4, 5]
 
     first = publish(reopened, None, make_rows(0, 5), acks_through=3)
     for i in range(6, 9):
-        reopened.append_ack({"lease": f"l{i}"})
+        reopened.journal.write({"lease": f"l{i}"})
     second = publish(reopened, first, make_rows(5, 5), acks_through=7)
     reopened.retire(keep_latest=2)
-    assert [e.position for e in reopened.read_acks(first.acks_through)] == [4, 5, 6, 7, 8]
+    assert [e.position for e in reopened.journal.read(first.acks_through)] == [4, 5, 6, 7, 8]
     reopened.retire(keep_latest=1)
-    assert [e.position for e in reopened.read_acks(second.acks_through)] == [8]
+    assert [e.position for e in reopened.journal.read(second.acks_through)] == [8]
     with pytest.raises(CorruptJournal, match="missing"):
-        reopened.read_acks(0)
+        reopened.journal.read(0)
 
     # positions continue after everything was pruned and the process restarted
     third = publish(reopened, second, acks_through=8)
     reopened.retire(keep_latest=1)
     again = location.open()
-    assert again.journal_position == 8
-    assert again.append_ack({"lease": "l9"}) == 9
-    assert [e.record for e in again.read_acks(third.acks_through)] == [{"lease": "l9"}]
+    assert again.journal.position == 8
+    assert again.journal.write({"lease": "l9"}) == 9
+    assert [e.record for e in again.journal.read(third.acks_through)] == [{"lease": "l9"}]
 
 
 def test_journal_ignores_a_torn_tail(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
-    store.append_ack({"n": 1})
-    store.append_ack({"n": 2})
+    store.journal.write({"n": 1})
+    store.journal.write({"n": 2})
     (name,) = location.listdir("journal")
     with open(os.path.join(location.url, "journal", name), "ab") as f:
         f.write(b'{"position":3,"rec')  # the process died inside write(2)
     reopened = location.open()
-    assert reopened.journal_position == 2
-    assert reopened.append_ack({"n": 3}) == 3
-    assert [e.record["n"] for e in reopened.read_acks()] == [1, 2, 3]
+    assert reopened.journal.position == 2
+    assert reopened.journal.write({"n": 3}) == 3
+    assert [e.record["n"] for e in reopened.journal.read()] == [1, 2, 3]
 
 
 def test_journal_damage_before_the_tail_is_an_error(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
     for n in range(3):
-        store.append_ack({"n": n})
+        store.journal.write({"n": n})
     (name,) = location.listdir("journal")
     path = os.path.join(location.url, "journal", name)
     with open(path, "rb") as f:
@@ -313,7 +322,7 @@ def test_journal_damage_before_the_tail_is_an_error(tmp_path):
     with open(path, "wb") as f:
         f.write(b"\n".join(lines))
     with pytest.raises(CorruptJournal, match="line 2"):
-        store.read_acks()
+        store.journal.read()
     with pytest.raises(CorruptJournal):
         location.open()
 
@@ -339,8 +348,8 @@ def test_compaction_merges_segments_and_drops_removed_rows(location: Location):
         compacted, sequence=7, created_at=0.0, sidecar=parent.sidecar, removed=[0]
     )
     store.publish(next_)
-    assert store.verify(next_) == []
-    assert store.read_rows(next_) == expected[1:]
+    assert verify(store, next_) == []
+    assert read_rows(store, next_) == expected[1:]
     store.retire(keep_latest=1)
     assert _stored(location) == {merged.file.path, parent.sidecar.path}
 
@@ -356,7 +365,7 @@ def test_plan_compaction_picks_the_smallest_segments(location: Location):
     assert parent.segments[0] not in chosen
     compacted = store.compact(parent, chosen)
     assert len(compacted.segments) == 2
-    assert store.open(compacted).rows() == store.read_rows(parent)
+    assert store.open(compacted).rows() == read_rows(store, parent)
     stranger = replace(chosen[0], file=replace(chosen[0].file, path="segments/nope.arrow"))
     with pytest.raises(ValueError, match="lists"):
         store.compact(parent, [stranger])
@@ -378,7 +387,7 @@ def test_sha256_checksums(location: Location):
     store = SnapshotStore(location.url, location.options, checksum=ChecksumAlgorithm.SHA256)
     manifest = publish(store, None, make_rows(0, 10))
     assert all(e.checksum.startswith("sha256:") for e in manifest.files())
-    assert location.open().verify(manifest) == []  # the reader follows the manifest
+    assert verify(location.open(), manifest) == []  # the reader follows the manifest
 
 
 # --- I/O errors surface as OSError ------------------------------------------------------------
@@ -393,9 +402,9 @@ def test_store_under_a_regular_file_raises_oserror(tmp_path):
     with pytest.raises(NotADirectoryError):
         store.write_segment(1, make_rows(0, 5))
     with pytest.raises(NotADirectoryError):
-        store.write_sidecar(1, {})
+        write_sidecar(store, 1, {})
     with pytest.raises(NotADirectoryError):
-        store.append_ack({"x": 1})
+        store.journal.write({"x": 1})
     with pytest.raises(NotADirectoryError):
         store.resolve()
 
@@ -437,9 +446,9 @@ def test_read_only_directory_raises_permission_error(tmp_path):
         with pytest.raises(PermissionError):
             store.write_segment(2, make_rows(5, 5))
         with pytest.raises(PermissionError):
-            store.write_sidecar(2, {})
+            write_sidecar(store, 2, {})
     with _immutable(tmp_path / "store" / "manifests"):
-        sidecar = store.write_sidecar(2, {})
+        sidecar = write_sidecar(store, 2, {})
         second = next_manifest(first, sequence=2, created_at=0.0, sidecar=sidecar)
         with pytest.raises(PermissionError):
             store.publish(second)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from rolloutd.checkpoint.report import CheckpointPhase, RestorePhase
 from rolloutd.config import ENV_PREFIX, Config
+from rolloutd.domain.report import CheckpointPhase, RestorePhase
 from rolloutd.telemetry import spans
 
 from .prometheus_names import by_series_name

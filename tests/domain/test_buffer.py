@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from array import array
 
-from rolloutd.domain.buffer import RolloutBuffer
-from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.buffer import AckRecord, RolloutBuffer
+from rolloutd.domain.group import Group, GroupMeta, Prompt, Sample
 
 
 def _finalized(buf: RolloutBuffer, group_id: int, lease_id: str, step: int) -> None:
     """One group of one sibling, committed, leased, acked at ``step`` and finalized."""
-    buf.add(Group(group_id, Prompt(f"p{group_id}", "q"), None, 1, 0, 0.0, group_id))
+    buf.add(Group(GroupMeta(group_id, Prompt(f"p{group_id}", "q"), None, 1, 0, 0.0, group_id)))
     sample = Sample(0, array("i", [1]), array("f", [0.0]), "x", "stop", 0, array("i"), 0, 0.0, 0.0)
     buf.stage(group_id, sample)
     buf.commit(group_id, 0.0)
     buf.lease(lease_id, 1, "t", 0.0, 60.0)
-    buf.ack(lease_id, step, 0.0)
+    buf.ack(AckRecord(lease_id, (group_id,), step, 0.0))
     buf.finalize(step)
 
 
@@ -28,7 +28,7 @@ def test_capture_hands_over_only_the_leases_finalized_since_the_last_one():
     assert dict(first.finalized_leases) == {"a": 1}
     assert dict(second.finalized_leases) == {"b": 2}
     assert dict(buf.finalized_leases) == {"a": 1, "b": 2}  # the whole ledger stays here
-    assert buf.ack("a", 1, 0.0) == (None, True)
+    assert buf.ack(AckRecord("a", (1,), 1, 0.0)) is None  # acked already (finalized)
 
 
 def test_a_failed_capture_is_handed_over_again_in_order():

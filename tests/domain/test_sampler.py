@@ -1,5 +1,6 @@
 import pytest
 
+from rolloutd.checkpoint import sidecar
 from rolloutd.domain.errors import ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
 from rolloutd.domain.sampler import Admission, Sampler
@@ -31,10 +32,10 @@ def test_cursor_positions_and_epoch_limit():
 def test_restored_cursor_continues_exactly():
     s = Sampler(PROMPTS, seed=1)
     drain(s, 13)
-    state = s.capture().state()
+    state = sidecar.sampler_to_json(s.capture())
     rest = [x.prompt.prompt_id for x in drain(s, 9)]
     t = Sampler(PROMPTS, seed=1)
-    t.load_state(state)
+    t.restore(sidecar.sampler_from_json(state))
     assert t.cursor == Position(1, 3)
     assert [x.prompt.prompt_id for x in drain(t, 9)] == rest
 
@@ -56,7 +57,7 @@ def test_readmitted_prompts_come_first_and_survive_state():
     a = s.next()
     s.readmit(Admission(a.prompt, a.position))
     t = Sampler(PROMPTS, seed=0)
-    t.load_state(s.capture().state())
+    t.restore(sidecar.sampler_from_json(sidecar.sampler_to_json(s.capture())))
     again = t.next()
     assert again.position == a.position and again.prompt == a.prompt
 
@@ -67,7 +68,7 @@ def test_capture_is_a_stable_cut_while_the_sampler_moves_on():
     cut = s.capture()
     s.submit([Prompt("b", "y")])
     s.next()
-    state = cut.state()
+    state = sidecar.sampler_to_json(cut)
     assert [p["id"] for p in state["submitted"]] == ["a"] and state["submitted_head"] == 0
 
 

@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolloutd.config import EngineConfig, VLLMSettings
+from rolloutd.domain.engine import EngineDeadError, EngineError, GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, Sample
-from rolloutd.engines.base import EngineDeadError, EngineError, GenerationRequest, SamplingParams
 from rolloutd.engines.tiny_model import build_tiny_model, write_random_weights
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ HOLDER = textwrap.dedent(
     import asyncio, sys
     from rolloutd.config import EngineConfig, VLLMSettings
     from rolloutd.domain.group import Prompt
-    from rolloutd.engines.base import GenerationRequest, SamplingParams
+    from rolloutd.domain.engine import GenerationRequest, SamplingParams
     from rolloutd.engines.vllm import VLLMEngine
 
     def request(i, max_tokens, headers={}):

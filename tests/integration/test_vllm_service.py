@@ -10,6 +10,8 @@ from collections import Counter
 
 import grpc
 import pytest
+import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from rolloutd.checkpoint.store import SnapshotStore
@@ -175,3 +177,35 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
                     assert s.seed == rows[(gid, s.index)].seed
     finally:
         q.terminate()
+
+
+def test_bad_weights_are_invalid_argument_and_a_failed_load_stops_the_process(tmp_path, cache_dir):
+    """A path without weights is the caller's mistake (INVALID_ARGUMENT, the service goes on); a
+    load that fails half-way leaves the engine dead, and the process exits non-zero so that its
+    orchestrator restarts it from the last snapshot."""
+    p = serve(tmp_path, cache_dir, "--checkpoint-interval", "0", "--max-tokens", "8")
+    bad = tmp_path / "bad-weights"
+    bad.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 5)}, str(bad / "w.safetensors"))
+    try:
+        with grpc.insecure_channel(p.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as missing:
+                stub.UpdateWeights(
+                    pb.UpdateWeightsRequest(version=1, weights_path=str(tmp_path / "nowhere")),
+                    timeout=60,
+                )
+            status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+            with pytest.raises(grpc.RpcError) as broken:
+                stub.UpdateWeights(
+                    pb.UpdateWeightsRequest(version=1, weights_path=str(bad)), timeout=120
+                )
+        code = p.proc.wait(timeout=120)
+    finally:
+        if p.proc.poll() is None:
+            p.kill()
+    assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "safetensors" in missing.value.details()
+    assert status.state == pb.SERVING_STATE_SERVING and status.policy_version == 0
+    assert broken.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert code == 1, p.output

@@ -27,7 +27,7 @@ from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.api.test_weights_rpc import EngineSpy
-from tests.checkpoint.conftest import BUCKET, s3_options  # noqa: F401 (fixture)
+from tests.conftest import BUCKET
 from tests.integration.test_vllm_engine import hf_greedy
 from tests.weights.helpers import write_sums
 
@@ -66,7 +66,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 async def running(
     models: Models,
     tmp_path_factory: pytest.TempPathFactory,
-    s3_options: dict[str, object],  # noqa: F811
+    s3_options: dict[str, object],
 ) -> AsyncIterator[Running]:
     work = tmp_path_factory.mktemp("weights-service")
     config = load_config(
@@ -139,7 +139,7 @@ async def test_pushed_weights_generate_like_transformers(running: Running, model
 async def test_weights_from_s3_generate_like_transformers(
     running: Running,
     models: Models,
-    s3_options: dict[str, object],  # noqa: F811
+    s3_options: dict[str, object],
 ) -> None:
     write_sums(models.from_s3)
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"

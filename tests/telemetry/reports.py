@@ -6,7 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from rolloutd.checkpoint.report import (
+from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GroupCommitted, Observer
+from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
     Disposition,
@@ -21,14 +26,9 @@ from rolloutd.checkpoint.report import (
     SkippedSnapshot,
     Trigger,
 )
-from rolloutd.domain.errors import InvalidArgument
-from rolloutd.domain.group import GroupState
-from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, Observer
-from rolloutd.engines.base import EngineCounters
+from rolloutd.domain.weights import PhaseTiming as WeightsTiming
+from rolloutd.domain.weights import WeightsObserver, WeightsPhase, WeightsReport, WeightsSource
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
-from rolloutd.weights.report import PhaseTiming as WeightsTiming
-from rolloutd.weights.report import WeightsObserver, WeightsPhase, WeightsReport, WeightsSource
 
 T0 = 1_767_000_000_000_000_000
 """A wall-clock instant in ns (late 2025)."""

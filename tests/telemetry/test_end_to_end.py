@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolloutd.checkpoint.report import CheckpointPhase, RecoveryState, RestorePhase
 from rolloutd.client import RolloutClient
 from rolloutd.config import Config, load_config
+from rolloutd.domain.report import CheckpointPhase, RecoveryState, RestorePhase
 from rolloutd.server import RolloutService
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import CATALOGUE, Instrument

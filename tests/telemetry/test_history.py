@@ -10,9 +10,9 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry
 
-from rolloutd.checkpoint.report import CheckpointPhase
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted
+from rolloutd.domain.report import CheckpointPhase
 from rolloutd.telemetry.history import (
     COUNTER_KEYS,
     SERIES,

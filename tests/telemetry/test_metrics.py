@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason, Trigger
+from rolloutd.domain.report import CheckpointReport, Outcome, Reason, Trigger
 from rolloutd.telemetry.catalogue import BY_NAME, CATALOGUE, REASON_OUTCOME, SECONDS_BUCKETS, Kind
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.observer import TelemetryObserver

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from rolloutd.checkpoint.report import CheckpointPhase, RestorePhase
+from rolloutd.domain.report import CheckpointPhase, RestorePhase
 from rolloutd.telemetry.catalogue import CATALOGUE, SECONDS_BUCKETS
 from rolloutd.telemetry.providers import OtlpProtocol, setup_telemetry
 from tests.telemetry.otlp_receiver import OtlpReceiver, attributes

@@ -4,7 +4,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
-from rolloutd.checkpoint.report import CheckpointPhase, Reason, RestorePhase
+from rolloutd.domain.report import CheckpointPhase, Reason, RestorePhase
 from rolloutd.telemetry.spans import (
     CHECKPOINT_SPAN,
     RESTORE_SPAN,

@@ -12,11 +12,11 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from rolloutd.client import RolloutClient
 from rolloutd.config import load_config
+from rolloutd.domain.weights import WeightsPhase
 from rolloutd.server import RolloutService
 from rolloutd.telemetry.interceptors import client_interceptors
 from rolloutd.telemetry.providers import OtlpProtocol, setup_telemetry
 from rolloutd.telemetry.weights import WEIGHTS_SPAN, WeightsAttr
-from rolloutd.weights.report import WeightsPhase
 from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
 from tests.weights.helpers import SHAPES, write_model
 

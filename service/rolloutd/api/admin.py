@@ -27,7 +27,9 @@ from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, Field
 
 from rolloutd import __version__
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason, Trigger
+from rolloutd.api import validation
+from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.report import CheckpointReport, Outcome, Reason, Trigger
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +79,11 @@ class Readiness(BaseModel):
 
 
 class CheckpointRequest(BaseModel):
-    tag: str = Field("", max_length=256, description="Label stored with the snapshot.")
+    """Checked by :func:`validation.checkpoint_request`, as the ``Checkpoint`` RPC is."""
+
+    tag: str = Field("", description="Label stored with the snapshot.")
     trainer_step: int | None = Field(
-        None, ge=0, description="Trainer checkpoint step: acks up to it are finalized."
+        None, description="Trainer checkpoint step: acks up to it are finalized."
     )
 
 
@@ -183,6 +187,10 @@ def create_admin_app(
         """Runs one on-demand checkpoint; the outcome (completed, skipped or failed) and its
         reason are in the body, as in the ``Checkpoint`` RPC."""
         request = body or CheckpointRequest()
+        try:
+            validation.checkpoint_request(request.tag, request.trainer_step)
+        except InvalidArgument as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
         report = await state.checkpoint(request.tag, request.trainer_step)
         return CheckpointResult.from_report(report)
 

@@ -1,4 +1,4 @@
-"""Proto <-> domain conversion, in one place."""
+"""Proto <-> domain conversion: every proto message the service builds or reads is built or read here."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason
 from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.weights.receive import PushChunk, PushHeader
 from rolloutd.weights.staging import FileSpec
@@ -26,6 +27,9 @@ OUTCOMES = {
 }
 REASONS: dict[Reason, Any] = {
     r: pb.CheckpointReason.Value(f"CHECKPOINT_REASON_{r.name}") for r in Reason
+}
+SERVING_STATES: dict[ServingState, Any] = {
+    s: pb.ServingState.Value(f"SERVING_STATE_{s.name}") for s in ServingState
 }
 
 
@@ -51,19 +55,20 @@ def sample_to_proto(s: Sample) -> pb.Sample:
 
 
 def group_to_proto(g: Group) -> pb.Group:
-    position = g.position
+    m = g.meta
+    position = m.position
     return pb.Group(
         group_id=g.group_id,
-        prompt_id=g.prompt.prompt_id,
+        prompt_id=m.prompt.prompt_id,
         epoch=position.epoch if position else 0,
         offset=position.offset if position else 0,
         source=pb.PROMPT_SOURCE_DATASET if position else pb.PROMPT_SOURCE_SUBMITTED,
         samples=[sample_to_proto(s) for s in g.ordered_samples()],
-        prompt_text=g.prompt.text,
-        metadata=_struct(g.prompt.metadata),
-        policy_version=g.policy_version,
-        admitted_at=g.admitted_at,
-        committed_at=g.committed_at or 0.0,
+        prompt_text=m.prompt.text,
+        metadata=_struct(m.prompt.metadata),
+        policy_version=m.policy_version,
+        admitted_at=m.admitted_at,
+        committed_at=m.committed_at or 0.0,
     )
 
 
@@ -89,8 +94,6 @@ def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
 
 
 def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
-    from rolloutd.checkpoint.report import RowKind, SizePart
-
     return pb.CheckpointResponse(
         outcome=OUTCOMES[r.outcome],
         reason=REASONS[r.reason],
@@ -102,10 +105,33 @@ def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
     )
 
 
-def status_to_proto(s: ControllerStatus, engine: str, state: int) -> pb.GetStatusResponse:
+def checkpoint_status_to_proto(
+    sequence: int,
+    consecutive_failures: int,
+    completed_at: float,
+    last_attempt: CheckpointReport | None,
+) -> pb.CheckpointStatus:
+    status = pb.CheckpointStatus(
+        sequence=sequence, consecutive_failures=consecutive_failures, completed_at=completed_at
+    )
+    if last_attempt is not None:
+        status.outcome = OUTCOMES[last_attempt.outcome]
+        status.reason = REASONS[last_attempt.reason]
+        status.attempted_at = last_attempt.ended_ns / 1e9
+        status.tag = last_attempt.tag
+    return status
+
+
+def status_to_proto(
+    s: ControllerStatus,
+    engine: str,
+    state: ServingState,
+    generation_tokens: int,
+    last_checkpoint: pb.CheckpointStatus,
+) -> pb.GetStatusResponse:
     c = s.counters
     return pb.GetStatusResponse(
-        state=state,  # type: ignore[arg-type]
+        state=SERVING_STATES[state],
         engine=engine,
         policy_version=s.policy_version,
         group_size=s.group_size,
@@ -130,7 +156,9 @@ def status_to_proto(s: ControllerStatus, engine: str, state: int) -> pb.GetStatu
             evicted_groups=c.evicted_groups,
             committed_tokens=c.committed_tokens,
             requeued_groups=c.requeued_groups,
+            generation_tokens=generation_tokens,
         ),
+        last_checkpoint=last_checkpoint,
     )
 
 

@@ -1,4 +1,8 @@
-"""The gRPC servicer: decode, call the domain, encode. Nothing else lives here."""
+"""The gRPC servicer: authorize, decode, call the domain, encode.
+
+Besides each RPC's decode and encode (through ``convert``) it holds the bearer-token check, the
+readiness gate of mutating calls and the mapping of errors to status codes (``errors.STATUS``).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,12 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from rolloutd.api import convert
-from rolloutd.api.errors import status_of
-from rolloutd.checkpoint.report import CheckpointReport
+from rolloutd.api import convert, validation
+from rolloutd.api.errors import MAPPED, status_of
 from rolloutd.domain.controller import Controller
-from rolloutd.domain.errors import InvalidArgument, RolloutError, Unavailable
+from rolloutd.domain.errors import InvalidArgument, Unavailable
 from rolloutd.domain.lifecycle import ServingState
+from rolloutd.domain.report import CheckpointReport
 from rolloutd.domain.sampler import Admission
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -25,8 +29,6 @@ from rolloutd.weights.updater import WeightsUpdater
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS_PER_SUBMIT = 10_000
-
-SERVING_STATES = {s: pb.ServingState.Value(f"SERVING_STATE_{s.name}") for s in ServingState}
 
 
 class Host(Protocol):
@@ -49,7 +51,8 @@ Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
 def rpc(*, mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
-    """Authorizes mutating calls, refuses work unless serving, maps domain errors to status codes."""
+    """Authorizes mutating calls, refuses work unless serving, maps domain and engine errors to
+    status codes."""
 
     def decorate(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         @wraps(handler)
@@ -62,7 +65,7 @@ def rpc(*, mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]
                 if mutating and not self._host.state.ready:
                     raise Unavailable(f"the service is {self._host.state.value}; retry later")
                 return await handler(self, request, context)
-            except RolloutError as exc:
+            except MAPPED as exc:
                 await context.abort(status_of(exc), str(exc))
                 raise AssertionError("unreachable") from None
 
@@ -159,10 +162,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointResponse:
         step = request.trainer_step if request.HasField("trainer_step") else None
-        if step is not None and step < 0:
-            raise InvalidArgument("trainer_step", f"must be >= 0, got {step}")
-        if len(request.tag) > 128:
-            raise InvalidArgument("tag", "must be at most 128 characters")
+        validation.checkpoint_request(request.tag, step)
         report = await self._host.checkpoint(request.tag, step)
         return convert.checkpoint_to_proto(report)
 

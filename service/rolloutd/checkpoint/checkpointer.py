@@ -8,24 +8,30 @@
 4. ``sidecar_write``  write controller state as JSON.
 5. ``commit``         fsync and publish atomically; then retention.
 
-A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its delta
-back to the buffer, so the next attempt still writes everything since the last success.
+A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
+back to the controller (``capture_failed``), so the next attempt still writes everything since
+the last success. When attempts run (periodic, on demand, at shutdown) is the scheduler's choice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from rolloutd.checkpoint import state as sidecar_state
+from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import Manifest, next_manifest
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.journal import Journal
+from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
+from rolloutd.checkpoint.store import SnapshotWriter
+from rolloutd.domain.controller import Controller
+from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
     Outcome,
@@ -35,25 +41,22 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.checkpoint.store import SnapshotStore, keep_tagged, plan_compaction
-from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord, GroupMeta
-from rolloutd.domain.controller import Controller, ControllerCapture
-from rolloutd.domain.errors import InvariantError
-from rolloutd.domain.group import Group
-from rolloutd.domain.observer import NullObserver, Observer
-from rolloutd.domain.sampler import Admission
+from rolloutd.domain.state import ControllerState
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CheckpointerConfig:
+    """The checkpointer's settings; ``config.py`` exposes them as ``checkpoint.*`` keys with
+    these defaults and meanings."""
+
     interval_s: float = 60.0
     """Seconds between periodic checkpoints; 0 disables them."""
     keep_latest: int = 3
     """Snapshots kept besides those tagged with a trainer step still inside the rewind window."""
     max_consecutive_failures: int = 3
-    """Failed attempts in a row after which the service turns not-ready."""
+    """Failed attempts in a row after which the service reports not-ready."""
     timeout_s: float = 120.0
     """An attempt taking longer fails with reason ``timeout``."""
     compact_segments: int = 8
@@ -61,41 +64,12 @@ class CheckpointerConfig:
     into one, leaving half as many; large, mostly live segments are not rewritten."""
 
 
-class AckJournal:
-    """Makes each ack durable in the store before ``AckGroups`` returns.
-
-    Records carry a position; a snapshot records the last position it includes (``acks_through``)
-    and restore replays the records after it.
-    """
-
-    def __init__(self, store: SnapshotStore) -> None:
-        self._store = store
-
-    @property
-    def position(self) -> int:
-        """Position of the last durable record; no I/O, so it can be read under the hold."""
-        return self._store.journal_position
-
-    async def append(self, record: AckRecord, groups: list[Group]) -> None:
-        payload = {
-            **sidecar_state.ack_to_json(record),
-            "groups": [
-                {
-                    "group_id": g.group_id,
-                    **sidecar_state.admission_to_json(Admission(g.prompt, g.position)),
-                }
-                for g in groups
-            ],
-        }
-        await asyncio.to_thread(self._store.append_ack, payload)
-
-
 class Checkpointer:
     def __init__(
         self,
         controller: Controller,
-        store: SnapshotStore,
-        journal: AckJournal,
+        store: SnapshotWriter,
+        journal: Journal,
         config: CheckpointerConfig,
         fingerprint: Mapping[str, Any],
         *,
@@ -110,7 +84,7 @@ class Checkpointer:
         self._lock = asyncio.Lock()
         self._groups: dict[int, bytes] = {}
         """Every live group's metadata as of the last completed snapshot, encoded for the sidecar."""
-        self._finalized: dict[str, int] = {}
+        self._finalized: Mapping[str, int] = {}
         """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
         first; captures hand over only what was finalized since."""
         self._parent: Manifest | None = None
@@ -124,11 +98,13 @@ class Checkpointer:
         self.last_success_at = time.time()
         """Wall-clock time of the last completed snapshot (start-up until there is one)."""
 
-    def adopt(self, manifest: Manifest, groups: dict[int, GroupMeta]) -> None:
-        """Continue incrementally from a restored snapshot, loaded into the buffer just now."""
+    def adopt(self, manifest: Manifest, state: ControllerState) -> None:
+        """Continue incrementally from a restored snapshot (``state`` is its whole state)."""
         self._parent = manifest
-        self._groups = {gid: sidecar_state.encode_group(m) for gid, m in groups.items()}
-        self._finalized = dict(self.controller.buffer.finalized_leases)
+        self._groups = {
+            gid: sidecar.encode_group(m) for gid, m in state.buffer.groups.items() if m is not None
+        }
+        self._finalized = state.buffer.finalized_leases
 
     @property
     def sequence(self) -> int:
@@ -140,7 +116,10 @@ class Checkpointer:
     async def checkpoint(
         self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
     ) -> CheckpointReport:
-        """One attempt; never raises for I/O trouble or timeouts (they are its outcome)."""
+        """One attempt; never raises for I/O trouble or timeouts (they are its outcome).
+
+        A periodic attempt that finds another one running is skipped; any other waits for it and
+        then runs, so ``trainer_step`` is always finalized. An invariant violation is raised."""
         started = time.time_ns()
         skip = self._skip_reason(trigger)
         if skip is not None:
@@ -195,8 +174,8 @@ class Checkpointer:
             return Reason.RESTORING
         if self.shutting_down and trigger is not Trigger.SHUTDOWN:
             return Reason.SHUTTING_DOWN
-        if self._lock.locked():
-            return Reason.IN_PROGRESS
+        if self._lock.locked() and trigger is Trigger.PERIODIC:
+            return Reason.IN_PROGRESS  # an on-demand or final attempt waits for it instead
         return None
 
     async def _attempt(self, clock: PhaseClock, report: CheckpointReport, *, force: bool) -> None:
@@ -212,9 +191,8 @@ class Checkpointer:
                 fault_point(FaultPoint.EXCLUSIVE_HOLD)
         finally:
             await hold.__aexit__(None, None, None)
-        delta = capture.buffer
         if (
-            delta.empty
+            capture.buffer.empty
             and not force
             and acks_through == (self._parent.acks_through if self._parent else 0)
         ):
@@ -223,7 +201,7 @@ class Checkpointer:
         try:
             manifest, groups, finalized = await self._write(clock, capture, acks_through, report)
         except BaseException:
-            self.controller.buffer.restore_uncaptured(delta)
+            self.controller.capture_failed(capture)
             raise
         self._parent, self._groups, self._finalized = manifest, groups, finalized
         report.outcome, report.reason, report.sequence = (
@@ -246,10 +224,10 @@ class Checkpointer:
     async def _write(
         self,
         clock: PhaseClock,
-        capture: ControllerCapture,
+        capture: ControllerState,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, dict[int, bytes], dict[str, int]]:
+    ) -> tuple[Manifest, dict[int, bytes], Mapping[str, int]]:
         delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
@@ -270,17 +248,17 @@ class Checkpointer:
                 if meta is None:
                     groups.pop(gid, None)
                 else:
-                    groups[gid] = sidecar_state.encode_group(meta)
-            finalized = _extend_ledger(self._finalized, delta.finalized_leases)
-            whole = replace(capture, buffer=replace(delta, finalized_leases=finalized))
-            data = sidecar_state.sidecar_json(whole, groups.values())
-            sidecar = await asyncio.to_thread(self.store.write_sidecar_json, sequence, data)
+                    groups[gid] = sidecar.encode_group(meta)
+            whole = capture.with_ledger(self._finalized)
+            finalized = whole.buffer.finalized_leases
+            data = sidecar.encode(whole, groups.values())
+            entry = await asyncio.to_thread(self.store.write_sidecar_json, sequence, data)
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = next_manifest(
                 self._parent,
                 sequence=sequence,
                 created_at=time.time(),
-                sidecar=sidecar,
+                sidecar=entry,
                 new_segment=segment,
                 removed=list(removed),
                 acks_through=acks_through,
@@ -292,7 +270,7 @@ class Checkpointer:
             if chosen:
                 manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
             await asyncio.to_thread(self.store.publish, manifest)
-            oldest_step = capture.max_acked_step - self.controller.config.rewind_window
+            oldest_step = self.controller.retained_from_step(capture)
             await asyncio.to_thread(
                 self.store.retire, self.config.keep_latest, keep_tagged(oldest_step)
             )
@@ -328,13 +306,3 @@ class Checkpointer:
     @property
     def failing(self) -> bool:
         return self.consecutive_failures >= self.config.max_consecutive_failures
-
-
-def _extend_ledger(ledger: dict[str, int], finalized: Mapping[str, int]) -> dict[str, int]:
-    """The ledger of finalized leases with ``finalized`` (newer) added; the oldest beyond
-    ``ACKED_LEASES_REMEMBERED`` go, as they do in the buffer."""
-    merged = {**ledger, **finalized}
-    excess = len(merged) - ACKED_LEASES_REMEMBERED
-    if excess > 0:
-        merged = dict(itertools.islice(merged.items(), excess, None))
-    return merged

@@ -17,7 +17,12 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from rolloutd.checkpoint.format import FileEntry, Manifest
-from rolloutd.checkpoint.store import CorruptSnapshot, SnapshotNotFound, SnapshotStore
+from rolloutd.checkpoint.store import (
+    CorruptSnapshot,
+    SnapshotNotFound,
+    SnapshotReader,
+    SnapshotStore,
+)
 
 DEFAULT_DIR = "./.rolloutd/checkpoints"
 
@@ -90,7 +95,7 @@ def _row(sequence: int, manifest: Manifest | None, status: Status) -> list[str]:
 _HEADER = ["SEQ", "TAG", "STEP", "CREATED (UTC)", "ROWS", "BYTES", "STATUS"]
 
 
-def _list(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+def _list(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
     rows = [_HEADER]
     records = []
     for sequence in store.sequences():
@@ -126,7 +131,7 @@ def _list(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _show(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+def _show(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
     try:
         manifest = store.load(args.sequence)
     except (SnapshotNotFound, CorruptSnapshot) as exc:
@@ -138,7 +143,7 @@ def _show(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _verify(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+def _verify(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
     checked: dict[FileEntry, list[str]] = {}
     rows = [_HEADER]
     failures: list[str] = []

@@ -10,6 +10,9 @@
                         delivered again and no acked position is admitted again.
 6. ``redispatch``       unfinished groups: staged siblings reused, missing ones generated
                         (granularity ``sibling``), or the whole group generated again (``group``).
+
+This module only orchestrates and times the phases: the sidecar decodes the state, the
+controller restores it (``Controller.restore``) and replays the acks through its one ack path.
 """
 
 from __future__ import annotations
@@ -19,24 +22,24 @@ import enum
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
-from rolloutd.checkpoint import state as sidecar_state
+from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
-from rolloutd.checkpoint.report import (
+from rolloutd.checkpoint.store import SnapshotReader
+from rolloutd.domain.controller import Controller
+from rolloutd.domain.errors import RestoreRefused
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.report import (
     Disposition,
     PhaseClock,
     RecoveryState,
     RestorePhase,
     RestoreReport,
 )
-from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.buffer import GroupMeta
-from rolloutd.domain.controller import Controller
-from rolloutd.domain.group import GroupState
-from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.state import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +47,6 @@ log = logging.getLogger(__name__)
 class Granularity(enum.Enum):
     SIBLING = "sibling"
     GROUP = "group"
-
-
-class RestoreRefused(RuntimeError):
-    """The snapshot cannot be used as asked; the message says why and what differs."""
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    report: RestoreReport
-    manifest: Manifest | None
-    groups: dict[int, GroupMeta]
 
 
 def differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -67,7 +59,7 @@ def differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list
 
 async def restore(
     controller: Controller,
-    store: SnapshotStore,
+    store: SnapshotReader,
     checkpointer: Checkpointer,
     spec: str,
     fingerprint: Mapping[str, Any],
@@ -101,7 +93,7 @@ async def restore(
 
 async def _run(
     controller: Controller,
-    store: SnapshotStore,
+    store: SnapshotReader,
     checkpointer: Checkpointer,
     spec: str,
     fingerprint: Mapping[str, Any],
@@ -130,35 +122,21 @@ async def _run(
                 + "; ".join(diff)
                 + " (start with --restore none to begin afresh, or restore with the old configuration)"
             )
-        sidecar = snapshot.sidecar
 
     with clock.phase(RestorePhase.DATALOADER):
-        controller.sampler.load_state(sidecar["sampler"])
+        state = sidecar.decode(snapshot.sidecar)  # cursor, submitted and re-admitted prompts
 
     with clock.phase(RestorePhase.BUFFER):
         rows = await asyncio.to_thread(snapshot.rows)
+        state = replace(state, buffer=replace(state.buffer, new_rows=rows))
 
     with clock.phase(RestorePhase.REPLAY_METADATA):
-        groups = _replay_metadata(controller, sidecar, rows)
-        if controller.weights_path and controller.policy_version > controller.engine.policy_version:
-            await controller.engine.update_weights(
-                controller.weights_path, controller.policy_version
-            )
-        counts = {state: 0 for state in RecoveryState}
-        for g in controller.buffer.groups.values():
-            if g.state is GroupState.GENERATING:
-                counts[RecoveryState.UNFINISHED] += 1
-            else:
-                counts[RecoveryState(g.state.value)] += 1
-        report.groups = counts
-        # Leases did not survive the restart: their groups become available again.
-        async with controller.barrier.mutation(MutationKind.RESTORE):
-            for lease_id in list(controller.buffer.leases):
-                controller.buffer.requeue(lease_id)
+        report.groups = _recovery_counts(state)
+        await controller.restore(state)
 
     with clock.phase(RestorePhase.RECOVERY_LEDGER):
-        entries = await asyncio.to_thread(store.read_acks, manifest.acks_through)
-        _replay_acks(controller, entries)
+        acks = await asyncio.to_thread(store.acks_after, manifest.acks_through)
+        await controller.replay_acks(acks)
 
     with clock.phase(RestorePhase.REDISPATCH):
         started = time.perf_counter()
@@ -171,66 +149,17 @@ async def _run(
         report.siblings = {Disposition.REUSED: reused, Disposition.RERUN: rerun}
         report.redispatch_s = time.perf_counter() - started
 
-    checkpointer.adopt(manifest, groups)
+    checkpointer.adopt(manifest, state)
     return manifest
 
 
-def _replay_metadata(
-    controller: Controller, sidecar: dict[str, Any], rows: list[Any]
-) -> dict[int, GroupMeta]:
-    metas = {m.group_id: m for m in (sidecar_state.meta_from_json(d) for d in sidecar["groups"])}
-    cursor = controller.sampler.cursor
-    ahead = sorted(
-        str(m.position) for m in metas.values() if m.position is not None and m.position >= cursor
-    )
-    if ahead:
-        raise RestoreRefused(
-            f"sampler cursor {cursor} is not ahead of restored group positions {', '.join(ahead[:10])}"
-            + (" ..." if len(ahead) > 10 else "")
-        )
-    c = sidecar["controller"]
-    controller.buffer.load(
-        metas.values(),
-        rows,
-        {d["lease_id"]: sidecar_state.lease_from_json(d) for d in sidecar["leases"]},
-        {d["lease_id"]: sidecar_state.ack_from_json(d) for d in sidecar["acks"]},
-        dict(sidecar["finalized_leases"]),
-        int(c["next_row_id"]),
-    )
-    controller.next_group_id = int(c["next_group_id"])
-    controller.policy_version = int(c["policy_version"])
-    controller.weights_path = c["weights_path"]
-    controller.max_acked_step = int(c["max_acked_step"])
-    controller.finalized_through = int(c["finalized_through"])
-    controller.counters = sidecar_state.counters_from_json(c["counters"])
-    controller.lost_acks = [
-        (int(d["trainer_step"]), [sidecar_state.admission_from_json(a) for a in d["admissions"]])
-        for d in sidecar["lost_acks"]
-    ]
-    return metas
-
-
-def _replay_acks(controller: Controller, entries: list[Any]) -> None:
-    """Acks after the snapshot: applied to groups it holds; for groups it lacks (admitted after
-    it), their prompts are never admitted again, but kept so a Rewind can re-admit them. Their ids
-    were issued and acked, so the id sequence moves past them: ids stay unique for the store."""
-    for entry in entries:
-        record = sidecar_state.ack_from_json(entry.record)
-        controller.next_group_id = max(controller.next_group_id, max(record.group_ids) + 1)
-        if (
-            record.lease_id in controller.buffer.acks
-            or record.lease_id in controller.buffer.finalized_leases
-        ):
-            continue
-        lost_ids = set(controller.buffer.apply_journaled_ack(record))
-        controller.counters.acked_groups += len(record.group_ids)
-        controller.max_acked_step = max(controller.max_acked_step, record.trainer_step)
-        lost = [
-            sidecar_state.admission_from_json(g)
-            for g in entry.record["groups"]
-            if g["group_id"] in lost_ids
-        ]
-        for admission in lost:
-            controller.sampler.skip(admission)
-        if lost:
-            controller.lost_acks.append((record.trainer_step, lost))
+def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:
+    """Groups by the state the snapshot found them in (leases are requeued after)."""
+    counts = {s: 0 for s in RecoveryState}
+    for meta in state.buffer.groups.values():
+        assert meta is not None  # a decoded state is whole
+        if meta.state is GroupState.GENERATING:
+            counts[RecoveryState.UNFINISHED] += 1
+        else:
+            counts[RecoveryState(meta.state.value)] += 1
+    return counts

@@ -3,21 +3,32 @@
 Every method is a synchronous step called inside a barrier mutation. Besides the groups, the buffer
 records what changed since the last ``capture()`` — rows (staged samples) added, rows removed, and
 groups whose metadata changed — so a checkpoint's exclusive hold does pointer work proportional to
-that delta only: lists are swapped, immutable samples are shared by reference, and only changed
-groups are copied into small frozen records.
+that delta only: lists are swapped, and immutable samples and the frozen metadata of changed
+groups are shared by reference (a change replaces a group's ``GroupMeta``, never edits it).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import InvariantError, NotFound
-from rolloutd.domain.group import Group, GroupState, Position, Prompt, Sample
+from rolloutd.domain.group import Group, GroupMeta, GroupState, Position, Sample
 
 ACKED_LEASES_REMEMBERED = 65_536
 """Finalized leases remembered so that a late retry of their ack still succeeds."""
+
+
+def remember_finalized(
+    ledger: OrderedDict[str, int], finalized: Mapping[str, int]
+) -> OrderedDict[str, int]:
+    """Adds newly finalized leases (lease id -> trainer step) to ``ledger``, in place, and
+    forgets the oldest beyond :data:`ACKED_LEASES_REMEMBERED`: the one place the cap holds."""
+    ledger.update(finalized)
+    while len(ledger) > ACKED_LEASES_REMEMBERED:
+        ledger.popitem(last=False)
+    return ledger
 
 
 @dataclass(frozen=True)
@@ -37,56 +48,24 @@ class AckRecord:
     acked_at: float
 
 
-@dataclass(frozen=True)
-class GroupMeta:
-    """Everything about a group except its samples, frozen at capture time."""
-
-    group_id: int
-    prompt: Prompt
-    position: Position | None
-    group_size: int
-    policy_version: int
-    admitted_at: float
-    seed: int
-    state: GroupState
-    committed_at: float | None
-    lease_id: str | None
-    ack_step: int | None
-
-    @classmethod
-    def of(cls, g: Group) -> GroupMeta:
-        return cls(
-            g.group_id,
-            g.prompt,
-            g.position,
-            g.group_size,
-            g.policy_version,
-            g.admitted_at,
-            g.seed,
-            g.state,
-            g.committed_at,
-            g.lease_id,
-            g.ack_step,
-        )
-
-
 Row = tuple[int, int, Sample]
 """(row_id, group_id, sample)"""
 
 
-@dataclass
-class BufferDelta:
-    """What changed since the previous capture. ``groups`` maps id -> meta, or None if removed;
-    ``finalized_leases`` holds the leases finalized since then, oldest first (the checkpointer
-    keeps the whole ledger: copying it here would make the hold grow with the run's length)."""
+@dataclass(frozen=True)
+class BufferState:
+    """The buffer's part of a snapshot. A capture holds what changed since the previous one:
+    ``groups`` maps id -> meta, or None if removed; ``finalized_leases`` holds the leases
+    finalized since then, oldest first (copying the whole ledger would make the hold grow with the
+    run's length). A state to restore from is whole: every group and live row, the whole ledger."""
 
     new_rows: Collection[Row]
     """Rows staged since the previous capture and still live (a view: no copy under the hold)."""
     removed_rows: list[int]
-    groups: dict[int, GroupMeta | None]
-    leases: dict[str, Lease]
-    acks: dict[str, AckRecord]
-    finalized_leases: dict[str, int]
+    groups: Mapping[int, GroupMeta | None]
+    leases: Mapping[str, Lease]
+    acks: Mapping[str, AckRecord]
+    finalized_leases: Mapping[str, int]
     next_row_id: int
 
     @property
@@ -154,9 +133,14 @@ class RolloutBuffer:
         )
 
     def positions(self) -> set[Position]:
-        return {g.position for g in self.groups.values() if g.position is not None}
+        return {g.meta.position for g in self.groups.values() if g.meta.position is not None}
 
     # --- mutations -------------------------------------------------------------------------
+
+    def _change(self, g: Group, **fields: object) -> None:
+        """Every metadata change goes through here: a new frozen value, marked for the capture."""
+        g.meta = g.meta.evolve(**fields)
+        self._dirty[g.group_id] = g
 
     def add(self, group: Group) -> None:
         if group.group_id in self.groups:
@@ -183,12 +167,11 @@ class RolloutBuffer:
         g = self.get(group_id)
         if not g.complete or g.state is not GroupState.GENERATING:
             raise InvariantError(
-                f"group {group_id} committed with {len(g.samples)}/{g.group_size} "
+                f"group {group_id} committed with {len(g.samples)}/{g.meta.group_size} "
                 f"siblings in state {g.state.value}"
             )
-        g.state, g.committed_at = GroupState.COMMITTED, now
+        self._change(g, state=GroupState.COMMITTED, committed_at=now)
         self._ready.append(group_id)
-        self._dirty[group_id] = g
         return g
 
     def lease(
@@ -198,38 +181,24 @@ class RolloutBuffer:
             return None
         taken = tuple(self._ready.popleft() for _ in range(min(max_groups, len(self._ready))))
         for gid in taken:
-            g = self.groups[gid]
-            g.state, g.lease_id = GroupState.LEASED, lease_id
-            self._dirty[gid] = g
+            self._change(self.groups[gid], state=GroupState.LEASED, lease_id=lease_id)
         lease = Lease(lease_id, taken, consumer, now, now + timeout_s)
         self.leases[lease_id] = lease
         return lease
 
-    def ack(self, lease_id: str, trainer_step: int, now: float) -> tuple[AckRecord | None, bool]:
-        """Returns (record, already_acked). ``record`` is None for a finalized earlier ack."""
-        if lease_id in self.acks:
-            return self.acks[lease_id], True
-        if lease_id in self.finalized_leases:
-            return None, True
-        lease = self.leases.pop(lease_id, None)
-        if lease is None:
-            raise NotFound(f"lease {lease_id!r} is unknown or expired")
-        record = AckRecord(lease_id, lease.group_ids, trainer_step, now)
-        for gid in lease.group_ids:
-            g = self.groups[gid]
-            g.state, g.ack_step = GroupState.ACKED, trainer_step
-            self._dirty[gid] = g
-        self.acks[lease_id] = record
-        return record, False
+    def ack(self, record: AckRecord) -> list[int] | None:
+        """Applies an ack, live or replayed from the journal; None when its lease was acked
+        already (idempotent). Returns the ids of its groups the buffer does not hold: admitted
+        and acked after the snapshot a restore started from.
 
-    def apply_journaled_ack(self, record: AckRecord) -> list[int]:
-        """Replays an ack found in the journal after a restore; returns ids of groups no snapshot
-        held (they were admitted and acked after it). Idempotent."""
+        Live, every group of the lease is LEASED. In replay a group may also be COMMITTED (its
+        lease was granted after the snapshot) or GENERATING: it finished, was leased and acked
+        after the snapshot, but its siblings were never all durable, so it is gone like an
+        unheld one.
+        """
         if record.lease_id in self.acks or record.lease_id in self.finalized_leases:
-            return []
+            return None
         for gid in record.group_ids:
-            # Still generating in the snapshot: finished, leased and acked after it. The trainer
-            # consumed it; its siblings were never all durable, so it is gone like an unheld one.
             if gid in self.groups and self.groups[gid].state is GroupState.GENERATING:
                 self.remove(gid)
         present = tuple(gid for gid in record.group_ids if gid in self.groups)
@@ -238,13 +207,15 @@ class RolloutBuffer:
             if g.state is GroupState.COMMITTED:
                 self._ready.remove(gid)
             elif g.state is not GroupState.LEASED:
-                raise InvariantError(f"journaled ack of group {gid} in state {g.state.value}")
-            g.state, g.lease_id, g.ack_step = GroupState.ACKED, record.lease_id, record.trainer_step
-            self._dirty[gid] = g
+                raise InvariantError(f"ack of group {gid} in state {g.state.value}")
+            self._change(
+                g,
+                state=GroupState.ACKED,
+                lease_id=record.lease_id,
+                ack_step=record.trainer_step,
+            )
         self.leases.pop(record.lease_id, None)
-        self.acks[record.lease_id] = AckRecord(
-            record.lease_id, present, record.trainer_step, record.acked_at
-        )
+        self.acks[record.lease_id] = replace(record, group_ids=present)
         return [gid for gid in record.group_ids if gid not in self.groups]
 
     def expired_leases(self, now: float) -> list[Lease]:
@@ -254,10 +225,8 @@ class RolloutBuffer:
         """Makes a lease's groups available again, ahead of newer groups, in their order."""
         lease = self.leases.pop(lease_id)
         for gid in reversed(lease.group_ids):
-            g = self.groups[gid]
-            g.state, g.lease_id = GroupState.COMMITTED, None
+            self._change(self.groups[gid], state=GroupState.COMMITTED, lease_id=None)
             self._ready.appendleft(gid)
-            self._dirty[gid] = g
         return list(lease.group_ids)
 
     def finalize(self, through_step: int) -> list[Group]:
@@ -266,12 +235,10 @@ class RolloutBuffer:
         dropped: list[Group] = []
         for record in done:
             del self.acks[record.lease_id]
-            self.finalized_leases[record.lease_id] = record.trainer_step
-            self._finalized_new[record.lease_id] = record.trainer_step
             dropped.extend(self.remove(gid) for gid in record.group_ids)
-        for ledger in (self.finalized_leases, self._finalized_new):
-            while len(ledger) > ACKED_LEASES_REMEMBERED:
-                ledger.popitem(last=False)
+        ledger = {r.lease_id: r.trainer_step for r in done}
+        remember_finalized(self.finalized_leases, ledger)
+        remember_finalized(self._finalized_new, ledger)
         return dropped
 
     def rewind(self, after_step: int) -> list[Group]:
@@ -284,8 +251,7 @@ class RolloutBuffer:
             del self.acks[record.lease_id]
             for gid in record.group_ids:
                 g = self.groups[gid]
-                g.state, g.lease_id, g.ack_step = GroupState.COMMITTED, None, None
-                self._dirty[gid] = g
+                self._change(g, state=GroupState.COMMITTED, lease_id=None, ack_step=None)
                 groups.append(g)
         self._ready.extendleft(reversed([g.group_id for g in groups]))
         return groups
@@ -324,70 +290,49 @@ class RolloutBuffer:
 
     # --- snapshots -------------------------------------------------------------------------
 
-    def capture(self) -> BufferDelta:
-        """Takes the changes since the last capture. O(changes); call under the exclusive hold."""
+    def capture(self) -> BufferState:
+        """Takes the changes since the last capture. O(changes), and no group is copied (its
+        metadata is a frozen value): call under the exclusive hold."""
         new_rows, self._new_rows = self._new_rows, {}
         self._uncaptured_groups.clear()
         removed, self._removed_rows = self._removed_rows, []
         dirty, self._dirty = self._dirty, {}
         finalized, self._finalized_new = self._finalized_new, OrderedDict()
-        metas = {gid: None if g is None else GroupMeta.of(g) for gid, g in dirty.items()}
-        return BufferDelta(
+        return BufferState(
             new_rows.values(),
             removed,
-            metas,
+            {gid: None if g is None else g.meta for gid, g in dirty.items()},
             dict(self.leases),
             dict(self.acks),
             finalized,
             self._next_row_id,
         )
 
-    def restore_uncaptured(self, delta: BufferDelta) -> None:
+    def restore_uncaptured(self, delta: BufferState) -> None:
         """Puts a captured delta back (its snapshot failed) so the next capture includes it."""
         self._new_rows = {**{row[0]: row for row in delta.new_rows}, **self._new_rows}
         self._removed_rows[:0] = delta.removed_rows
         for gid in delta.groups:
             self._dirty.setdefault(gid, self.groups.get(gid))
-        finalized = OrderedDict(delta.finalized_leases)
-        finalized.update(self._finalized_new)
-        while len(finalized) > ACKED_LEASES_REMEMBERED:
-            finalized.popitem(last=False)
-        self._finalized_new = finalized
+        newer, self._finalized_new = self._finalized_new, OrderedDict(delta.finalized_leases)
+        remember_finalized(self._finalized_new, newer)
 
-    def load(
-        self,
-        metas: Iterable[GroupMeta],
-        rows: Iterable[Row],
-        leases: dict[str, Lease],
-        acks: dict[str, AckRecord],
-        finalized: dict[str, int],
-        next_row_id: int,
-    ) -> None:
-        """Rebuilds the buffer from a snapshot; nothing is marked as changed."""
+    def load(self, state: BufferState) -> None:
+        """Rebuilds the buffer from a whole state; nothing is marked as changed."""
         if self.groups:
             raise InvariantError("restore into a non-empty buffer")
-        for m in metas:
-            self.groups[m.group_id] = Group(
-                group_id=m.group_id,
-                prompt=m.prompt,
-                position=m.position,
-                group_size=m.group_size,
-                policy_version=m.policy_version,
-                admitted_at=m.admitted_at,
-                seed=m.seed,
-                state=m.state,
-                committed_at=m.committed_at,
-                lease_id=m.lease_id,
-                ack_step=m.ack_step,
-            )
-        for row_id, gid, sample in rows:
+        for meta in state.groups.values():
+            if meta is None:
+                raise InvariantError("restore from a state that removes a group")
+            self.groups[meta.group_id] = Group(meta)
+        for row_id, gid, sample in state.new_rows:
             self.groups[gid].samples[sample.index] = sample
             self._row_ids[(gid, sample.index)] = row_id
-        self.leases, self.acks = dict(leases), dict(acks)
-        self.finalized_leases = OrderedDict(finalized)
-        self._next_row_id = next_row_id
+        self.leases, self.acks = dict(state.leases), dict(state.acks)
+        self.finalized_leases = OrderedDict(state.finalized_leases)
+        self._next_row_id = state.next_row_id
         ready = sorted(
             (g for g in self.groups.values() if g.state is GroupState.COMMITTED),
-            key=lambda g: (g.committed_at or 0.0, g.group_id),
+            key=lambda g: (g.meta.committed_at or 0.0, g.group_id),
         )
         self._ready = deque(g.group_id for g in ready)

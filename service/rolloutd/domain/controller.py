@@ -2,7 +2,12 @@
 
 Background loops (one task each): admission and lease expiry. Every change to the buffer or the
 sampler happens inside a barrier mutation of one kind, so a checkpoint's exclusive hold sees a
-consistent cut. Engine calls happen outside mutations.
+consistent cut. Generation and weight updates run outside mutations; aborting the siblings of a
+group being dropped or evicted happens inside one (the engine only cancels requests there).
+
+Persistent state goes in and out in one value (:class:`ControllerState`): ``capture()`` under the
+checkpoint's exclusive hold, ``restore(state)`` before ``start()``. Acks, live or replayed from the
+journal after a restore, take one path (``_apply_ack``).
 
 Delivery contract (DESIGN.md §2): an ack is durable (journaled) before ``ack`` returns and is
 idempotent; ``finalize(step)`` drops groups acked at steps <= step; ``rewind(step)`` makes groups
@@ -15,48 +20,65 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 from rolloutd.domain.barrier import MutationBarrier
-from rolloutd.domain.buffer import AckRecord, BufferCounts, BufferDelta, Lease, RolloutBuffer
-from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rolloutd.domain.group import Group, GroupState
-from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver, Observer
-from rolloutd.domain.sampler import Admission, Sampler, SamplerCapture
-from rolloutd.engines.base import (
+from rolloutd.domain.buffer import AckRecord, BufferCounts, Lease, RolloutBuffer
+from rolloutd.domain.engine import (
     EngineDeadError,
     EngineError,
     GenerationEngine,
     GenerationRequest,
     SamplingParams,
 )
-from rolloutd.weights.report import WeightsTimeline
+from rolloutd.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantError,
+    NotFound,
+    RestoreRefused,
+    Unavailable,
+)
+from rolloutd.domain.group import Group, GroupMeta, GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver, Observer
+from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.state import (
+    AckJournal,
+    ControllerState,
+    Counters,
+    JournaledAck,
+    LostAck,
+    NullJournal,
+)
+from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """The controller's settings; ``config.py`` exposes them as keys (``limits.*``,
+    ``group_size``) with these defaults and meanings."""
+
     group_size: int = 4
-    """Siblings per prompt."""
+    """Siblings per prompt (N in GRPO)."""
     max_in_flight: int = 16
     """Most groups generating at once."""
     buffer_capacity: int = 256
     """Most groups generating, ready or leased. Acked groups waiting for finalization are not
     counted (else a trainer could stall admission for good); ``rewind_window`` bounds them."""
     max_staleness: int = 4
-    """Groups more than this many policy versions behind are evicted."""
+    """Groups more than this many policy versions old are evicted."""
     lease_timeout_s: float = 300.0
-    """Unacked leases expire after this long."""
+    """An unacknowledged lease expires after this long and its groups become available again."""
     rewind_window: int = 8
-    """Acks older than this many trainer steps finalize by themselves."""
+    """Acked groups wait at most this many trainer steps for Checkpoint before finalizing."""
     max_fetch_groups: int = 1024
-    """Upper bound of FetchGroups.max_groups."""
+    """Largest max_groups a FetchGroups request may ask for."""
     max_wait_ms: int = 600_000
-    """Upper bound of FetchGroups.wait_ms."""
+    """Longest wait_ms a FetchGroups request may ask for."""
     seed: int = 0
     """Root of every group's and sibling's seed."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -64,29 +86,6 @@ class ControllerConfig:
     """Attempts after a recoverable engine error before the group is dropped."""
     reap_interval_s: float = 1.0
     """How often expired leases are looked for."""
-
-
-class AckJournal(Protocol):
-    """Makes an ack durable before the RPC returns."""
-
-    async def append(self, record: AckRecord, groups: list[Group]) -> None: ...
-
-
-class NullJournal:
-    async def append(self, record: AckRecord, groups: list[Group]) -> None:
-        return None
-
-
-@dataclass
-class Counters:
-    admitted_groups: int = 0
-    committed_groups: int = 0
-    acked_groups: int = 0
-    finalized_groups: int = 0
-    evicted_groups: int = 0
-    requeued_groups: int = 0
-    dropped_groups: int = 0
-    committed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,21 +98,6 @@ class AckResult:
 class RewindResult:
     redelivered_groups: int
     readmitted_prompts: int
-
-
-@dataclass(frozen=True)
-class ControllerCapture:
-    """A consistent cut of everything a snapshot holds, taken under the exclusive hold."""
-
-    buffer: BufferDelta
-    sampler: SamplerCapture
-    next_group_id: int
-    policy_version: int
-    weights_path: str | None
-    max_acked_step: int
-    finalized_through: int
-    counters: Counters
-    lost_acks: tuple[tuple[int, tuple[Admission, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -156,8 +140,8 @@ class Controller:
         self.next_group_id = 1
         self.max_acked_step = -1
         self.finalized_through = -1
-        self.lost_acks: list[tuple[int, list[Admission]]] = []
-        """(trainer_step, prompts) of acks journaled for groups no snapshot held (after restore)."""
+        self.lost_acks: list[LostAck] = []
+        """Acks journaled for groups no snapshot held (found by a restore)."""
         self._siblings: dict[int, dict[int, asyncio.Task[None]]] = {}
         self._trace_headers: dict[int, Mapping[str, str]] = {}
         """Trace context of each group whose generation the observer was told about."""
@@ -174,8 +158,8 @@ class Controller:
         """Starts admission and lease expiry. Call after any restore."""
         self._admitting = True
         self._loops = [
-            asyncio.create_task(self._admission_loop(), name="rolloutd-admission"),
-            asyncio.create_task(self._lease_reaper(), name="rolloutd-lease-reaper"),
+            self._watched(asyncio.create_task(self._admission_loop(), name="rolloutd-admission")),
+            self._watched(asyncio.create_task(self._lease_reaper(), name="rolloutd-lease-reaper")),
         ]
 
     async def set_admitting(self, admitting: bool) -> None:
@@ -236,13 +220,15 @@ class Controller:
         gid = self.next_group_id
         self.next_group_id += 1
         return Group(
-            group_id=gid,
-            prompt=admission.prompt,
-            position=admission.position,
-            group_size=self.config.group_size,
-            policy_version=self.policy_version,
-            admitted_at=self.clock(),
-            seed=(self.config.seed * 7_919 + gid * 104_729) % (2**31 - 1),
+            GroupMeta(
+                group_id=gid,
+                prompt=admission.prompt,
+                position=admission.position,
+                group_size=self.config.group_size,
+                policy_version=self.policy_version,
+                admitted_at=self.clock(),
+                seed=(self.config.seed * 7_919 + gid * 104_729) % (2**31 - 1),
+            )
         )
 
     @staticmethod
@@ -256,9 +242,9 @@ class Controller:
             self._trace_headers[group.group_id] = self.observer.generation_started(
                 GenerationStarted(
                     group.group_id,
-                    group.prompt.prompt_id,
-                    group.group_size,
-                    group.admitted_at,
+                    group.meta.prompt.prompt_id,
+                    group.meta.group_size,
+                    group.meta.admitted_at,
                     p.max_tokens,
                     p.temperature,
                     p.top_p,
@@ -266,9 +252,11 @@ class Controller:
             )
         tasks = self._siblings.setdefault(group.group_id, {})
         for index in indices:
-            tasks[index] = asyncio.create_task(
-                self._run_sibling(group, index),
-                name=f"rolloutd-{self._request_id(group.group_id, index)}",
+            tasks[index] = self._watched(
+                asyncio.create_task(
+                    self._run_sibling(group, index),
+                    name=f"rolloutd-{self._request_id(group.group_id, index)}",
+                )
             )
 
     async def _run_sibling(self, group: Group, index: int) -> None:
@@ -276,8 +264,8 @@ class Controller:
             request_id=self._request_id(group.group_id, index),
             group_id=group.group_id,
             index=index,
-            prompt=group.prompt,
-            seed=group.sibling_seed(index),
+            prompt=group.meta.prompt,
+            seed=group.meta.sibling_seed(index),
             params=self.config.sampling,
             trace_headers=self._trace_headers.get(group.group_id, {}),
         )
@@ -323,9 +311,9 @@ class Controller:
                 group.group_id,
                 tokens,
                 exact=True,
-                completion_s=now - group.admitted_at,
+                completion_s=now - group.meta.admitted_at,
                 prompt_tokens=len(group.ordered_samples()[0].prompt_token_ids),
-                group_size=group.group_size,
+                group_size=group.meta.group_size,
             )
         )
         await self._notify()
@@ -352,6 +340,17 @@ class Controller:
     def _abandoned(self, group_id: int, reason: str) -> None:
         if self._trace_headers.pop(group_id, None) is not None:
             self.observer.generation_abandoned(group_id, reason)
+
+    def _watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """A task of the controller whose unexpected error ends the controller (never silently:
+        the service waits on :meth:`wait_dead`)."""
+
+        def ended(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                self._die(t.exception())  # type: ignore[arg-type]
+
+        task.add_done_callback(ended)
+        return task
 
     def _die(self, exc: BaseException) -> None:
         if self.fatal is None:
@@ -398,7 +397,9 @@ class Controller:
                         [] if lease is None else [self.buffer.groups[g] for g in lease.group_ids]
                     )
                 if lease is not None:
-                    self.observer.groups_leased([now - (g.committed_at or now) for g in groups])
+                    self.observer.groups_leased(
+                        [now - (g.meta.committed_at or now) for g in groups]
+                    )
                     return lease, groups
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -419,26 +420,49 @@ class Controller:
         return self.buffer.ready_count > 0 or self.fatal is not None or self._draining
 
     async def ack(self, lease_id: str, trainer_step: int) -> AckResult:
+        """Consumes a lease at ``trainer_step``; durable (journaled) before it returns, and
+        idempotent: acking a lease acked before (also before a restart) succeeds again."""
         if not lease_id:
             raise InvalidArgument("lease_id", "must not be empty")
         if trainer_step < 0:
             raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
         async with self.barrier.mutation(MutationKind.ACK):
+            known = self.buffer.acks.get(lease_id)
+            if known is not None:
+                return AckResult(len(known.group_ids), already_acked=True)
+            if lease_id in self.buffer.finalized_leases:
+                return AckResult(0, already_acked=True)
             lease = self.buffer.leases.get(lease_id)
-            if lease is not None:
-                groups = [self.buffer.groups[g] for g in lease.group_ids]
-                record = AckRecord(lease_id, lease.group_ids, trainer_step, self.clock())
-                await self.journal.append(record, groups)
-            result, already = self.buffer.ack(lease_id, trainer_step, self.clock())
-            acked = 0 if result is None else len(result.group_ids)
-            if not already:
-                self.counters.acked_groups += acked
-                self.max_acked_step = max(self.max_acked_step, trainer_step)
-        if not already:
-            await self._notify()  # acked groups no longer count against the buffer's capacity
-            if self.max_acked_step - self.config.rewind_window > self.finalized_through:
-                await self.finalize(self.max_acked_step - self.config.rewind_window)
-        return AckResult(acked, already)
+            if lease is None:
+                raise NotFound(f"lease {lease_id!r} is unknown or expired")
+            record = AckRecord(lease_id, lease.group_ids, trainer_step, self.clock())
+            await self.journal.append(record, [self.buffer.groups[g] for g in lease.group_ids])
+            self._apply_ack(JournaledAck(record))
+        await self._notify()  # acked groups no longer count against the buffer's capacity
+        if self.max_acked_step - self.config.rewind_window > self.finalized_through:
+            await self.finalize(self.max_acked_step - self.config.rewind_window)
+        return AckResult(len(record.group_ids), already_acked=False)
+
+    def _apply_ack(self, ack: JournaledAck) -> None:
+        """The one ack path, live and in journal replay; inside an ACK or RESTORE mutation.
+
+        Groups of the ack that the buffer does not hold (admitted and acked after the snapshot
+        a restore started from) are never admitted again, but remembered so that a ``Rewind``
+        to before the ack re-admits them.
+        """
+        record = ack.record
+        lost = self.buffer.ack(record)
+        if lost is None:
+            return  # acked already: idempotent
+        self.counters.acked_groups += len(record.group_ids)
+        self.max_acked_step = max(self.max_acked_step, record.trainer_step)
+        if lost:
+            if not ack.admissions:
+                raise InvariantError(f"live ack of lease {record.lease_id} lost groups {lost}")
+            admissions = tuple(ack.admissions[gid] for gid in lost)
+            for admission in admissions:
+                self.sampler.skip(admission)
+            self.lost_acks.append(LostAck(record.trainer_step, admissions))
 
     async def finalize(self, through_step: int) -> int:
         """Drops groups acked at steps <= ``through_step``; returns how many."""
@@ -461,14 +485,14 @@ class Controller:
         async with self.barrier.mutation(MutationKind.REQUEUE):
             groups = self.buffer.rewind(trainer_step)
             readmitted = 0
-            keep: list[tuple[int, list[Admission]]] = []
-            for step, admissions in self.lost_acks:
-                if step > trainer_step:
-                    for a in admissions:
+            keep: list[LostAck] = []
+            for lost in self.lost_acks:
+                if lost.trainer_step > trainer_step:
+                    for a in lost.admissions:
                         self.sampler.readmit(a)
-                    readmitted += len(admissions)
+                    readmitted += len(lost.admissions)
                 else:
-                    keep.append((step, admissions))
+                    keep.append(lost)
             self.lost_acks = keep
             self.counters.requeued_groups += len(groups)
             self.max_acked_step = min(self.max_acked_step, trainer_step)
@@ -529,37 +553,92 @@ class Controller:
             stale = [
                 g
                 for g in self.buffer.groups.values()
-                if g.policy_version < limit
+                if g.meta.policy_version < limit
                 and g.state in (GroupState.GENERATING, GroupState.COMMITTED)
             ]
             for g in stale:
                 self._abandoned(g.group_id, "evicted: too stale")
                 await self._cancel_siblings(g.group_id)
                 self.buffer.remove(g.group_id)
-                self.sampler.readmit(Admission(g.prompt, g.position))
+                self.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
             self.counters.evicted_groups += len(stale)
         if stale:
             self.observer.groups_evicted(len(stale))
             await self._notify()
         return len(stale)
 
-    # --- snapshots -------------------------------------------------------------------------
+    # --- persistent state ------------------------------------------------------------------
 
-    def capture(self) -> ControllerCapture:
-        """O(changes since the last capture). Call only while holding the barrier exclusively."""
+    def capture(self) -> ControllerState:
+        """The changes since the last capture and the rest of the state, no I/O: pointer work
+        proportional to the changed rows and groups, plus copies of the lease and ack tables and
+        of the sampler's queues (bounded by leases and acks outstanding, not by the buffer).
+        Call only while holding the barrier exclusively."""
         if not self.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
-        return ControllerCapture(
+        return ControllerState(
             buffer=self.buffer.capture(),
             sampler=self.sampler.capture(),
+            counters=replace(self.counters),
             next_group_id=self.next_group_id,
             policy_version=self.policy_version,
             weights_path=self.weights_path,
             max_acked_step=self.max_acked_step,
             finalized_through=self.finalized_through,
-            counters=replace(self.counters),
-            lost_acks=tuple((step, tuple(adm)) for step, adm in self.lost_acks),
+            lost_acks=tuple(self.lost_acks),
         )
+
+    def capture_failed(self, state: ControllerState) -> None:
+        """Hands back a capture whose snapshot failed, so the next capture includes it."""
+        self.buffer.restore_uncaptured(state.buffer)
+
+    def retained_from_step(self, state: ControllerState) -> int:
+        """Snapshots tagged with an older trainer step than this are no longer needed: a
+        ``Rewind`` cannot go back further than the rewind window."""
+        return state.max_acked_step - self.config.rewind_window
+
+    async def restore(self, state: ControllerState) -> None:
+        """Rebuilds the controller from a whole state, before ``start()``.
+
+        Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
+        position (admission would create a second group for a buffered position). Leases did not
+        survive the restart: their groups become available again. The engine gets the state's
+        weights when it is behind them.
+        """
+        cursor = state.sampler.cursor
+        ahead = sorted(
+            str(m.position)
+            for m in state.buffer.groups.values()
+            if m is not None and m.position is not None and m.position >= cursor
+        )
+        if ahead:
+            raise RestoreRefused(
+                f"sampler cursor {cursor} is not ahead of restored group positions "
+                + ", ".join(ahead[:10])
+                + (" ..." if len(ahead) > 10 else "")
+            )
+        async with self.barrier.mutation(MutationKind.RESTORE):
+            self.sampler.restore(state.sampler)
+            self.buffer.load(state.buffer)
+            self.counters = replace(state.counters)
+            self.next_group_id = state.next_group_id
+            self.max_acked_step = state.max_acked_step
+            self.finalized_through = state.finalized_through
+            self.lost_acks = list(state.lost_acks)
+            for lease_id in list(self.buffer.leases):
+                self.buffer.requeue(lease_id)
+        if state.weights_path and state.policy_version > self.engine.policy_version:
+            await self.engine.update_weights(state.weights_path, state.policy_version)
+        self.policy_version, self.weights_path = state.policy_version, state.weights_path
+
+    async def replay_acks(self, acks: Iterable[JournaledAck]) -> None:
+        """Applies acks journaled after the restored snapshot, in journal order. Their group ids
+        were issued (and acked), so the id sequence moves past them: ids stay unique for the
+        store even when the groups themselves were admitted after the snapshot."""
+        async with self.barrier.mutation(MutationKind.RESTORE):
+            for ack in acks:
+                self.next_group_id = max(self.next_group_id, max(ack.record.group_ids) + 1)
+                self._apply_ack(ack)
 
     def generating_groups(self) -> list[Group]:
         return [g for g in self.buffer.groups.values() if g.state is GroupState.GENERATING]

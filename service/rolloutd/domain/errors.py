@@ -33,3 +33,8 @@ class FailedPrecondition(RolloutError):
 
 class InvariantError(RuntimeError):
     """An internal invariant does not hold. Never caught: it must fail loudly."""
+
+
+class RestoreRefused(RuntimeError):
+    """A snapshot cannot be restored as asked (start-up only, never an RPC); the message says
+    why and what differs."""

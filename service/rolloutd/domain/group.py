@@ -58,12 +58,14 @@ class GroupState(enum.Enum):
     ACKED = "acked"
 
 
-@dataclass
-class Group:
-    """A prompt and its N siblings as they are generated, buffered, leased and acknowledged.
+@dataclass(frozen=True)
+class GroupMeta:
+    """Everything about a group but its samples. A group's fields are declared here once: the
+    buffer replaces the value on each change (so a snapshot shares it, never copies it), and the
+    sidecar's codec is derived from these fields.
 
-    Invariants: ``len(samples) <= group_size``; state is COMMITTED or later only when every
-    sibling is staged; ``lease_id`` is set exactly while LEASED or ACKED; ``ack_step`` only when ACKED.
+    Invariants: state is COMMITTED or later only when every sibling is staged; ``lease_id`` is set
+    exactly while LEASED or ACKED; ``ack_step`` only when ACKED.
     """
 
     group_id: int
@@ -73,23 +75,50 @@ class Group:
     policy_version: int
     admitted_at: float
     seed: int
-    samples: dict[int, Sample] = field(default_factory=dict)
     state: GroupState = GroupState.GENERATING
     committed_at: float | None = None
     lease_id: str | None = None
     ack_step: int | None = None
 
-    @property
-    def complete(self) -> bool:
-        return len(self.samples) == self.group_size
-
-    @property
-    def missing(self) -> list[int]:
-        return [i for i in range(self.group_size) if i not in self.samples]
-
     def sibling_seed(self, index: int) -> int:
         """Each sibling has its own seed, derived so a re-run after a restart is reproducible."""
         return (self.seed * 1_000_003 + index) % (2**31 - 1)
+
+    def evolve(self, **changes: Any) -> GroupMeta:
+        """A copy with ``changes``: what every state change of a group makes. Copies the
+        instance dict directly (``dataclasses.replace`` goes through ``__init__`` and costs
+        five times as much on the mutation path); ``changes`` must name fields."""
+        unknown = changes.keys() - self.__dict__.keys()
+        if unknown:
+            raise TypeError(f"GroupMeta has no field {sorted(unknown)}")
+        new = object.__new__(GroupMeta)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
+
+@dataclass(eq=False)
+class Group:
+    """A group as it is generated, buffered, leased and acknowledged: its metadata and its N
+    siblings. Invariant: ``len(samples) <= meta.group_size``."""
+
+    meta: GroupMeta
+    samples: dict[int, Sample] = field(default_factory=dict)
+
+    @property
+    def group_id(self) -> int:
+        return self.meta.group_id
+
+    @property
+    def state(self) -> GroupState:
+        return self.meta.state
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) == self.meta.group_size
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(self.meta.group_size) if i not in self.samples]
 
     def ordered_samples(self) -> list[Sample]:
         return [self.samples[i] for i in sorted(self.samples)]

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
 from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.report import CheckpointReport, RestoreReport
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rolloutd.domain.errors import ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
@@ -143,9 +142,11 @@ class Sampler:
 
     # --- state for snapshots ---------------------------------------------------------------
 
-    def capture(self) -> SamplerCapture:
-        """O(1) apart from the small readmit and skip queues; call under the exclusive hold."""
-        return SamplerCapture(
+    def capture(self) -> SamplerState:
+        """Shares the append-only submitted list; copies the readmit and skip queues (prompts
+        lost, evicted or rewound: their length, not the dataset's). Call under the exclusive
+        hold."""
+        return SamplerState(
             self._cursor,
             self._submitted,
             self._submitted_head,
@@ -155,62 +156,31 @@ class Sampler:
             tuple(self._skip_ids),
         )
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        epoch, offset = state["cursor"]
-        self._cursor = Position(int(epoch), int(offset))
-        self._submitted = [prompt_from_state(p) for p in state["submitted"]]
-        self._submitted_head = int(state["submitted_head"])
+    def restore(self, state: SamplerState) -> None:
+        self._cursor = state.cursor
+        self._submitted = list(state.submitted_prompts)
+        self._submitted_head = state.submitted_head
         self._submitted_ids = {p.prompt_id for p in self._submitted}
-        self._readmit = deque(
-            Admission(prompt_from_state(a["prompt"]), _position(a["position"]))
-            for a in state["readmit"]
-        )
-        self._skip = {Position(*p) for p in state["skip"]}
-        self._skip_ids = set(state["skip_ids"])
+        self._readmit = deque(state.readmit)
+        self._skip = set(state.skip)
+        self._skip_ids = set(state.skip_ids)
 
 
 @dataclass(frozen=True)
-class SamplerCapture:
+class SamplerState:
+    """The sampler's part of a snapshot: cursor, submitted prompts, queues."""
+
     cursor: Position
     submitted: list[Prompt]
     """The sampler's append-only list, shared: only ``submitted[:submitted_len]`` belongs here."""
     submitted_head: int
+    """Submitted prompts before this index have been admitted."""
     submitted_len: int
     readmit: tuple[Admission, ...]
     skip: tuple[Position, ...]
     skip_ids: tuple[str, ...]
 
-    def state(self) -> dict[str, Any]:
-        """JSON-able; built outside the hold."""
-        return {
-            "cursor": [self.cursor.epoch, self.cursor.offset],
-            "submitted": [prompt_state(p) for p in self.submitted[: self.submitted_len]],
-            "submitted_head": self.submitted_head,
-            "readmit": [
-                {"prompt": prompt_state(a.prompt), "position": _position_state(a.position)}
-                for a in self.readmit
-            ],
-            "skip": [[p.epoch, p.offset] for p in self.skip],
-            "skip_ids": list(self.skip_ids),
-        }
-
-
-def _position(value: list[int] | None) -> Position | None:
-    return None if value is None else Position(int(value[0]), int(value[1]))
-
-
-def _position_state(p: Position | None) -> list[int] | None:
-    return None if p is None else [p.epoch, p.offset]
-
-
-def prompt_state(p: Prompt) -> dict[str, Any]:
-    return {"id": p.prompt_id, "text": p.text, "metadata": p.metadata, "messages": list(p.messages)}
-
-
-def prompt_from_state(d: dict[str, Any]) -> Prompt:
-    return Prompt(
-        prompt_id=str(d["id"]),
-        text=str(d["text"]),
-        metadata=dict(d["metadata"]),
-        messages=tuple(d["messages"]),
-    )
+    @property
+    def submitted_prompts(self) -> list[Prompt]:
+        """The prompts submitted up to the capture (a copy: call outside the hold)."""
+        return self.submitted[: self.submitted_len]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutd.config import EngineConfig
-from rolloutd.engines.base import GenerationEngine
+from rolloutd.domain.engine import GenerationEngine
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 
 

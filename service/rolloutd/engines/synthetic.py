@@ -15,9 +15,9 @@ import time
 from array import array
 from dataclasses import dataclass
 
+from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
-from rolloutd.weights.report import WeightsPhase, WeightsTimeline
+from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 
 _VOCAB = 32_000
 

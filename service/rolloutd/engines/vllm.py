@@ -54,16 +54,16 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from rolloutd.config import EngineConfig
-from rolloutd.domain.group import Prompt, Sample
-from rolloutd.engines.base import (
+from rolloutd.domain.engine import (
     EngineCounters,
     EngineDeadError,
     EngineError,
     EngineStartError,
     GenerationRequest,
 )
+from rolloutd.domain.group import Prompt, Sample
+from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 from rolloutd.engines.vllm_start import GIB, explain_start_failure, output_to, plan_cpu_kv_cache
-from rolloutd.weights.report import WeightsPhase, WeightsTimeline
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from rolloutd.checkpoint.report import (
+from rolloutd.domain.group import GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.report import (
     CheckpointPhase,
     Disposition,
     Outcome,
@@ -23,9 +25,7 @@ from rolloutd.checkpoint.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.domain.group import GroupState
-from rolloutd.domain.mutation import MutationKind
-from rolloutd.weights.report import WeightsOutcome, WeightsPhase, WeightsSource
+from rolloutd.domain.weights import WeightsOutcome, WeightsPhase, WeightsSource
 
 
 class Kind(enum.Enum):

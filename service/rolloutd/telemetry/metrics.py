@@ -24,15 +24,15 @@ from opentelemetry.metrics import (
 )
 
 from rolloutd import __version__
-from rolloutd.checkpoint.report import CheckpointReport, Outcome, RestoreReport
+from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted
-from rolloutd.engines.base import EngineCounters
+from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
+from rolloutd.domain.weights import WeightsReport
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import TOTAL, EngineRequestState, Instrument, Kind
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
-from rolloutd.weights.report import WeightsReport
 
 logger = logging.getLogger(__name__)
 

@@ -17,16 +17,16 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from rolloutd import __version__
-from rolloutd.checkpoint.report import CheckpointReport, RestoreReport
+from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
-from rolloutd.engines.base import EngineCounters
+from rolloutd.domain.report import CheckpointReport, RestoreReport
+from rolloutd.domain.weights import WeightsReport
 from rolloutd.telemetry import spans, throttle
 from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.telemetry.weights import record_weights_update
-from rolloutd.weights.report import WeightsReport
 
 logger = logging.getLogger(__name__)
 logger.addFilter(throttle.SHARED)
@@ -106,7 +106,7 @@ class TelemetryObserver:
             spans.record_checkpoint(self._tracer, report, context)
 
     def weights_updated(self, report: WeightsReport) -> None:
-        """Implements :class:`rolloutd.weights.report.WeightsObserver`; the span tree joins the
+        """Implements :class:`rolloutd.domain.weights.WeightsObserver`; the span tree joins the
         current span (the ``UpdateWeights`` / ``PushWeights`` server span)."""
         with _never_raises("weight update metrics"):
             self.metrics.weights_updated(report)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.group import GroupState
 
 
@@ -35,3 +36,18 @@ class CheckpointState:
     """Seconds since the last completed checkpoint, or since start-up if none."""
     consecutive_failures: int = 0
     """Failed attempts in a row."""
+
+
+def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
+    """The controller's status as the gauges read it."""
+    b = status.buffer
+    return StatusSnapshot(
+        groups={
+            GroupState.GENERATING: b.generating,
+            GroupState.COMMITTED: b.committed,
+            GroupState.LEASED: b.leased,
+            GroupState.ACKED: b.acked,
+        },
+        inflight_samples=status.inflight_samples,
+        policy_version=status.policy_version,
+    )

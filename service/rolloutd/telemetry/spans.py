@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from rolloutd.checkpoint.report import (
+from rolloutd.domain.report import (
     CheckpointReport,
     Outcome,
     PhaseTiming,

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from rolloutd.weights.report import WeightsOutcome, WeightsReport
+from rolloutd.domain.weights import WeightsOutcome, WeightsReport
 
 WEIGHTS_SPAN = "rolloutd.weights.update"
 

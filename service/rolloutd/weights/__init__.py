@@ -2,6 +2,6 @@
 
 Staged (:mod:`~rolloutd.weights.staging`), verified against the served model
 (:mod:`~rolloutd.weights.layout`), then loaded (:mod:`~rolloutd.weights.updater`); what happened
-is reported as plain data (:mod:`~rolloutd.weights.report`). Modules are imported where used, so
+is reported as plain data (:mod:`~rolloutd.domain.weights`). Modules are imported where used, so
 the engines' import of the report does not pull in fsspec.
 """

@@ -24,10 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rolloutd.domain.errors import InvalidArgument
-from rolloutd.weights.fetch import Source, is_url
-from rolloutd.weights.layout import ModelLayout, WeightsRejected, check_headers
-from rolloutd.weights.receive import PushChunk, PushHeader, PushReceiver
-from rolloutd.weights.report import (
+from rolloutd.domain.weights import (
     NullWeightsObserver,
     WeightsObserver,
     WeightsPhase,
@@ -35,6 +32,9 @@ from rolloutd.weights.report import (
     WeightsSource,
     WeightsTimeline,
 )
+from rolloutd.weights.fetch import Source, is_url
+from rolloutd.weights.layout import ModelLayout, WeightsRejected, check_headers
+from rolloutd.weights.receive import PushChunk, PushHeader, PushReceiver
 from rolloutd.weights.staging import FileSpec, StagingArea, check_specs, verify_files
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""The seam between the controller and whatever generates tokens."""
+"""Port of the domain to whatever generates tokens: the engine protocol, its requests, its
+errors and its counters. ``engines/`` implements it; the controller and telemetry use it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
-from rolloutd.weights.report import WeightsTimeline
+from rolloutd.domain.weights import WeightsTimeline
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,11 @@ class SamplingParams:
     """Sampling settings shared by every sibling; each sibling brings its own seed."""
 
     max_tokens: int = 64
+    """Longest completion of one sibling, in tokens."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling threshold."""
 
 
 @dataclass(frozen=True)

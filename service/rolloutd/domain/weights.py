@@ -1,4 +1,5 @@
-"""What a weight update did, as plain data: its phases with true times, bytes and outcome.
+"""What a weight update did, as plain data: its phases with true times, bytes and outcome (a port
+of the domain: the engine records its phases here).
 
 The updater and the engine measure; :mod:`rolloutd.telemetry` turns a :class:`WeightsReport` into
 a span tree and instruments, :mod:`rolloutd.api` into an RPC response. Standard library and the

@@ -1,0 +1,188 @@
+"""Retention and compaction: what keeps a store's size and its restore cost bounded.
+
+* :func:`retire` keeps the newest snapshots and those a predicate selects (:func:`keep_tagged`);
+  retired manifests are moved to ``trash/`` first, so a snapshot disappears whole, never
+  half-deleted in place. Files no kept manifest lists are deleted, the ack journal pruned.
+* :func:`compact` merges segments (those :func:`plan_compaction` picks) into one without removed
+  rows, so restore reads a bounded number of segments.
+
+Neither runs concurrently with writes of the next snapshot: the checkpointer runs them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from rolloutd.checkpoint.backends import (
+    MANIFESTS,
+    SEGMENTS,
+    SIDECARS,
+    TMP,
+    TRASH,
+    CorruptSnapshot,
+    file_name,
+    manifest_path,
+    sequence_of,
+)
+from rolloutd.checkpoint.faults import FaultPoint, fault_point
+from rolloutd.checkpoint.format import Manifest, RowIdSet, SegmentEntry
+
+if TYPE_CHECKING:
+    from rolloutd.checkpoint.store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetireResult:
+    """Sequences kept and retired (newest first), files deleted, journal pruned up to where."""
+
+    kept: tuple[int, ...]
+    retired: tuple[int, ...]
+    deleted_files: int
+    pruned_acks_through: int | None
+
+
+def keep_tagged(min_trainer_step: int | None = None) -> Callable[[Manifest], bool]:
+    """Retention predicate: tagged snapshots, only those of ``min_trainer_step`` or later if set."""
+
+    def keep(manifest: Manifest) -> bool:
+        if not manifest.tag:
+            return False
+        step = manifest.trainer_step
+        return min_trainer_step is None or (step is not None and step >= min_trainer_step)
+
+    return keep
+
+
+def plan_compaction(manifest: Manifest, max_segments: int) -> tuple[SegmentEntry, ...]:
+    """Segments to merge so that at most ``max_segments // 2`` remain; empty when within bounds.
+
+    The smallest by live bytes are chosen, so one compaction rewrites the least data and the
+    large, mostly live segments are left alone (size-tiered compaction).
+    """
+    segments = manifest.segments
+    if len(segments) <= max_segments:
+        return ()
+    count = len(segments) - max(max_segments // 2, 1) + 1
+    ranked = sorted(segments, key=lambda s: s.file.size * s.live_rows / s.rows)
+    return tuple(ranked[:count])
+
+
+def compact(
+    store: SnapshotStore, manifest: Manifest, segments: Sequence[SegmentEntry] | None = None
+) -> Manifest:
+    """``manifest`` with ``segments`` (default: all) merged into one without removed rows.
+
+    The merged segment is written for ``manifest.sequence``; the returned manifest is not
+    published. Sources are read back from the store and verified (:class:`CorruptSnapshot`
+    when one does not), one at a time, so memory stays bounded by the largest segment.
+    """
+    listed = manifest.segments if segments is None else segments
+    paths = {s.file.path for s in listed}
+    if not paths <= {s.file.path for s in manifest.segments}:
+        raise ValueError("can only compact segments the manifest lists")
+    chosen = [s for s in manifest.segments if s.file.path in paths]  # keeps row order
+    if not chosen:
+        return manifest
+    kept_ids: list[np.ndarray] = []
+
+    def live_batches() -> Iterator[pa.RecordBatch]:
+        for segment in chosen:
+            try:
+                reader = store.open_segment(segment)
+            except CorruptSnapshot as exc:
+                raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                ids = batch.column("row_id").to_numpy()
+                if segment.removed:
+                    keep = ~segment.removed.mask(ids)
+                    batch, ids = batch.filter(pa.array(keep)), ids[keep]
+                if batch.num_rows:
+                    kept_ids.append(ids)
+                    yield batch
+
+    name = file_name(manifest.sequence, ".arrow")
+    entry = store.write_batches(name, live_batches(), FaultPoint.COMPACT_MID)
+    ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, np.int64)
+    merged = SegmentEntry(
+        entry, int(ids.size), RowIdSet.from_ids(ids), RowIdSet(), manifest.sequence
+    )
+    at = min(i for i, s in enumerate(manifest.segments) if s.file.path in paths)
+    rest = [s for s in manifest.segments if s.file.path not in paths]
+    new = rest[:at] + ([merged] if merged.rows else []) + rest[at:]
+    return replace(manifest, segments=tuple(new))
+
+
+def retire(
+    store: SnapshotStore, keep_latest: int, keep: Callable[[Manifest], bool] | None = None
+) -> RetireResult:
+    """Keep the newest ``keep_latest`` readable snapshots and those ``keep`` selects.
+
+    Retired manifests are moved to ``trash/`` first (each snapshot disappears whole), then
+    every segment or sidecar no kept manifest lists is deleted, then the trash is emptied and
+    the ack journal pruned up to the oldest kept snapshot's ``acks_through`` (so a fallback to
+    any kept snapshot still finds its acks). Unreadable manifests older than the kept window
+    are retired too; while one is inside the window nothing else is deleted, since the files
+    it lists are unknown. Files of sequences after the newest manifest belong to a snapshot
+    still being written and are left alone.
+    """
+    if keep_latest < 1:
+        raise ValueError(f"keep_latest must be at least 1, not {keep_latest}")
+    sequences = store.sequences()
+    readable: list[Manifest] = []
+    unreadable: list[int] = []
+    for sequence in sequences:
+        try:
+            readable.append(store.load(sequence))
+        except CorruptSnapshot as exc:
+            log.warning("%s", exc)
+            unreadable.append(sequence)
+    latest = readable[:keep_latest]
+    floor = latest[-1].sequence if latest else -1
+    newest = {m.sequence for m in latest}
+    kept = [m for m in readable if m.sequence in newest or (keep is not None and keep(m))]
+    kept_seqs = {m.sequence for m in kept}
+    retired = [m.sequence for m in readable if m.sequence not in kept_seqs]
+    retired += [s for s in unreadable if s < floor]
+    blind = any(s >= floor for s in unreadable)
+
+    store.backend.delete([f"{TRASH}/{n}" for n in store.backend.listdir(TRASH)])
+    for sequence in sorted(retired):
+        store.backend.rename(manifest_path(sequence), f"{TRASH}/{sequence:020d}.json")
+    if retired:
+        store.backend.sync_dirs([MANIFESTS])
+    fault_point(FaultPoint.RETIRE_MID)
+
+    deleted = 0
+    if not blind and sequences:
+        referenced = {entry.path for m in kept for entry in m.files()}
+        doomed = []
+        for prefix in (SEGMENTS, SIDECARS):
+            for name in store.backend.listdir(prefix):
+                written = sequence_of(name)
+                path = f"{prefix}/{name}"
+                if written is not None and written <= sequences[0] and path not in referenced:
+                    doomed.append(path)
+        if store.backend.local:
+            doomed += [f"{TMP}/{n}" for n in store.backend.listdir(TMP)]
+        store.backend.delete(doomed)
+        deleted = len(doomed)
+    store.backend.delete([f"{TRASH}/{n}" for n in store.backend.listdir(TRASH)])
+
+    through = min((m.acks_through for m in kept), default=None)
+    if through is not None:
+        store.journal.prune(through)
+    return RetireResult(
+        kept=tuple(m.sequence for m in kept),
+        retired=tuple(sorted(retired, reverse=True)),
+        deleted_files=deleted,
+        pruned_acks_through=through,
+    )

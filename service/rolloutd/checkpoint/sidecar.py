@@ -1,0 +1,230 @@
+"""The sidecar: :class:`ControllerState` <-> JSON. One encoder, one decoder; pure functions that run
+outside the exclusive hold.
+
+Values are encoded field by field from their dataclass declarations (:func:`to_json`,
+:func:`from_json`), so a field added to ``GroupMeta``, ``Lease``, ``AckRecord``, ``Counters`` ...
+is persisted without being listed again here. Positions are ``[epoch, offset]``, prompts
+``{id, text, metadata, messages}``, enums their value.
+
+The layout (format 1)::
+
+    {"format": 1, "sampler": {...}, "controller": {next_group_id, policy_version, weights_path,
+     max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
+     "finalized_leases": {lease: step}, "lost_acks": [...], "groups": [...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import operator
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from functools import cache
+from typing import Any
+
+from rolloutd.domain.buffer import AckRecord, BufferState, Lease
+from rolloutd.domain.group import GroupMeta, Position, Prompt
+from rolloutd.domain.sampler import Admission, SamplerState
+from rolloutd.domain.state import ControllerState, Counters, LostAck
+
+SIDECAR_FORMAT = 1
+
+
+# --- values ------------------------------------------------------------------------------------
+
+
+def to_json(value: Any) -> Any:
+    """A domain value as JSON-able data, derived from its declaration."""
+    if isinstance(value, tuple | list):
+        return [to_json(v) for v in value]
+    kind: Any = type(value)
+    return _encoder(kind)(value)
+
+
+def from_json(kind: Any, data: Any) -> Any:
+    """The value of type ``kind`` that :func:`to_json` encoded as ``data``."""
+    return _decoder(kind)(data)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _prompt_to_json(p: Prompt) -> dict[str, Any]:
+    return {"id": p.prompt_id, "text": p.text, "metadata": p.metadata, "messages": list(p.messages)}
+
+
+def _prompt_from_json(d: Mapping[str, Any]) -> Prompt:
+    return Prompt(
+        prompt_id=str(d["id"]),
+        text=str(d["text"]),
+        metadata=dict(d["metadata"]),
+        messages=tuple(d["messages"]),
+    )
+
+
+@cache
+def _encoder(kind: Any) -> Callable[[Any], Any]:
+    """value -> JSON for values of type ``kind``, planned once per type from its declaration."""
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        encode = _encoder(inner)
+        return _same if encode is _same else lambda v: None if v is None else encode(v)
+    if origin is tuple or origin is list:
+        item = _encoder(typing.get_args(kind)[0])
+        return list if item is _same else lambda v: [item(x) for x in v]
+    if origin in (dict, Mapping) or kind is Any or kind in (int, float, str, bool, type(None)):
+        return _same
+    if kind is Position:
+        return lambda p: [p.epoch, p.offset]
+    if kind is Prompt:
+        return _prompt_to_json
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return lambda e: e.value
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        plan = [(f.name, _encoder(hints[f.name])) for f in dataclasses.fields(kind)]
+        direct = [name for name, enc in plan if enc is _same]
+        converted = [(name, enc) for name, enc in plan if enc is not _same]
+        get = operator.attrgetter(*direct) if len(direct) > 1 else None
+
+        def encode(v: Any) -> dict[str, Any]:
+            out = dict(zip(direct, get(v), strict=True)) if get else {}
+            if len(direct) == 1:
+                out[direct[0]] = getattr(v, direct[0])
+            for name, enc in converted:
+                out[name] = enc(getattr(v, name))
+            return out
+
+        return encode
+    raise TypeError(f"no sidecar encoding for {kind!r}")
+
+
+@cache
+def _decoder(kind: Any) -> Callable[[Any], Any]:
+    """JSON -> value of type ``kind``, planned once per type from its declaration."""
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        decode = _decoder(inner)
+        return lambda d: None if d is None else decode(d)
+    if origin is tuple:
+        item = _decoder(typing.get_args(kind)[0])
+        return lambda d: tuple(item(x) for x in d)
+    if origin in (dict, Mapping):
+        value = _decoder(typing.get_args(kind)[1])
+        return lambda d: {k: value(v) for k, v in d.items()}
+    if kind is Any:
+        return _same
+    if kind in (int, float, str, bool):
+        return kind  # type: ignore[no-any-return]
+    if kind is Position:
+        return lambda d: Position(int(d[0]), int(d[1]))
+    if kind is Prompt:
+        return _prompt_from_json
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        plan = [(f.name, _decoder(hints[f.name])) for f in dataclasses.fields(kind)]
+        return lambda d: kind(**{name: dec(d[name]) for name, dec in plan})
+    raise TypeError(f"no sidecar decoding for {kind!r}")
+
+
+# --- the sampler -------------------------------------------------------------------------------
+
+
+def sampler_to_json(s: SamplerState) -> dict[str, Any]:
+    return {
+        "cursor": to_json(s.cursor),
+        "submitted": [_prompt_to_json(p) for p in s.submitted_prompts],
+        "submitted_head": s.submitted_head,
+        "readmit": to_json(s.readmit),
+        "skip": to_json(s.skip),
+        "skip_ids": list(s.skip_ids),
+    }
+
+
+def sampler_from_json(d: Mapping[str, Any]) -> SamplerState:
+    submitted = [_prompt_from_json(p) for p in d["submitted"]]
+    return SamplerState(
+        cursor=from_json(Position, d["cursor"]),
+        submitted=submitted,
+        submitted_head=int(d["submitted_head"]),
+        submitted_len=len(submitted),
+        readmit=from_json(tuple[Admission, ...], d["readmit"]),
+        skip=from_json(tuple[Position, ...], d["skip"]),
+        skip_ids=tuple(d["skip_ids"]),
+    )
+
+
+# --- the whole state ---------------------------------------------------------------------------
+
+
+def encode_group(meta: GroupMeta) -> bytes:
+    """One group's metadata as it stands in the sidecar's ``groups`` array."""
+    return json.dumps(_encoder(GroupMeta)(meta), separators=(",", ":"), allow_nan=False).encode()
+
+
+def head(state: ControllerState) -> dict[str, Any]:
+    """The sidecar but for its groups (see :func:`encode`)."""
+    b = state.buffer
+    return {
+        "format": SIDECAR_FORMAT,
+        "sampler": sampler_to_json(state.sampler),
+        "controller": {
+            "next_group_id": state.next_group_id,
+            "policy_version": state.policy_version,
+            "weights_path": state.weights_path,
+            "max_acked_step": state.max_acked_step,
+            "finalized_through": state.finalized_through,
+            "counters": to_json(state.counters),
+            "next_row_id": b.next_row_id,
+        },
+        "leases": to_json(list(b.leases.values())),
+        "acks": to_json(list(b.acks.values())),
+        "finalized_leases": dict(b.finalized_leases),
+        "lost_acks": to_json(state.lost_acks),
+    }
+
+
+def encode(state: ControllerState, groups: Iterable[bytes]) -> bytes:
+    """The sidecar of ``state`` (whose ledger is whole). ``groups`` is every live group as
+    :func:`encode_group` bytes: the checkpointer encodes a group once when it changes and only
+    concatenates the others, so a checkpoint's encoding work follows its delta rather than the
+    size of the buffer."""
+    data = json.dumps(head(state), separators=(",", ":"), allow_nan=False).encode()
+    return data[:-1] + b',"groups":[' + b",".join(groups) + b"]}"
+
+
+def decode(d: Mapping[str, Any]) -> ControllerState:
+    """The whole state a sidecar holds, but for its rows (they are in the segments)."""
+    if d.get("format") != SIDECAR_FORMAT:
+        raise ValueError(f"sidecar format {d.get('format')!r}, expected {SIDECAR_FORMAT}")
+    c = d["controller"]
+    leases = [from_json(Lease, v) for v in d["leases"]]
+    acks = [from_json(AckRecord, v) for v in d["acks"]]
+    metas = [from_json(GroupMeta, v) for v in d["groups"]]
+    return ControllerState(
+        buffer=BufferState(
+            new_rows=(),
+            removed_rows=[],
+            groups={m.group_id: m for m in metas},
+            leases={lease.lease_id: lease for lease in leases},
+            acks={r.lease_id: r for r in acks},
+            finalized_leases=dict(d["finalized_leases"]),
+            next_row_id=int(c["next_row_id"]),
+        ),
+        sampler=sampler_from_json(d["sampler"]),
+        counters=from_json(Counters, c["counters"]),
+        next_group_id=int(c["next_group_id"]),
+        policy_version=int(c["policy_version"]),
+        weights_path=c["weights_path"],
+        max_acked_step=int(c["max_acked_step"]),
+        finalized_through=int(c["finalized_through"]),
+        lost_acks=from_json(tuple[LostAck, ...], d["lost_acks"]),
+    )

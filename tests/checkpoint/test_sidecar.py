@@ -1,0 +1,67 @@
+import json
+
+from rolloutd.checkpoint import sidecar
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import GroupMeta, Prompt
+from rolloutd.domain.sampler import Admission, Sampler
+from tests.fakes import GatedEngine, settle
+
+
+async def test_the_spliced_sidecar_is_the_json_of_the_whole_state():
+    prompts = [
+        Prompt(f"p{i}", f"q {i}", metadata={"answer": i, "note": 'quotes " and \\\\'})
+        for i in range(6)
+    ]
+    c = Controller(
+        ControllerConfig(group_size=2, max_in_flight=3, buffer_capacity=3),
+        GatedEngine(auto=True),
+        Sampler(prompts, seed=0),
+    )
+    c.start()
+    await settle(lambda: c.status().buffer.committed == 3)
+    async with c.barrier.exclusive():
+        capture = c.capture()
+    await c.stop()
+    metas = [m for m in capture.buffer.groups.values() if isinstance(m, GroupMeta)]
+    data = sidecar.encode(capture, [sidecar.encode_group(m) for m in metas])
+    parsed = json.loads(data)
+    assert parsed["groups"] == [sidecar.to_json(m) for m in metas]
+    assert {k: v for k, v in parsed.items() if k != "groups"} == json.loads(
+        json.dumps(sidecar.head(capture))
+    )
+    empty = json.loads(sidecar.encode(capture, []))
+    assert empty["groups"] == []
+
+
+async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
+    prompts = [Prompt(f"p{i}", f"q {i}", metadata={"answer": i}) for i in range(8)]
+    c = Controller(
+        ControllerConfig(group_size=2, max_in_flight=2, buffer_capacity=4, rewind_window=0),
+        GatedEngine(auto=True),
+        Sampler(prompts, seed=0),
+    )
+    c.start()
+    await settle(lambda: c.status().buffer.committed == 4)
+    lease, _ = await c.fetch(2, 0, "t")
+    await c.ack(lease.lease_id, 3)  # finalized at once (window 0): the ledger has an entry
+    lease, _ = await c.fetch(1, 0, "t")
+    await c.submit([Admission(Prompt("s", "submitted"), None)])
+    async with c.barrier.exclusive():
+        capture = c.capture()
+    await c.stop()
+    metas = [m for m in capture.buffer.groups.values() if m is not None]
+    decoded = sidecar.decode(json.loads(sidecar.encode(capture, map(sidecar.encode_group, metas))))
+    assert decoded.buffer.groups == {m.group_id: m for m in metas}
+    assert (
+        decoded.buffer.leases == capture.buffer.leases and lease.lease_id in decoded.buffer.leases
+    )
+    assert decoded.buffer.acks == capture.buffer.acks
+    assert decoded.buffer.finalized_leases == capture.buffer.finalized_leases != {}
+    assert decoded.sampler.cursor == capture.sampler.cursor
+    assert decoded.sampler.submitted_prompts == capture.sampler.submitted_prompts != []
+    assert decoded.counters == capture.counters
+    assert (decoded.next_group_id, decoded.max_acked_step, decoded.finalized_through) == (
+        capture.next_group_id,
+        capture.max_acked_step,
+        capture.finalized_through,
+    )
