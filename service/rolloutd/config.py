@@ -73,7 +73,9 @@ class SyntheticSettings(_Section):
     latency_s: float = Field(0.0, ge=0)
     """Median extra latency of a synthetic request."""
     latency_sigma: float = Field(0.0, ge=0)
-    """Log-normal spread of that latency."""
+    """Log-normal spread of that latency (0: constant)."""
+    min_tokens: int = Field(8, gt=0)
+    """Shortest synthetic completion; lengths are uniform in [min_tokens, engine.max_tokens]."""
 
 
 class VLLMSettings(_Section):

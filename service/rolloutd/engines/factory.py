@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rolloutd.config import EngineConfig
 from rolloutd.domain.engine import GenerationEngine
-from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
+from rolloutd.engines.synthetic import SyntheticEngine
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,8 @@ def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
     """``max_sequences``: the most siblings that may generate at once (the vLLM engine sizes its
     KV cache on CPU for them)."""
     if config.kind == "synthetic":
-        s = config.synthetic
         return BuiltEngine(
-            SyntheticEngine(SyntheticConfig(s.tokens_per_s, s.latency_s, s.latency_sigma)),
+            SyntheticEngine(config.synthetic),
             "synthetic",
             None if config.model is None else Path(config.model),
         )

@@ -13,8 +13,8 @@ import math
 import random
 import time
 from array import array
-from dataclasses import dataclass
 
+from rolloutd.config import SyntheticSettings
 from rolloutd.domain.engine import EngineCounters, GenerationRequest
 from rolloutd.domain.group import Sample
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
@@ -22,25 +22,12 @@ from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 _VOCAB = 32_000
 
 
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """Shape of the synthetic workload."""
-
-    tokens_per_s: float = 2_000.0
-    """Generation speed of one request; 0 means instant."""
-    latency_s: float = 0.0
-    """Median extra latency before the first token."""
-    latency_sigma: float = 0.0
-    """Log-normal spread of that latency (0: constant)."""
-    min_tokens: int = 8
-    """Shortest completion; lengths are uniform in [min_tokens, max_tokens]."""
-
-
 class SyntheticEngine:
     name = "synthetic"
 
-    def __init__(self, config: SyntheticConfig | None = None) -> None:
-        self._config = config or SyntheticConfig()
+    def __init__(self, config: SyntheticSettings | None = None) -> None:
+        """``config``: the ``engine.synthetic`` keys."""
+        self._config = config or SyntheticSettings()
         self._version = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
