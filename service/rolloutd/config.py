@@ -4,11 +4,18 @@ Every key is declared here, with its default and meaning; this model is the sing
 for configuration (``docs/configuration.md`` is generated from it). Errors name the offending key.
 Environment variables nest with a double underscore: ``ROLLOUTD_LIMITS__MAX_IN_FLIGHT=32`` sets
 ``limits.max_in_flight``; values are parsed as YAML scalars.
+
+Kubernetes injects service-link variables for every Service in the namespace, and a Service named
+``rolloutd-admin`` yields ``ROLLOUTD_ADMIN_SERVICE_HOST`` and friends. Exactly kubelet's naming
+pattern is skipped (logged at debug); every other unknown ``ROLLOUTD_*`` name is still refused, so
+a mistyped key never passes silently.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +24,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "ROLLOUTD_"
+
+log = logging.getLogger(__name__)
+
+SERVICE_LINK = re.compile(
+    r"^(?:[A-Z0-9_]*_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+    r"|PORT(?:_[0-9]+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)$"
+)
+"""The names kubelet gives a Service's links: ``{NAME}_SERVICE_HOST``, ``{NAME}_SERVICE_PORT``,
+``{NAME}_SERVICE_PORT_{PORT_NAME}``, ``{NAME}_PORT`` and ``{NAME}_PORT_{N}_{PROTO}[_PROTO|_PORT|
+_ADDR]``. None of them can be a configuration key: keys below a section need ``__``, and no
+top-level key ends like this."""
 
 
 class ConfigError(ValueError):
@@ -234,6 +252,9 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
         if dotted in _NON_CONFIG_ENV:
+            continue
+        if "__" not in name and SERVICE_LINK.match(name):
+            log.debug("ignoring %s: a Kubernetes service link, not a configuration key", name)
             continue
         _set_dotted(tree, dotted, yaml.safe_load(raw) if raw != "" else None)
     return tree
