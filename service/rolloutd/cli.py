@@ -91,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from rolloutd.engines.base import EngineStartError
     from rolloutd.server import RolloutService
+    from rolloutd.startup import START_FAILURES, describe
 
     overrides = {
         key: getattr(args, dest)
@@ -106,13 +106,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
-        service = RolloutService(config)
-        service.install_signal_handlers()
         try:
+            service = RolloutService(config)
+            service.install_signal_handlers()
             await service.start()
-        except EngineStartError as exc:
+        except START_FAILURES as exc:
             logging.getLogger("rolloutd").debug("start failed", exc_info=True)
-            print(f"rolloutd: {exc}", file=sys.stderr)
+            print(f"rolloutd: {describe(exc, config)}", file=sys.stderr)
             return 1
         return await service.run_until_stopped()
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "trainer":
-        from rolloutd.trainer import ServiceNotReady, TrainerConfig, run
+        from rolloutd.trainer import RequestFailed, ServiceNotReady, TrainerConfig, run
 
         cfg = TrainerConfig(
             endpoints=args.target.split(","),
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             run(cfg, out=lambda line: print(line, flush=True))
-        except ServiceNotReady as exc:
+        except (ServiceNotReady, RequestFailed) as exc:
+            logging.getLogger("rolloutd").debug("trainer failed", exc_info=True)
             print(f"rolloutd trainer: {exc}", file=sys.stderr)
             return 1
         return 0

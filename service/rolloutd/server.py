@@ -38,6 +38,7 @@ from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.base import GenerationEngine, SamplingParams
 from rolloutd.engines.factory import build_engine
+from rolloutd.startup import PortUnavailable
 from rolloutd.telemetry.interceptors import server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
@@ -339,10 +340,13 @@ class RolloutService:
             server,
         )
         address = f"{cfg.host}:{cfg.port}"
-        if self._credentials is not None:
-            port = server.add_secure_port(address, self._credentials)
-        else:
-            port = server.add_insecure_port(address)
+        try:
+            if self._credentials is not None:
+                port = server.add_secure_port(address, self._credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc says only "Failed to bind to address ..."
+            raise PortUnavailable("gRPC", address, "--grpc-port", "grpc.port", "in use") from exc
         await server.start()
         self._server = server
         http_address = None
@@ -351,7 +355,14 @@ class RolloutService:
                 self, self.telemetry.prometheus_registry, auth_token=self.config.auth.token
             )
             self._admin = AdminServer(app, host=self.config.http.host, port=self.config.http.port)
-            http_address = f"{self.config.http.host}:{await self._admin.start()}"
+            try:
+                http_port = await self._admin.start()
+            except OSError as exc:
+                where = f"{self.config.http.host}:{self.config.http.port}"
+                raise PortUnavailable(
+                    "admin HTTP", where, "--http-port", "http.port", exc.strerror or str(exc)
+                ) from exc
+            http_address = f"{self.config.http.host}:{http_port}"
         self._gauges = asyncio.create_task(self._refresh_status(), name="rolloutd-status-gauges")
         await self.engine.start()
         if self.config.restore != "none":
