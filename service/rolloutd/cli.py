@@ -34,9 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rolloutd {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    # Also after the subcommand (`rolloutd serve --log-level debug`); there it wins.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the service")
+    serve = sub.add_parser("serve", help="run the service", parents=[after])
     serve.add_argument("--config", help="YAML config file")
     serve.add_argument("--engine", choices=["vllm", "synthetic"])
     serve.add_argument(
@@ -56,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--restore", help="latest, none, a sequence number or a tag")
     serve.add_argument("--max-tokens", type=int, help="longest completion per sibling")
 
-    trainer = sub.add_parser("trainer", help="example trainer: fetch, train, ack, report progress")
+    trainer = sub.add_parser(
+        "trainer", help="example trainer: fetch, train, ack, report progress", parents=[after]
+    )
     trainer.add_argument(
         "--target", default="localhost:50051", help="comma-separated host:port list"
     )
@@ -81,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     trainer.add_argument("--token", help="bearer token")
 
-    tiny = sub.add_parser("tiny-model", help="build the tiny random Llama model into DIR")
+    tiny = sub.add_parser(
+        "tiny-model", help="build the tiny random Llama model into DIR", parents=[after]
+    )
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
 
@@ -120,7 +127,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # `checkpoints` has a parser of its own (rolloutd.checkpoint.inspect): what this one does not
+    # know, `--help` included, is passed on to it.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "checkpoints":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "checkpoints":
         from rolloutd.checkpoint.inspect import main as checkpoints_main
 
-        return checkpoints_main(args.args)
+        return checkpoints_main([*unknown, *args.args])
     raise AssertionError(args.command)
 
 

@@ -145,7 +145,11 @@ class CheckpointConfig(_Section):
     interval_s: float = Field(60.0, ge=0)
     """Periodic checkpoint interval in seconds; 0 disables periodic checkpoints."""
     keep_latest: int = Field(3, gt=0)
-    """Snapshots kept besides those tagged by a trainer step still needed."""
+    """Newest snapshots kept, tagged or not."""
+    keep_tagged: int = Field(10, ge=0)
+    """Newest tagged snapshots kept besides keep_latest, whatever their trainer step: rollback
+    points for --restore TAG (0: tags protect nothing). Snapshots whose trainer step a Rewind
+    may still need (within limits.rewind_window) are kept as well; all others are retired."""
     max_consecutive_failures: int = Field(3, gt=0)
     """Failed attempts in a row after which the service reports not-ready."""
     timeout_s: float = Field(120.0, gt=0)

@@ -119,6 +119,7 @@ class RolloutService:
             CheckpointerConfig(
                 interval_s=ckpt.interval_s,
                 keep_latest=ckpt.keep_latest,
+                keep_tagged=ckpt.keep_tagged,
                 max_consecutive_failures=ckpt.max_consecutive_failures,
                 timeout_s=ckpt.timeout_s,
                 compact_segments=ckpt.compact_segments,

@@ -209,3 +209,11 @@ async def test_a_port_in_use_is_an_error_for_the_caller(state):
         )
         with pytest.raises(OSError):
             await server.start()
+
+
+@pytest.mark.parametrize("body", [{"tag": "5"}, {"tag": "latest"}, {"tag": "x", "trainer_stp": 3}])
+async def test_post_checkpoint_refuses_ambiguous_tags_and_unknown_fields(client, state, body):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    response = await client.post("/v1/checkpoints", json=body, headers=auth)
+    assert response.status_code == 422, response.text
+    assert state.requests == []

@@ -155,3 +155,16 @@ def pb_stub(channel):
     from rolloutd.v1 import rollout_pb2_grpc
 
     return rollout_pb2_grpc.RolloutServiceStub(channel)
+
+
+@pytest.mark.parametrize("tag", ["5", "007", "latest", "none"])
+async def test_a_tag_that_reads_as_a_sequence_or_keyword_is_refused(serve, tag):
+    """--restore and `checkpoints show` read digits as a sequence: such a tag would be unreachable."""
+    service, stub = await serve()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Checkpoint(pb.CheckpointRequest(tag=tag))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tag" in info.value.details()
+    assert service.store.sequences() == []
+    ok = await stub.Checkpoint(pb.CheckpointRequest(tag="step-5"))
+    assert ok.outcome == pb.CHECKPOINT_OUTCOME_COMPLETED

@@ -351,3 +351,37 @@ async def test_an_attempt_that_times_out_but_publishes_later_does_not_block_the_
 
 def late_sequence(node):
     return sorted(node.store.sequences())[-2]
+
+
+TAGS = {1: ("step-1", 1), 2: ("manual-1", None), 5: ("step-5", 5), 10: ("step-10", 10)}
+
+
+async def _tagged_history(node: Node, steps: int) -> None:
+    """One checkpoint per trainer step, tagged as TAGS says (the rollback walkthrough's tags)."""
+    node.controller.start()
+    for step in range(1, steps + 1):
+        await settle(lambda: node.controller.status().buffer.committed >= 1)
+        lease, _groups = await node.controller.fetch(1, 100, "t")
+        await node.controller.ack(lease.lease_id, step)
+        tag, trainer_step = TAGS.get(step, ("", step))
+        report = await node.checkpoint(tag=tag, trainer_step=trainer_step)
+        assert report.outcome is Outcome.COMPLETED, report
+    await node.controller.stop()
+
+
+async def test_retention_keeps_the_newest_tagged_snapshots(nodes):
+    """keep_latest=2, rewind_window=2: without keep_tagged only step-10's snapshot would be
+    needed by a rewind, and manual-1 (no trainer step) never; keep_tagged keeps all four."""
+    a = nodes(rewind_window=2)
+    await _tagged_history(a, 14)
+    tags = [m.tag for m in a.store.list() if m.tag]
+    assert tags == ["step-10", "step-5", "manual-1", "step-1"]
+    assert len(a.store.list()) == 2 + 4
+
+
+async def test_keep_tagged_bounds_what_tags_protect(nodes):
+    a = nodes(rewind_window=2)
+    a.checkpointer.config = replace(a.checkpointer.config, keep_tagged=1)
+    await _tagged_history(a, 14)
+    assert [m.tag for m in a.store.list() if m.tag] == ["step-10"]
+    assert len(a.store.list()) == 3

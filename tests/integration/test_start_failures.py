@@ -127,3 +127,19 @@ def test_trainer_asking_too_much_is_one_line(tmp_path: Path) -> None:
     finally:
         p.terminate()
     _assert_one_line(result, "rolloutd trainer: ", "INVALID_ARGUMENT", "max_groups")
+
+
+def test_log_level_is_taken_after_the_subcommand_too(tmp_path: Path) -> None:
+    result = _rolloutd(
+        "serve", "--engine", "synthetic", "--dataset", "nope.jsonl", "--log-level", "debug",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_checkpoints_help(tmp_path: Path, flag: str) -> None:
+    result = _rolloutd("checkpoints", flag, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "usage: rolloutd checkpoints" in result.stdout
+    assert "list" in result.stdout and "verify" in result.stdout

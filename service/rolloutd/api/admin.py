@@ -24,10 +24,11 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, status
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rolloutd import __version__
 from rolloutd.checkpoint.report import CheckpointReport, Outcome, Reason, Trigger
+from rolloutd.checkpoint.tags import tag_problem
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,24 @@ class Readiness(BaseModel):
 
 
 class CheckpointRequest(BaseModel):
-    tag: str = Field("", max_length=256, description="Label stored with the snapshot.")
+    model_config = ConfigDict(extra="forbid")
+
+    tag: str = Field(
+        "",
+        description="Label stored with the snapshot; not all digits, latest or none (those "
+        "name a sequence or a --restore keyword).",
+    )
     trainer_step: int | None = Field(
         None, ge=0, description="Trainer checkpoint step: acks up to it are finalized."
     )
+
+    @field_validator("tag")
+    @classmethod
+    def _tag_names_only_itself(cls, tag: str) -> str:
+        problem = tag_problem(tag)
+        if problem is not None:
+            raise ValueError(problem)
+        return tag
 
 
 class CheckpointResult(BaseModel):

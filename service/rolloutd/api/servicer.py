@@ -14,6 +14,7 @@ import grpc
 from rolloutd.api import convert
 from rolloutd.api.errors import status_of
 from rolloutd.checkpoint.report import CheckpointReport
+from rolloutd.checkpoint.tags import tag_problem
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import InvalidArgument, RolloutError, Unavailable
 from rolloutd.domain.lifecycle import ServingState
@@ -142,8 +143,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         step = request.trainer_step if request.HasField("trainer_step") else None
         if step is not None and step < 0:
             raise InvalidArgument("trainer_step", f"must be >= 0, got {step}")
-        if len(request.tag) > 128:
-            raise InvalidArgument("tag", "must be at most 128 characters")
+        problem = tag_problem(request.tag)
+        if problem is not None:
+            raise InvalidArgument("tag", problem)
         report = await self._host.checkpoint(request.tag, step)
         return convert.checkpoint_to_proto(report)
 

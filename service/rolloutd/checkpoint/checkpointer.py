@@ -51,7 +51,10 @@ class CheckpointerConfig:
     interval_s: float = 60.0
     """Seconds between periodic checkpoints; 0 disables them."""
     keep_latest: int = 3
-    """Snapshots kept besides those tagged with a trainer step still inside the rewind window."""
+    """Newest snapshots kept, tagged or not."""
+    keep_tagged: int = 10
+    """Newest tagged snapshots kept besides them, whatever their trainer step (rollback points);
+    tagged ones with a trainer step still inside the rewind window are kept too."""
     max_consecutive_failures: int = 3
     """Failed attempts in a row after which the service turns not-ready."""
     timeout_s: float = 120.0
@@ -293,10 +296,19 @@ class Checkpointer:
                 manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = capture.max_acked_step - self.controller.config.rewind_window
-            await asyncio.to_thread(
-                self.store.retire, self.config.keep_latest, keep_tagged(oldest_step)
-            )
+            await asyncio.to_thread(self._retire, oldest_step)
         return manifest, groups, finalized
+
+    def _retire(self, oldest_step: int) -> None:
+        """Retention (in a worker thread): the newest ``keep_latest``, the newest
+        ``keep_tagged`` tagged ones, and the tagged ones a Rewind to ``oldest_step`` or later may
+        need."""
+        rollback_points = {m.sequence for m in self.store.list() if m.tag}
+        newest_tagged = set(sorted(rollback_points, reverse=True)[: self.config.keep_tagged])
+        needed = keep_tagged(oldest_step)
+        self.store.retire(
+            self.config.keep_latest, lambda m: m.sequence in newest_tagged or needed(m)
+        )
 
     def _report(self, report: CheckpointReport) -> CheckpointReport:
         self.last_attempt = report
