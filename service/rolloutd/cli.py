@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
         help="give up on an endpoint that has not answered at all for this long",
     )
     trainer.add_argument("--token", help="bearer token")
+    trainer.add_argument("--tls-ca", help="PEM CA bundle of the service's certificate (TLS)")
+    trainer.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    trainer.add_argument("--tls-key", help="PEM key of --tls-cert")
 
     tiny = sub.add_parser(
         "tiny-model", help="build the tiny random Llama model into DIR", parents=[after]
@@ -144,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "trainer":
         from rolloutd.trainer import RequestFailed, ServiceNotReady, TrainerConfig, run
 
+        if (args.tls_cert is None) != (args.tls_key is None):
+            parser.error("--tls-cert and --tls-key go together")
+
         cfg = TrainerConfig(
             endpoints=args.target.split(","),
             groups_per_step=args.groups_per_step,
@@ -154,12 +160,22 @@ def main(argv: list[str] | None = None) -> int:
             ready_timeout_s=args.ready_timeout_s,
             unreachable_timeout_s=args.unreachable_timeout_s,
             token=args.token,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
         try:
             run(cfg, out=lambda line: print(line, flush=True))
         except (ServiceNotReady, RequestFailed) as exc:
             logging.getLogger("rolloutd").debug("trainer failed", exc_info=True)
             print(f"rolloutd trainer: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # the only files it reads are the TLS ones
+            print(
+                f"rolloutd trainer: {exc.filename}: {exc.strerror}; check --tls-ca, --tls-cert "
+                "and --tls-key",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if args.command == "tiny-model":

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -56,8 +57,14 @@ class RolloutClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         secure: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         interceptors: Iterable[grpc.UnaryUnaryClientInterceptor] | None = None,
     ) -> None:
+        """``secure``: TLS, trusting the system's CA roots. ``tls_ca``: a PEM CA bundle to trust
+        instead (implies TLS; for a private CA). ``tls_cert``/``tls_key``: a PEM client
+        certificate and key, for a server that requires them (``grpc.tls_client_ca``)."""
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise ValueError("at least one endpoint is required")
@@ -71,11 +78,12 @@ class RolloutClient:
             interceptors = _default_interceptors()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.RolloutServiceStub] = {}
+        credentials = _channel_credentials(secure, tls_ca, tls_cert, tls_key)
         for ep in self.endpoints:
             channel = (
-                grpc.secure_channel(ep, grpc.ssl_channel_credentials())
-                if secure
-                else grpc.insecure_channel(ep)
+                grpc.insecure_channel(ep)
+                if credentials is None
+                else grpc.secure_channel(ep, credentials)
             )
             channel = grpc.intercept_channel(channel, *interceptors)
             self._channels[ep] = channel
@@ -212,6 +220,21 @@ def _prompt(p: dict[str, Any]) -> pb.Prompt:
         messages=[
             pb.ChatMessage(role=m["role"], content=m["content"]) for m in p.get("messages", ())
         ],
+    )
+
+
+def _channel_credentials(
+    secure: bool, ca: str | None, cert: str | None, key: str | None
+) -> grpc.ChannelCredentials | None:
+    """None for plaintext; reads the PEM files once, so a missing one fails at construction."""
+    if (cert is None) != (key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
+    if not (secure or ca or cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes() if ca else None,
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None,
     )
 
 

@@ -178,6 +178,9 @@ class GrpcConfig(_Section):
     """PEM certificate chain; with tls_key, serves TLS."""
     tls_key: str | None = None
     """PEM private key."""
+    tls_client_ca: str | None = None
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).
+    Needs tls_cert and tls_key."""
 
 
 class HttpConfig(_Section):
@@ -223,6 +226,8 @@ class Config(_Section):
             )
         if (self.grpc.tls_cert is None) != (self.grpc.tls_key is None):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
+        if self.grpc.tls_client_ca is not None and self.grpc.tls_cert is None:
+            raise ValueError("grpc.tls_client_ca needs grpc.tls_cert and grpc.tls_key")
         return self
 
     def semantic_fingerprint(self, dataset_digest: str, model_id: str) -> dict[str, Any]:

@@ -151,7 +151,11 @@ class RolloutService:
         tls = config.grpc
         self._credentials = (
             grpc.ssl_server_credentials(
-                [(Path(tls.tls_key).read_bytes(), Path(tls.tls_cert).read_bytes())]
+                [(Path(tls.tls_key).read_bytes(), Path(tls.tls_cert).read_bytes())],
+                root_certificates=Path(tls.tls_client_ca).read_bytes()
+                if tls.tls_client_ca
+                else None,
+                require_client_auth=tls.tls_client_ca is not None,
             )
             if tls.tls_cert and tls.tls_key
             else None

@@ -38,6 +38,11 @@ class TrainerConfig:
     """How long an endpoint may go without answering at all before the trainer gives up on it: a
     service that is starting answers (not ready), one that exited does not."""
     token: str | None = None
+    tls_ca: str | None = None
+    """PEM CA bundle that signed the service's certificate; set, the trainer speaks TLS."""
+    tls_cert: str | None = None
+    """PEM client certificate, for a service that requires one (grpc.tls_client_ca)."""
+    tls_key: str | None = None
 
 
 class ServiceNotReady(RuntimeError):
@@ -128,7 +133,13 @@ def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
     """Returns the number of steps taken. A request the service refuses (a missing token, a
     batch above its limits) or a service gone for longer than the client retries raises
     ``RequestFailed`` with one line that says what to do."""
-    with RolloutClient(cfg.endpoints, token=cfg.token) as client:
+    with RolloutClient(
+        cfg.endpoints,
+        token=cfg.token,
+        tls_ca=cfg.tls_ca,
+        tls_cert=cfg.tls_cert,
+        tls_key=cfg.tls_key,
+    ) as client:
         wait_until_ready(client, cfg.ready_timeout_s, out, cfg.unreachable_timeout_s)
         try:
             return _train(cfg, client, out)
