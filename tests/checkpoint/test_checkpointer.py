@@ -385,3 +385,19 @@ async def test_keep_tagged_bounds_what_tags_protect(nodes):
     await _tagged_history(a, 14)
     assert [m.tag for m in a.store.list() if m.tag] == ["step-10"]
     assert len(a.store.list()) == 3
+
+
+async def test_a_skip_with_no_changes_counts_as_fresh(nodes):
+    """An idle, healthy service has a current snapshot: since_success must not keep growing
+    (RolloutdCheckpointStale fired on idle pods)."""
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)  # the buffer is full
+    assert (await a.checkpointer.checkpoint(Trigger.PERIODIC)).outcome is Outcome.COMPLETED
+    completed_at = a.checkpointer.last_success_at
+    await asyncio.sleep(0.3)
+    skipped = await a.checkpointer.checkpoint(Trigger.PERIODIC)
+    assert (skipped.outcome, skipped.reason) == (Outcome.SKIPPED, Reason.NO_CHANGES)
+    assert a.checkpointer.since_success_s() < 0.2
+    assert a.checkpointer.last_success_at == completed_at  # still the last snapshot written
+    await a.controller.stop()

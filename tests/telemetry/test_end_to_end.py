@@ -37,7 +37,7 @@ from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
-CHECKPOINT_RPC = "/rolloutd.v1.RolloutService/Checkpoint"
+CHECKPOINT_RPC = "rolloutd.v1.RolloutService/Checkpoint"
 CHECKPOINT_PHASES = sorted(f"rolloutd.checkpoint.{p.value}" for p in CheckpointPhase)
 RESTORE_PHASES = sorted(f"rolloutd.restore.{p.value}" for p in RestorePhase)
 PROTOCOLS = {"grpc": "grpc", "http": "http/protobuf"}

@@ -126,6 +126,9 @@ class Checkpointer:
         self.last_success: CheckpointReport | None = None
         self.last_success_at = time.time()
         """Wall-clock time of the last completed snapshot (start-up until there is one)."""
+        self._current_at = time.time()
+        """When the store was last known to hold everything: a completed attempt, or a periodic
+        one skipped because nothing changed since (an idle service is not stale)."""
 
     def adopt(self, manifest: Manifest, groups: dict[int, GroupMeta]) -> None:
         """Continue incrementally from a restored snapshot, loaded into the buffer just now."""
@@ -138,7 +141,8 @@ class Checkpointer:
         return 0 if self._parent is None else self._parent.sequence
 
     def since_success_s(self) -> float:
-        return time.time() - self.last_success_at
+        """Seconds since the snapshot was last known current (see ``_current_at``)."""
+        return time.time() - self._current_at
 
     async def checkpoint(
         self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
@@ -315,6 +319,9 @@ class Checkpointer:
         if report.outcome is Outcome.COMPLETED:
             self.consecutive_failures = 0
             self.last_success, self.last_success_at = report, report.ended_ns / 1e9
+            self._current_at = self.last_success_at
+        elif report.reason is Reason.NO_CHANGES:
+            self._current_at = report.ended_ns / 1e9
         elif report.outcome is Outcome.FAILED:
             self.consecutive_failures += 1
             log.error(

@@ -178,7 +178,8 @@ CHECKPOINT_INTERVAL = Instrument(
 )  # fmt: skip
 CHECKPOINT_SINCE_SUCCESS = Instrument(
     "rolloutd.checkpoint.since_success", Kind.OBSERVABLE_GAUGE, "s",
-    "Seconds since the last completed checkpoint (since start-up if none).", Area.CADENCE,
+    "Seconds since the snapshot was last known current: a completed checkpoint, or a periodic "
+    "one skipped because nothing changed (since start-up if neither).", Area.CADENCE,
 )  # fmt: skip
 CHECKPOINT_SPACING = Instrument(
     "rolloutd.checkpoint.spacing", Kind.HISTOGRAM, "s",

@@ -9,16 +9,35 @@ the global one, which is the trainer's. Context crosses the wire with the global
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import grpc
-from opentelemetry.instrumentation.grpc import (
-    aio_server_interceptor,
-    client_interceptor,
-    grpcext,
-)
-from opentelemetry.trace import TracerProvider
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
+from opentelemetry.instrumentation.grpc._aio_server import OpenTelemetryAioServerInterceptor
+from opentelemetry.instrumentation.grpc.version import __version__ as instrumentation_version
+from opentelemetry.trace import Span, TracerProvider
+
+
+def span_name(full_method: str) -> str:
+    """The RPC semantic conventions' span name, ``rolloutd.v1.RolloutService/Checkpoint``: gRPC's
+    method path without its leading slash."""
+    return full_method.lstrip("/")
+
+
+class _ServerInterceptor(OpenTelemetryAioServerInterceptor):
+    """The instrumentation's aio server interceptor, with conventional span names (it names
+    spans by the raw method path, ``/package.Service/Method``)."""
+
+    @contextmanager
+    def _start_span(
+        self, handler_call_details: Any, context: Any, set_status_on_exception: bool = False
+    ) -> Iterator[Span]:
+        with super()._start_span(handler_call_details, context, set_status_on_exception) as span:
+            span.update_name(span_name(handler_call_details.method))
+            yield span
 
 
 def server_interceptors(
@@ -26,7 +45,13 @@ def server_interceptors(
 ) -> list[grpc.aio.ServerInterceptor]:
     """For ``grpc.aio.server(interceptors=...)``: one server span per RPC, current while the
     handler runs, so spans the handler records (a checkpoint's phase tree) nest below it."""
-    return [aio_server_interceptor(tracer_provider=tracer_provider)]
+    tracer = trace.get_tracer(
+        "opentelemetry.instrumentation.grpc",
+        instrumentation_version,
+        tracer_provider,
+        schema_url="https://opentelemetry.io/schemas/1.11.0",
+    )
+    return [_ServerInterceptor(tracer)]
 
 
 class _ClientInfo(NamedTuple):
@@ -77,7 +102,7 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor):
             )
             return continuation(traced, request)
 
-        info = _ClientInfo(details.method, details.timeout)
+        info = _ClientInfo(span_name(details.method), details.timeout)
         return self._interceptor.intercept_unary(request, details.metadata, info, invoker)
 
 
