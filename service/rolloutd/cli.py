@@ -34,9 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rolloutd {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    # Also after the subcommand (`rolloutd serve --log-level debug`); there it wins.
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one object a line, with trace_id and span_id inside a span",
+    )
+    # Also after the subcommand (`rolloutd serve --log-level debug`); there they win.
     after = argparse.ArgumentParser(add_help=False)
     after.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
+    after.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the service", parents=[after])
@@ -136,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "checkpoints":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        # A descriptor of its own: while vLLM starts, stdout and stderr point at vLLM's log file.
-        stream=os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1),
-    )
+    # A descriptor of its own: while vLLM starts, stdout and stderr point at vLLM's log file.
+    handler = logging.StreamHandler(os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1))
+    if args.log_format == "json":
+        from rolloutd.telemetry.logs import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.command == "serve":
         return _serve(args)
     if args.command == "trainer":

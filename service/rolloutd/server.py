@@ -39,7 +39,7 @@ from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.base import GenerationEngine, SamplingParams
 from rolloutd.engines.factory import build_engine
 from rolloutd.startup import PortUnavailable
-from rolloutd.telemetry.interceptors import server_interceptors
+from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.v1 import rollout_pb2 as pb
@@ -291,6 +291,9 @@ class RolloutService:
                 },
                 inflight_samples=s.inflight_samples,
                 policy_version=s.policy_version,
+                pending_prompts=s.pending_prompts,
+                expired_leases=s.counters.expired_leases,
+                requeued_groups=s.counters.requeued_groups,
             )
             await asyncio.sleep(1.0)
 
@@ -330,7 +333,11 @@ class RolloutService:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(
-            options=options, interceptors=server_interceptors(self.telemetry.tracer_provider)
+            options=options,
+            interceptors=[
+                *server_interceptors(self.telemetry.tracer_provider),
+                RpcMetricsInterceptor(SERVICE_NAME, self.observer.rpc_finished),
+            ],
         )
         pb_grpc.add_RolloutServiceServicer_to_server(
             RolloutServicer(self.controller, self, self.config.auth.token), server

@@ -86,6 +86,7 @@ class Counters:
     requeued_groups: int = 0
     dropped_groups: int = 0
     committed_tokens: int = 0
+    expired_leases: int = 0
 
 
 @dataclass(frozen=True)
@@ -455,6 +456,7 @@ class Controller:
                 for lease in self.buffer.expired_leases(self.clock()):
                     requeued = self.buffer.requeue(lease.lease_id)
                     self.counters.requeued_groups += len(requeued)
+                    self.counters.expired_leases += 1
                     log.info(
                         "lease %s of %s expired; %d groups available again",
                         lease.lease_id,

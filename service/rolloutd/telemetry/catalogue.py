@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import grpc
+
 from rolloutd.checkpoint.report import (
     CheckpointPhase,
     Disposition,
@@ -25,6 +27,7 @@ from rolloutd.checkpoint.report import (
 )
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
+from rolloutd.v1 import rollout_pb2 as pb
 
 
 class Kind(enum.Enum):
@@ -67,6 +70,8 @@ class Area(enum.Enum):
     RECOVERY = "recovery"
     SNAPSHOT_SIZE = "snapshot size"
     DRILL_DOWN = "drill-down"
+    DELIVERY = "delivery"
+    RPC = "rpc"
 
 
 SECONDS_BUCKETS: tuple[float, ...] = (
@@ -235,6 +240,30 @@ POLICY_VERSION = Instrument(
 EVICTED_GROUPS = Instrument(
     "rolloutd.evicted.groups", Kind.COUNTER, "{group}",
     "Groups evicted for being more than max_staleness policy versions old.", Area.DRILL_DOWN,
+)  # fmt: skip
+LEASES_EXPIRED = Instrument(
+    "rolloutd.leases.expired", Kind.OBSERVABLE_COUNTER, "{lease}",
+    "Leases that expired unacknowledged; their groups became available again.", Area.DELIVERY,
+)  # fmt: skip
+GROUPS_REQUEUED = Instrument(
+    "rolloutd.groups.requeued", Kind.OBSERVABLE_COUNTER, "{group}",
+    "Groups made available again, by an expired lease or a Rewind.", Area.DELIVERY,
+)  # fmt: skip
+PROMPTS_PENDING = Instrument(
+    "rolloutd.prompts.pending", Kind.OBSERVABLE_GAUGE, "{prompt}",
+    "Submitted prompts (SubmitPrompts) waiting for admission.", Area.DELIVERY,
+)  # fmt: skip
+
+RPC_METHODS: tuple[str, ...] = tuple(
+    m.name for m in pb.DESCRIPTOR.services_by_name["RolloutService"].methods
+)
+RPC_STATUS_CODES: tuple[str, ...] = tuple(str(code.value[0]) for code in grpc.StatusCode)
+RPC_SERVER_DURATION = Instrument(
+    "rpc.server.duration", Kind.HISTOGRAM, "s",
+    "Duration of each RolloutService RPC, by method and gRPC status code (RPC semantic "
+    "conventions; rpc.grpc.status_code is the code's number, 0 being OK).",
+    Area.RPC,
+    attributes={"rpc.method": RPC_METHODS, "rpc.grpc.status_code": RPC_STATUS_CODES},
 )  # fmt: skip
 
 CATALOGUE: tuple[Instrument, ...] = tuple(

@@ -9,7 +9,8 @@ the global one, which is the trainer's. Context crosses the wire with the global
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -119,3 +120,54 @@ def instrument_channel(
 ) -> grpc.Channel:
     """``channel`` with :func:`client_interceptors` applied."""
     return grpc.intercept_channel(channel, *client_interceptors(tracer_provider))
+
+
+RpcRecorder = Callable[[str, int, float], None]
+"""(method, gRPC status code number, seconds) of one finished RPC."""
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Times every unary RPC of ``service`` and hands method, status code and duration to
+    ``record`` (``rpc.server.duration``); other services (health, reflection) pass untouched.
+
+    The status code is the one the handler set (``context.abort`` sets it before raising); an
+    exception without one is UNKNOWN, as gRPC reports it to the client.
+    """
+
+    def __init__(self, service: str, record: RpcRecorder) -> None:
+        self._prefix = f"/{service}/"
+        self._record = record
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        path: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or handler.unary_unary is None or not path.startswith(self._prefix):
+            return handler
+        method = path.removeprefix(self._prefix)
+        behavior = handler.unary_unary
+        record = self._record
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            failed = False
+            try:
+                return await behavior(request, context)
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                code = context.code()
+                if code is None:
+                    code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+                number = code.value[0] if isinstance(code, grpc.StatusCode) else int(code)
+                record(method, number, time.perf_counter() - started)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -109,6 +109,7 @@ class MetricsObserver:
         self._checkpoint_rows = self._gauge(cat.CHECKPOINT_ROWS)
         self._checkpoint_size = self._gauge(cat.CHECKPOINT_SIZE)
         self._evicted_groups = self._counter(cat.EVICTED_GROUPS)
+        self._rpc_duration = self._histogram(cat.RPC_SERVER_DURATION)
 
         self._observable(cat.GENERATION_TOKENS, self._observe_generation_tokens)
         self._observable(cat.PROMPT_TOKENS, self._observe_prompt_tokens)
@@ -120,6 +121,9 @@ class MetricsObserver:
         self._observable(cat.ENGINE_REQUESTS, self._observe_engine_requests)
         self._observable(cat.ENGINE_KV_CACHE_USAGE, self._observe_kv_cache)
         self._observable(cat.POLICY_VERSION, self._observe_policy_version)
+        self._observable(cat.LEASES_EXPIRED, self._observe_leases_expired)
+        self._observable(cat.GROUPS_REQUEUED, self._observe_groups_requeued)
+        self._observable(cat.PROMPTS_PENDING, self._observe_prompts_pending)
 
         self._estimated = _Series(cat.COMMITTED_TOKENS)
         self._mutation_kind = _Series(cat.MUTATION_BLOCKED)
@@ -132,6 +136,7 @@ class MetricsObserver:
         self._size_part = _Series(cat.CHECKPOINT_SIZE)
         self._group_state = _Series(cat.BUFFER_GROUPS)
         self._request_state = _Series(cat.ENGINE_REQUESTS)
+        self._rpc = _Series(cat.RPC_SERVER_DURATION)
 
         self._start_counters_at_zero()
 
@@ -237,6 +242,10 @@ class MetricsObserver:
         for part, size in report.size_bytes.items():
             self._checkpoint_size.set(size, self._size_part(part))
 
+    def rpc_finished(self, method: str, status_code: int, seconds: float) -> None:
+        """One RolloutService RPC handled (called by the server interceptor, not the domain)."""
+        self._rpc_duration.record(seconds, self._rpc(method, str(status_code)))
+
     def restored(self, report: RestoreReport) -> None:
         for phase in report.phases:
             self._restore_duration.record(phase.seconds, self._restore_phase(phase.phase))
@@ -302,6 +311,21 @@ class MetricsObserver:
         if (status := self._status()) is None:
             return []
         return [Observation(status.policy_version)]
+
+    def _observe_leases_expired(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.expired_leases)]
+
+    def _observe_groups_requeued(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.requeued_groups)]
+
+    def _observe_prompts_pending(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.pending_prompts)]
 
     def _checkpoint_state(self) -> CheckpointState | None:
         sources = self._sources

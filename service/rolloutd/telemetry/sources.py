@@ -23,6 +23,12 @@ class StatusSnapshot:
     """Sibling requests dispatched to the engine and not yet staged."""
     policy_version: int = 0
     """Policy version of the weights the engine generates with."""
+    pending_prompts: int = 0
+    """Submitted prompts waiting for admission."""
+    expired_leases: int = 0
+    """Leases that expired unacked, since the store began (cumulative)."""
+    requeued_groups: int = 0
+    """Groups made available again by an expired lease or a Rewind (cumulative)."""
 
 
 @dataclass(frozen=True)
