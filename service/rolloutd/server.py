@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
 from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
+from rolloutd.api.json_shape import to_json
 from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
@@ -199,7 +199,7 @@ class RolloutService:
         return False, self._state.value
 
     def status(self) -> Mapping[str, Any]:
-        return json_format.MessageToDict(self.status_proto(), preserving_proto_field_name=True)
+        return to_json(self.status_proto())
 
     def checkpoints(self) -> Sequence[SnapshotInfo]:
         return [
@@ -214,7 +214,7 @@ class RolloutService:
         status = pb.CheckpointStatus(
             sequence=c.sequence,
             consecutive_failures=c.consecutive_failures,
-            completed_at=c.last_success_at,
+            completed_at=0.0 if c.last_success is None else c.last_success_at,
         )
         if c.last_attempt is not None:
             status.outcome = OUTCOMES[c.last_attempt.outcome]

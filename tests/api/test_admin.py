@@ -217,3 +217,17 @@ async def test_post_checkpoint_refuses_ambiguous_tags_and_unknown_fields(client,
     response = await client.post("/v1/checkpoints", json=body, headers=auth)
     assert response.status_code == 422, response.text
     assert state.requests == []
+
+
+@pytest.mark.parametrize(("spec", "sequence"), [("8", 8), ("7", 7), ("step-40", 8), ("latest", 8)])
+async def test_get_one_checkpoint_by_sequence_tag_or_latest(client, spec, sequence):
+    response = await client.get(f"/v1/checkpoints/{spec}")
+    assert response.status_code == 200
+    assert response.json()["sequence"] == sequence
+
+
+@pytest.mark.parametrize("spec", ["9", "step-41"])
+async def test_an_unknown_checkpoint_is_404_naming_it(client, spec):
+    response = await client.get(f"/v1/checkpoints/{spec}")
+    assert response.status_code == 404
+    assert spec in response.json()["detail"]

@@ -39,7 +39,7 @@ def test_list_shows_each_snapshot(location: Location, snapshots: list[Manifest])
     code, out = _run(location, "list", "--json")
     records = json.loads(out)
     assert [r["sequence"] for r in records] == [2, 1]
-    assert records[0]["bytes"] == snapshots[1].total_bytes
+    assert records[0]["size_bytes"] == snapshots[1].total_bytes
     assert records[1]["tag"] == "step-10" and records[1]["status"] == "unverified"
 
 

@@ -48,6 +48,15 @@ class SnapshotInfo:
     """Bytes of every file the snapshot references."""
 
 
+def find_snapshot(snapshots: Sequence[SnapshotInfo], spec: str) -> SnapshotInfo | None:
+    """``latest`` (the first: listings are newest first), a sequence number, or a tag."""
+    if spec == "latest":
+        return snapshots[0] if snapshots else None
+    if spec.isdigit():
+        return next((s for s in snapshots if s.sequence == int(spec)), None)
+    return next((s for s in snapshots if s.tag == spec), None)
+
+
 class AdminState(Protocol):
     """What the admin app needs from the service."""
 
@@ -192,6 +201,15 @@ def create_admin_app(
     async def list_checkpoints() -> list[SnapshotInfo]:
         """Restorable snapshots, newest first."""
         return list(state.checkpoints())
+
+    @app.get("/v1/checkpoints/{snapshot}", responses={404: {"description": "No such snapshot."}})
+    async def get_checkpoint(snapshot: str) -> SnapshotInfo:
+        """One snapshot, named as ``--restore`` names it: ``latest``, a sequence number or a
+        tag."""
+        found = find_snapshot(state.checkpoints(), snapshot)
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no snapshot {snapshot!r}")
+        return found
 
     @app.post("/v1/checkpoints", dependencies=[Depends(require_token)])
     async def create_checkpoint(body: CheckpointRequest | None = None) -> CheckpointResult:

@@ -115,9 +115,10 @@ def _list(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
                 "sequence": sequence,
                 "tag": manifest.tag if manifest else None,
                 "trainer_step": manifest.trainer_step if manifest else None,
-                "created_at": manifest.created_at if manifest else None,
+                # The field names of the admin API's /v1/checkpoints.
+                "created_unix_s": manifest.created_at if manifest else None,
                 "rows": manifest.live_rows if manifest else None,
-                "bytes": manifest.total_bytes if manifest else None,
+                "size_bytes": manifest.total_bytes if manifest else None,
                 "status": status.value,
                 "problems": problems,
             }
