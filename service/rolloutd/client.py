@@ -8,6 +8,7 @@ with exponential backoff and jitter.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import struct_pb2
 
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -211,12 +211,12 @@ def _submit(
 
 
 def _prompt(p: dict[str, Any]) -> pb.Prompt:
-    metadata = struct_pb2.Struct()
-    metadata.update(p.get("metadata") or {})
+    """Metadata travels as JSON text (``metadata_json``), so it comes back exactly."""
+    metadata = p.get("metadata")
     return pb.Prompt(
         prompt_id=str(p["prompt_id"]),
         text=p.get("text", ""),
-        metadata=metadata,
+        metadata_json="" if metadata is None else json.dumps(metadata),
         messages=[
             pb.ChatMessage(role=m["role"], content=m["content"]) for m in p.get("messages", ())
         ],

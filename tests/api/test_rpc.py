@@ -115,12 +115,13 @@ async def test_bearer_token_required_on_mutating_calls(serve):
     await stub.GetStatus(pb.GetStatusRequest())  # read-only: no token needed
 
 
-async def test_update_weights_bumps_version_and_new_samples_carry_it(serve):
+async def test_update_weights_bumps_version_and_new_samples_carry_it(serve, tmp_path):
     _, stub = await serve()
-    r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path="/w1"))
+    w1 = str(tmp_path)  # the synthetic engine loads nothing, but the path must exist
+    r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path=w1))
     assert r.policy_version == 1
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path="/w1"))
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path=w1))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     versions = set()
     for _ in range(6):

@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from rolloutd.domain.errors import InvariantError, NotFound
+from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
 from rolloutd.domain.group import Group, GroupState, Position, Prompt, Sample
 
 ACKED_LEASES_REMEMBERED = 65_536
@@ -206,10 +206,16 @@ class RolloutBuffer:
         return lease
 
     def ack(self, lease_id: str, trainer_step: int, now: float) -> tuple[AckRecord | None, bool]:
-        """Returns (record, already_acked). ``record`` is None for a finalized earlier ack."""
+        """Returns (record, already_acked). ``record`` is None for a finalized earlier ack.
+
+        Repeating an ack is idempotent; repeating it with another trainer step is a conflict
+        (the groups were consumed by one step, not two).
+        """
         if lease_id in self.acks:
+            _same_step(lease_id, self.acks[lease_id].trainer_step, trainer_step)
             return self.acks[lease_id], True
         if lease_id in self.finalized_leases:
+            _same_step(lease_id, self.finalized_leases[lease_id], trainer_step)
             return None, True
         lease = self.leases.pop(lease_id, None)
         if lease is None:
@@ -391,3 +397,10 @@ class RolloutBuffer:
             key=lambda g: (g.committed_at or 0.0, g.group_id),
         )
         self._ready = deque(g.group_id for g in ready)
+
+
+def _same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:
+    if acked_step != trainer_step:
+        raise FailedPrecondition(
+            f"lease {lease_id!r} was acked with trainer_step {acked_step}, not {trainer_step}"
+        )

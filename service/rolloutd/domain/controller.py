@@ -481,7 +481,10 @@ class Controller:
         if not weights_path:
             raise InvalidArgument("weights_path", "must not be empty")
         self._check_serving()
-        await self.engine.update_weights(weights_path, version)
+        try:
+            await self.engine.update_weights(weights_path, version)
+        except EngineError as exc:  # refused before anything was loaded (a wrong path)
+            raise InvalidArgument("weights_path", str(exc)) from exc
         self.policy_version, self.weights_path = version, weights_path
         return await self.evict_stale()
 

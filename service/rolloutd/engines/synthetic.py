@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import random
 import time
 from array import array
 from dataclasses import dataclass
 
 from rolloutd.domain.group import Sample
-from rolloutd.engines.base import EngineCounters, GenerationRequest
+from rolloutd.engines.base import EngineCounters, EngineError, GenerationRequest
 
 _VOCAB = 32_000
 
@@ -97,7 +98,7 @@ class SyntheticEngine:
             index=request.index,
             token_ids=token_ids,
             logprobs=logprobs,
-            text=" ".join(f"t{t}" for t in token_ids[:8]),
+            text=" ".join(f"t{t}" for t in token_ids),  # one word per token
             finish_reason="length" if length == max_tokens else "stop",
             policy_version=version,
             prompt_token_ids=prompt_ids,
@@ -113,6 +114,10 @@ class SyntheticEngine:
                 task.cancel()
 
     async def update_weights(self, path: str, version: int) -> None:
+        """No weights to load, but the path must exist, as it must for vLLM: a trainer that
+        tests against this engine learns of a wrong path here, not on the GPU fleet."""
+        if not await asyncio.to_thread(os.path.exists, path):
+            raise EngineError(f"weights path {path}: does not exist")
         self._paused.clear()
         try:
             self._version = version
