@@ -20,11 +20,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
 from rolloutd.api.convert import OUTCOMES, REASONS, status_to_proto
 from rolloutd.api.json_shape import to_json
+from rolloutd.api.reflection import enable_reflection
 from rolloutd.api.servicer import SERVING_STATES, RolloutServicer
 from rolloutd.checkpoint.checkpointer import AckJournal, Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.report import CheckpointReport, Outcome, Trigger
@@ -343,13 +343,8 @@ class RolloutService:
             RolloutServicer(self.controller, self, self.config.auth.token), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
+        enable_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
         )
         address = f"{cfg.host}:{cfg.port}"
         try:

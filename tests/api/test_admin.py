@@ -231,3 +231,12 @@ async def test_an_unknown_checkpoint_is_404_naming_it(client, spec):
     response = await client.get(f"/v1/checkpoints/{spec}")
     assert response.status_code == 404
     assert spec in response.json()["detail"]
+
+
+async def test_no_page_loads_assets_from_a_cdn(client):
+    """Swagger UI at /docs came from a CDN and did not render offline: the app serves the
+    OpenAPI document itself, and no HTML that reaches out."""
+    assert (await client.get("/docs")).status_code == 404
+    assert (await client.get("/redoc")).status_code == 404
+    spec = (await client.get("/openapi.json")).json()
+    assert "/v1/checkpoints/{snapshot}" in spec["paths"]

@@ -125,3 +125,55 @@ async def test_the_synthetic_text_covers_every_token(serve):
     [group] = await _fetch_all(stub, 1)
     for sample in group.samples:
         assert len(sample.text.split()) == len(sample.token_ids) > 8
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+async def test_reflection_answers_on_v1_and_v1alpha(serve, version):
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb  # v1 has the same messages
+
+    service, _ = await serve()
+    async with grpc.aio.insecure_channel(service.addresses.grpc) as channel:
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+            response_deserializer=rpb.ServerReflectionResponse.FromString,
+        )
+        responses = [
+            r
+            async for r in call(
+                iter(
+                    [
+                        rpb.ServerReflectionRequest(list_services=""),
+                        rpb.ServerReflectionRequest(
+                            file_containing_symbol="rolloutd.v1.RolloutService"
+                        ),
+                    ]
+                )
+            )
+        ]
+    listed = {s.name for s in responses[0].list_services_response.service}
+    assert {"rolloutd.v1.RolloutService", f"grpc.reflection.{version}.ServerReflection"} <= listed
+    assert responses[1].file_descriptor_response.file_descriptor_proto
+
+
+async def test_a_rewind_may_exceed_capacity_and_admission_waits(serve):
+    """Documented: a Rewind returns acked groups to the buffer even past limits.buffer_capacity
+    (they were the trainer's already); status shows it, and nothing new is admitted meanwhile."""
+    import asyncio
+
+    _, stub = await serve(**{"limits.max_in_flight": 4, "limits.buffer_capacity": 4})
+    taken = 0
+    while taken < 4:
+        lease = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=4, wait_ms=5000))
+        taken += len(lease.groups)
+        await stub.AckGroups(pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=1))
+    for _ in range(200):
+        status = await stub.GetStatus(pb.GetStatusRequest())
+        if status.buffer.committed == 4:
+            break
+        await asyncio.sleep(0.05)
+    rewound = await stub.Rewind(pb.RewindRequest(trainer_step=0))
+    assert rewound.redelivered_groups == 4
+    await asyncio.sleep(0.5)
+    buffer = (await stub.GetStatus(pb.GetStatusRequest())).buffer
+    assert (buffer.committed, buffer.generating, buffer.capacity) == (8, 0, 4)

@@ -155,6 +155,10 @@ def create_admin_app(
         title="rolloutd admin",
         version=__version__,
         description="Health, readiness, Prometheus metrics, status and checkpoints of rolloutd.",
+        # Swagger UI and ReDoc load their assets from a CDN and do not render offline; the
+        # OpenAPI document itself stays at /openapi.json.
+        docs_url=None,
+        redoc_url=None,
     )
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
