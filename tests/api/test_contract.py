@@ -177,3 +177,26 @@ async def test_a_rewind_may_exceed_capacity_and_admission_waits(serve):
     await asyncio.sleep(0.5)
     buffer = (await stub.GetStatus(pb.GetStatusRequest())).buffer
     assert (buffer.committed, buffer.generating, buffer.capacity) == (8, 0, 4)
+
+
+async def test_reflection_describes_the_api_with_the_proto_comments(serve):
+    """`grpcurl describe` shows the comments of the .proto (source info in the descriptors)."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    service, _ = await serve()
+    async with grpc.aio.insecure_channel(service.addresses.grpc) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+            response_deserializer=rpb.ServerReflectionResponse.FromString,
+        )
+        request = rpb.ServerReflectionRequest(file_containing_symbol="rolloutd.v1.Prompt")
+        [response] = [r async for r in call(iter([request]))]
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in response.file_descriptor_response.file_descriptor_proto
+    ]
+    (ours,) = [f for f in files if f.name == "rolloutd/v1/rollout.proto"]
+    comments = " ".join(loc.leading_comments for loc in ours.source_code_info.location)
+    assert "delivered back exactly" in comments  # Prompt.metadata_json's comment
