@@ -19,7 +19,10 @@ PROTO_ROOT = ROOT / "proto"
 OUT_ROOT = ROOT / "service"
 STUB_DIR = Path("rolloutd") / "v1"
 PROTOS = sorted(p.relative_to(PROTO_ROOT) for p in (PROTO_ROOT / STUB_DIR).glob("*.proto"))
-GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_source.binpb")
+SOURCE_SET = "rollout_source.binpb"
+"""The API's descriptors with their comments (source info), which the Python stubs leave out;
+server reflection serves these, so ``grpcurl describe`` shows the documentation."""
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -35,6 +38,16 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
+    described = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        "--include_source_info",
+        f"--descriptor_set_out={out_root / STUB_DIR / SOURCE_SET}",
+        *[str(p) for p in PROTOS],
+    ]
+    if protoc.main(described) != 0:
+        raise SystemExit("protoc failed (descriptor set)")
     return sorted(p for p in (out_root / STUB_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 

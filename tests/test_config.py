@@ -54,3 +54,42 @@ def test_restore_takes_a_bare_sequence_number_from_yaml_or_environment(tmp_path)
     f.write_text("restore: 42\n")
     assert load_config(f, environ={}).restore == "42"
     assert load_config(environ={"ROLLOUTD_RESTORE": "7"}).restore == "7"
+
+
+KUBELET_SERVICE_LINKS = {
+    # Service "rolloutd-admin" (ClusterIP, port "admin" 8080), as kubelet writes it.
+    "ROLLOUTD_ADMIN_SERVICE_HOST": "10.96.0.12",
+    "ROLLOUTD_ADMIN_SERVICE_PORT": "8080",
+    "ROLLOUTD_ADMIN_SERVICE_PORT_ADMIN": "8080",
+    "ROLLOUTD_ADMIN_PORT": "tcp://10.96.0.12:8080",
+    "ROLLOUTD_ADMIN_PORT_8080_TCP": "tcp://10.96.0.12:8080",
+    "ROLLOUTD_ADMIN_PORT_8080_TCP_PROTO": "tcp",
+    "ROLLOUTD_ADMIN_PORT_8080_TCP_PORT": "8080",
+    "ROLLOUTD_ADMIN_PORT_8080_TCP_ADDR": "10.96.0.12",
+    # Service "rolloutd" given a cluster IP (not headless), UDP on a second port.
+    "ROLLOUTD_SERVICE_HOST": "10.96.0.13",
+    "ROLLOUTD_SERVICE_PORT": "50051",
+    "ROLLOUTD_PORT": "tcp://10.96.0.13:50051",
+    "ROLLOUTD_PORT_9000_UDP_ADDR": "10.96.0.13",
+}
+
+
+def test_kubelet_service_links_are_not_configuration():
+    c = load_config(environ={**KUBELET_SERVICE_LINKS, "ROLLOUTD_GROUP_SIZE": "8"})
+    assert c.group_size == 8
+    assert c == load_config(environ={"ROLLOUTD_GROUP_SIZE": "8"})
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("ROLLOUTD_GROUPSIZE", "groupsize"),
+        ("ROLLOUTD_GRPC__PORT_8080_TCP", "grpc.port_8080_tcp"),
+        ("ROLLOUTD_HTTP__SERVICE_PORT", "http.service_port"),
+        ("ROLLOUTD_ADMIN_SERVICE_HOSTNAME", "admin_service_hostname"),
+        ("ROLLOUTD_ADMIN_PORT_8080_HTTP", "admin_port_8080_http"),
+    ],
+)
+def test_mistyped_keys_are_still_refused_beside_service_links(name, key):
+    with pytest.raises(ConfigError, match=f"'{key}': unknown key"):
+        load_config(environ={**KUBELET_SERVICE_LINKS, name: "1"})

@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
         "safetensors",
         "psutil",
     },
-    "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc"},
+    "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc", "v1"},
     # new weights: staged, checked against the served model, then loaded through the controller
     "weights": {"domain", "fsspec", "botocore"},
     "v1": {"google", "grpc"},
@@ -47,11 +47,12 @@ ALLOWED: dict[str, set[str]] = {
         "prometheus_client",
         "telemetry",
         "weights",
+        "startup",
     },
     # leaves used by the composition root
     "config": {"pydantic", "yaml", "domain", "checkpoint"},
     "dataset": {"domain", "pyarrow"},
-    "client": {"v1", "telemetry", "grpc", "google"},
+    "client": {"v1", "telemetry", "grpc"},
     "trainer": {"client", "v1", "grpc"},
     # the composition root and the command line
     "supervisor": set(),
@@ -63,10 +64,22 @@ ALLOWED: dict[str, set[str]] = {
         "dataset",
         "domain",
         "engines",
+        "startup",
         "telemetry",
         "weights",
     },
-    "cli": {"checkpoint", "config", "domain", "engines", "server", "trainer", "rolloutd"},
+    # start-up failures a user causes, told in one line
+    "startup": {"checkpoint", "config", "dataset", "domain"},
+    "cli": {
+        "checkpoint",
+        "config",
+        "engines",
+        "server",
+        "startup",
+        "telemetry",
+        "trainer",
+        "rolloutd",
+    },
     "rolloutd": set(),
 }
 """unit -> what it may import besides the standard library and itself (``rolloutd``: the

@@ -34,9 +34,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rolloutd {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one object a line, with trace_id and span_id inside a span",
+    )
+    # Also after the subcommand (`rolloutd serve --log-level debug`); there they win.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
+    after.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the service")
+    serve = sub.add_parser("serve", help="run the service", parents=[after])
     serve.add_argument("--config", help="YAML config file")
     serve.add_argument("--engine", choices=["vllm", "synthetic"])
     serve.add_argument(
@@ -56,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--restore", help="latest, none, a sequence number or a tag")
     serve.add_argument("--max-tokens", type=int, help="longest completion per sibling")
 
-    trainer = sub.add_parser("trainer", help="example trainer: fetch, train, ack, report progress")
+    trainer = sub.add_parser(
+        "trainer", help="example trainer: fetch, train, ack, report progress", parents=[after]
+    )
     trainer.add_argument(
         "--target", default="localhost:50051", help="comma-separated host:port list"
     )
@@ -80,8 +92,13 @@ def _parser() -> argparse.ArgumentParser:
         help="give up on an endpoint that has not answered at all for this long",
     )
     trainer.add_argument("--token", help="bearer token")
+    trainer.add_argument("--tls-ca", help="PEM CA bundle of the service's certificate (TLS)")
+    trainer.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    trainer.add_argument("--tls-key", help="PEM key of --tls-cert")
 
-    tiny = sub.add_parser("tiny-model", help="build the tiny random Llama model into DIR")
+    tiny = sub.add_parser(
+        "tiny-model", help="build the tiny random Llama model into DIR", parents=[after]
+    )
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
 
@@ -91,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from rolloutd.domain.engine import EngineStartError
     from rolloutd.server import RolloutService
+    from rolloutd.startup import START_FAILURES, describe
 
     overrides = {
         key: getattr(args, dest)
@@ -106,13 +123,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
-        service = RolloutService(config)
-        service.install_signal_handlers()
         try:
+            service = RolloutService(config)
+            service.install_signal_handlers()
             await service.start()
-        except EngineStartError as exc:
+        except START_FAILURES as exc:
             logging.getLogger("rolloutd").debug("start failed", exc_info=True)
-            print(f"rolloutd: {exc}", file=sys.stderr)
+            print(f"rolloutd: {describe(exc, config)}", file=sys.stderr)
             return 1
         return await service.run_until_stopped()
 
@@ -120,17 +137,28 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        # A descriptor of its own: while vLLM starts, stdout and stderr point at vLLM's log file.
-        stream=os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1),
-    )
+    parser = _parser()
+    # `checkpoints` has a parser of its own (rolloutd.checkpoint.inspect): what this one does not
+    # know, `--help` included, is passed on to it.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "checkpoints":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    # A descriptor of its own: while vLLM starts, stdout and stderr point at vLLM's log file.
+    handler = logging.StreamHandler(os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1))
+    if args.log_format == "json":
+        from rolloutd.telemetry.logs import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.command == "serve":
         return _serve(args)
     if args.command == "trainer":
-        from rolloutd.trainer import ServiceNotReady, TrainerConfig, run
+        from rolloutd.trainer import RequestFailed, ServiceNotReady, TrainerConfig, run
+
+        if (args.tls_cert is None) != (args.tls_key is None):
+            parser.error("--tls-cert and --tls-key go together")
 
         cfg = TrainerConfig(
             endpoints=args.target.split(","),
@@ -142,11 +170,22 @@ def main(argv: list[str] | None = None) -> int:
             ready_timeout_s=args.ready_timeout_s,
             unreachable_timeout_s=args.unreachable_timeout_s,
             token=args.token,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
         try:
             run(cfg, out=lambda line: print(line, flush=True))
-        except ServiceNotReady as exc:
+        except (ServiceNotReady, RequestFailed) as exc:
+            logging.getLogger("rolloutd").debug("trainer failed", exc_info=True)
             print(f"rolloutd trainer: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # the only files it reads are the TLS ones
+            print(
+                f"rolloutd trainer: {exc.filename}: {exc.strerror}; check --tls-ca, --tls-cert "
+                "and --tls-key",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if args.command == "tiny-model":
@@ -157,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "checkpoints":
         from rolloutd.checkpoint.inspect import main as checkpoints_main
 
-        return checkpoints_main(args.args)
+        return checkpoints_main([*unknown, *args.args])
     raise AssertionError(args.command)
 
 

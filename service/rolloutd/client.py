@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import json
 import logging
 import os
 import random
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import struct_pb2
 
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -61,8 +61,14 @@ class RolloutClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         secure: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         interceptors: Iterable[grpc.UnaryUnaryClientInterceptor] | None = None,
     ) -> None:
+        """``secure``: TLS, trusting the system's CA roots. ``tls_ca``: a PEM CA bundle to trust
+        instead (implies TLS; for a private CA). ``tls_cert``/``tls_key``: a PEM client
+        certificate and key, for a server that requires them (``grpc.tls_client_ca``)."""
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise ValueError("at least one endpoint is required")
@@ -76,11 +82,12 @@ class RolloutClient:
             interceptors = _default_interceptors()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.RolloutServiceStub] = {}
+        credentials = _channel_credentials(secure, tls_ca, tls_cert, tls_key)
         for ep in self.endpoints:
             channel = (
-                grpc.secure_channel(ep, grpc.ssl_channel_credentials())
-                if secure
-                else grpc.insecure_channel(ep)
+                grpc.insecure_channel(ep)
+                if credentials is None
+                else grpc.secure_channel(ep, credentials)
             )
             channel = grpc.intercept_channel(channel, *interceptors)
             self._channels[ep] = channel
@@ -274,15 +281,30 @@ def _push_requests(
 
 
 def _prompt(p: dict[str, Any]) -> pb.Prompt:
-    metadata = struct_pb2.Struct()
-    metadata.update(p.get("metadata") or {})
+    """Metadata travels as JSON text (``metadata_json``), so it comes back exactly."""
+    metadata = p.get("metadata")
     return pb.Prompt(
         prompt_id=str(p["prompt_id"]),
         text=p.get("text", ""),
-        metadata=metadata,
+        metadata_json="" if metadata is None else json.dumps(metadata),
         messages=[
             pb.ChatMessage(role=m["role"], content=m["content"]) for m in p.get("messages", ())
         ],
+    )
+
+
+def _channel_credentials(
+    secure: bool, ca: str | None, cert: str | None, key: str | None
+) -> grpc.ChannelCredentials | None:
+    """None for plaintext; reads the PEM files once, so a missing one fails at construction."""
+    if (cert is None) != (key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
+    if not (secure or ca or cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes() if ca else None,
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None,
     )
 
 

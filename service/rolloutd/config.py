@@ -7,6 +7,11 @@ model is the single source of truth for configuration keys (``docs/configuration
 generated from it). Errors name the offending key.
 Environment variables nest with a double underscore: ``ROLLOUTD_LIMITS__MAX_IN_FLIGHT=32`` sets
 ``limits.max_in_flight``; values are parsed as YAML scalars.
+
+Kubernetes injects service-link variables for every Service in the namespace, and a Service named
+``rolloutd-admin`` yields ``ROLLOUTD_ADMIN_SERVICE_HOST`` and friends. Exactly kubelet's naming
+pattern is skipped (logged at debug); every other unknown ``ROLLOUTD_*`` name is still refused, so
+a mistyped key never passes silently.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import logging
 import os
+import re
 import textwrap
 from collections.abc import Mapping
 from functools import cache
@@ -57,6 +64,18 @@ def owned(owner: type, name: str, **constraints: Any) -> Any:
     ``name``); only the accepted range is stated here."""
     field = {f.name: f for f in dataclasses.fields(owner)}[name]
     return Field(field.default, description=_attribute_docs(owner)[name], **constraints)
+
+
+log = logging.getLogger(__name__)
+
+SERVICE_LINK = re.compile(
+    r"^(?:[A-Z0-9_]*_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+    r"|PORT(?:_[0-9]+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)$"
+)
+"""The names kubelet gives a Service's links: ``{NAME}_SERVICE_HOST``, ``{NAME}_SERVICE_PORT``,
+``{NAME}_SERVICE_PORT_{PORT_NAME}``, ``{NAME}_PORT`` and ``{NAME}_PORT_{N}_{PROTO}[_PROTO|_PORT|
+_ADDR]``. None of them can be a configuration key: keys below a section need ``__``, and no
+top-level key ends like this."""
 
 
 class ConfigError(ValueError):
@@ -158,6 +177,7 @@ class CheckpointConfig(_Section):
     """Snapshot store: a directory or an fsspec URL (s3://bucket/prefix)."""
     interval_s: float = owned(CheckpointerConfig, "interval_s", ge=0)
     keep_latest: int = owned(CheckpointerConfig, "keep_latest", gt=0)
+    keep_tagged: int = owned(CheckpointerConfig, "keep_tagged", ge=0)
     max_consecutive_failures: int = owned(CheckpointerConfig, "max_consecutive_failures", gt=0)
     timeout_s: float = owned(CheckpointerConfig, "timeout_s", gt=0)
     compact_segments: int = owned(CheckpointerConfig, "compact_segments", gt=1)
@@ -195,6 +215,9 @@ class GrpcConfig(_Section):
     """PEM certificate chain; with tls_key, serves TLS."""
     tls_key: str | None = None
     """PEM private key."""
+    tls_client_ca: str | None = None
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).
+    Needs tls_cert and tls_key."""
 
 
 class HttpConfig(_Section):
@@ -244,6 +267,8 @@ class Config(_Section):
             )
         if (self.grpc.tls_cert is None) != (self.grpc.tls_key is None):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
+        if self.grpc.tls_client_ca is not None and self.grpc.tls_cert is None:
+            raise ValueError("grpc.tls_client_ca needs grpc.tls_cert and grpc.tls_key")
         return self
 
     def controller(self) -> ControllerConfig:
@@ -298,6 +323,9 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
         if dotted in _NON_CONFIG_ENV:
+            continue
+        if "__" not in name and SERVICE_LINK.match(name):
+            log.debug("ignoring %s: a Kubernetes service link, not a configuration key", name)
             continue
         _set_dotted(tree, dotted, yaml.safe_load(raw) if raw != "" else None)
     return tree

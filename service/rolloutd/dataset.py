@@ -46,9 +46,7 @@ def _prompt(row: Any, index: int, where: str) -> Prompt:
                 f"{where}: row {index}: 'messages' must be a list of {{role, content}}"
             )
         chat = tuple({"role": m["role"], "content": m["content"]} for m in messages)
-    metadata = row.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        metadata = {"value": metadata}
+    metadata = row.get("metadata")  # any JSON value, delivered as it is (metadata_json)
     prompt_id = str(row["id"]) if row.get("id") is not None else str(index)
     fallback = "\n".join(m["content"] for m in chat)
     return Prompt(

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rolloutd.api.admin import AdminServer, create_admin_app
 from rolloutd.api.dashboard import dashboard_router
-from rolloutd.api.grpc_server import GrpcServer
+from rolloutd.api.grpc_server import SERVICE_NAME, GrpcServer
 from rolloutd.api.view import ServiceView
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.restore import Granularity, restore
@@ -40,9 +40,10 @@ from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.factory import build_engine
+from rolloutd.startup import PortUnavailable
 from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
-from rolloutd.telemetry.interceptors import server_interceptors
+from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot, status_snapshot
 from rolloutd.telemetry.vllm_metrics import VLLMFamilies
@@ -135,7 +136,11 @@ class RolloutService:
             auth_token=config.auth.token,
             tls_cert=config.grpc.tls_cert,
             tls_key=config.grpc.tls_key,
-            interceptors=server_interceptors(self.telemetry.tracer_provider),
+            tls_client_ca=config.grpc.tls_client_ca,
+            interceptors=[
+                *server_interceptors(self.telemetry.tracer_provider),
+                RpcMetricsInterceptor(SERVICE_NAME, self.observer.rpc_finished),
+            ],
             weights=self.weights,
         )
         self.history = MetricHistory(
@@ -186,7 +191,14 @@ class RolloutService:
         port = await self._grpc.start()
         http = None
         if self._admin is not None:
-            http = f"{self.config.http.host}:{await self._admin.start()}"
+            try:
+                http_port = await self._admin.start()
+            except OSError as exc:
+                where = f"{self.config.http.host}:{self.config.http.port}"
+                raise PortUnavailable(
+                    "admin HTTP", where, "--http-port", "http.port", exc.strerror or str(exc)
+                ) from exc
+            http = f"{self.config.http.host}:{http_port}"
             self.supervisor.spawn(
                 "dashboard-history", self.history.run_every(self.config.http.dashboard_interval_s)
             )

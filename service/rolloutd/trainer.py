@@ -38,10 +38,39 @@ class TrainerConfig:
     """How long an endpoint may go without answering at all before the trainer gives up on it: a
     service that is starting answers (not ready), one that exited does not."""
     token: str | None = None
+    tls_ca: str | None = None
+    """PEM CA bundle that signed the service's certificate; set, the trainer speaks TLS."""
+    tls_cert: str | None = None
+    """PEM client certificate, for a service that requires one (grpc.tls_client_ca)."""
+    tls_key: str | None = None
 
 
 class ServiceNotReady(RuntimeError):
     """An endpoint did not become ready in time; the message says which and what to look at."""
+
+
+class RequestFailed(RuntimeError):
+    """The service refused or dropped a request the trainer cannot go on without; the message
+    names the endpoints, the status and what to do."""
+
+
+_HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: "pass --token, the service's auth.token",
+    grpc.StatusCode.PERMISSION_DENIED: "pass --token, the service's auth.token",
+    grpc.StatusCode.INVALID_ARGUMENT: "lower the trainer flag behind the field it names "
+    "(max_groups: --groups-per-step), or raise the service's limit",
+    grpc.StatusCode.UNAVAILABLE: "is `rolloutd serve` still running? The last line of its log "
+    "says why it stopped",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the service is overloaded or stuck; its log says which",
+}
+
+
+def _request_failed(endpoints: list[str], exc: grpc.RpcError) -> RequestFailed:
+    code: grpc.StatusCode = exc.code()  # type: ignore[attr-defined]
+    hint = _HINTS.get(code, "the service's log says why")
+    return RequestFailed(
+        f"{','.join(endpoints)} answered {code.name}: {exc.details()}; {hint}"  # type: ignore[attr-defined]
+    )
 
 
 def wait_until_ready(
@@ -101,53 +130,68 @@ def wait_until_ready(
 
 
 def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
-    """Returns the number of steps taken."""
-    step = groups_total = tokens_total = 0
-    with RolloutClient(cfg.endpoints, token=cfg.token) as client:
+    """Returns the number of steps taken. A request the service refuses (a missing token, a
+    batch above its limits) or a service gone for longer than the client retries raises
+    ``RequestFailed`` with one line that says what to do."""
+    with RolloutClient(
+        cfg.endpoints,
+        token=cfg.token,
+        tls_ca=cfg.tls_ca,
+        tls_cert=cfg.tls_cert,
+        tls_key=cfg.tls_key,
+    ) as client:
         wait_until_ready(client, cfg.ready_timeout_s, out, cfg.unreachable_timeout_s)
-        started = last_report = last_data = time.monotonic()
-        while cfg.steps is None or step < cfg.steps:
-            batch: list[pb.Group] = []
-            leases: list[Lease] = []
-            while len(batch) < cfg.groups_per_step:
-                lease = client.fetch(
-                    cfg.groups_per_step - len(batch), cfg.wait_ms, consumer="rolloutd-trainer"
-                )
-                if lease is None:
-                    break
-                leases.append(lease)
-                batch.extend(lease.groups)
-            now = time.monotonic()
-            if not batch:
-                if now - last_data > cfg.idle_exit_s:
-                    out(f"no groups for {cfg.idle_exit_s:.0f}s; stopping")
-                    break
-                continue
-            last_data = now
-            if cfg.train_s:
-                time.sleep(cfg.train_s)
-            step += 1
-            for lease in leases:
-                client.ack(lease, step)
-            groups_total += len(batch)
-            tokens_total += sum(len(s.token_ids) for g in batch for s in g.samples)  # type: ignore[misc]
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                for ep, r in client.checkpoint(trainer_step=step, tag=f"step-{step}").items():
-                    if r.outcome != pb.CHECKPOINT_OUTCOME_COMPLETED:  # its acks stay unfinalized
-                        reason = pb.CheckpointReason.Name(r.reason)
-                        out(f"checkpoint step {step} on {ep} not completed: {reason} {r.message}")
-            if now - last_report >= cfg.report_every_s:
-                last_report = now
-                elapsed = now - started
-                occupancy = ", ".join(
-                    f"{ep}: {s.buffer.committed} ready/{s.buffer.generating} generating"
-                    f" of {s.buffer.capacity}"
-                    for ep, s in client.status().items()
-                )
-                out(
-                    f"step {step:5d}  groups {groups_total:6d}  {groups_total / elapsed:7.1f} groups/s  "
-                    f"{tokens_total / elapsed:9.0f} tokens/s  buffer [{occupancy}]"
-                )
+        try:
+            return _train(cfg, client, out)
+        except grpc.RpcError as exc:
+            raise _request_failed(cfg.endpoints, exc) from exc
+
+
+def _train(cfg: TrainerConfig, client: RolloutClient, out: Callable[[str], object]) -> int:
+    step = groups_total = tokens_total = 0
+    started = last_report = last_data = time.monotonic()
+    while cfg.steps is None or step < cfg.steps:
+        batch: list[pb.Group] = []
+        leases: list[Lease] = []
+        while len(batch) < cfg.groups_per_step:
+            lease = client.fetch(
+                cfg.groups_per_step - len(batch), cfg.wait_ms, consumer="rolloutd-trainer"
+            )
+            if lease is None:
+                break
+            leases.append(lease)
+            batch.extend(lease.groups)
+        now = time.monotonic()
+        if not batch:
+            if now - last_data > cfg.idle_exit_s:
+                out(f"no groups for {cfg.idle_exit_s:.0f}s; stopping")
+                break
+            continue
+        last_data = now
+        if cfg.train_s:
+            time.sleep(cfg.train_s)
+        step += 1
+        for lease in leases:
+            client.ack(lease, step)
+        groups_total += len(batch)
+        tokens_total += sum(len(s.token_ids) for g in batch for s in g.samples)  # type: ignore[misc]
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            for ep, r in client.checkpoint(trainer_step=step, tag=f"step-{step}").items():
+                if r.outcome != pb.CHECKPOINT_OUTCOME_COMPLETED:  # its acks stay unfinalized
+                    reason = pb.CheckpointReason.Name(r.reason)
+                    out(f"checkpoint step {step} on {ep} not completed: {reason} {r.message}")
+        if now - last_report >= cfg.report_every_s:
+            last_report = now
+            elapsed = now - started
+            occupancy = ", ".join(
+                f"{ep}: {s.buffer.committed} ready/{s.buffer.generating} generating"
+                f" of {s.buffer.capacity}"
+                for ep, s in client.status().items()
+            )
+            out(
+                f"step {step:5d}  groups {groups_total:6d}  {groups_total / elapsed:7.1f} groups/s  "
+                f"{tokens_total / elapsed:9.0f} tokens/s  buffer [{occupancy}]"
+            )
     elapsed = time.monotonic() - started
     out(f"done: {step} steps, {groups_total} groups, {tokens_total} tokens in {elapsed:.1f}s")
     return step

@@ -209,3 +209,34 @@ async def test_a_port_in_use_is_an_error_for_the_caller(state):
         )
         with pytest.raises(OSError):
             await server.start()
+
+
+@pytest.mark.parametrize("body", [{"tag": "5"}, {"tag": "latest"}, {"tag": "x", "trainer_stp": 3}])
+async def test_post_checkpoint_refuses_ambiguous_tags_and_unknown_fields(client, state, body):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    response = await client.post("/v1/checkpoints", json=body, headers=auth)
+    assert response.status_code == 422, response.text
+    assert state.requests == []
+
+
+@pytest.mark.parametrize(("spec", "sequence"), [("8", 8), ("7", 7), ("step-40", 8), ("latest", 8)])
+async def test_get_one_checkpoint_by_sequence_tag_or_latest(client, spec, sequence):
+    response = await client.get(f"/v1/checkpoints/{spec}")
+    assert response.status_code == 200
+    assert response.json()["sequence"] == sequence
+
+
+@pytest.mark.parametrize("spec", ["9", "step-41"])
+async def test_an_unknown_checkpoint_is_404_naming_it(client, spec):
+    response = await client.get(f"/v1/checkpoints/{spec}")
+    assert response.status_code == 404
+    assert spec in response.json()["detail"]
+
+
+async def test_no_page_loads_assets_from_a_cdn(client):
+    """Swagger UI at /docs came from a CDN and did not render offline: the app serves the
+    OpenAPI document itself, and no HTML that reaches out."""
+    assert (await client.get("/docs")).status_code == 404
+    assert (await client.get("/redoc")).status_code == 404
+    spec = (await client.get("/openapi.json")).json()
+    assert "/v1/checkpoints/{snapshot}" in spec["paths"]

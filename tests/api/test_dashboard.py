@@ -24,7 +24,7 @@ async def test_the_page_loads_only_relative_packaged_assets(serve):
             assert "http://" not in asset.text and "https://" not in asset.text
         assert (await http.get("/dashboard/../config.py")).status_code == 404
         assert (await http.get("/dashboard/missing.js")).status_code == 404
-        for link in ("metrics", "docs", "v1/checkpoints"):
+        for link in ("metrics", "openapi.json", "v1/checkpoints"):
             assert f'href="{link}"' in page.text
             assert (await http.get(f"/{link}")).status_code == 200
 

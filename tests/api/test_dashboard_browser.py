@@ -191,7 +191,7 @@ def test_the_dashboard_shows_eight_live_areas_across_a_restore(tmp_path):
                 after = page.eval_on_selector(canvas, "c => c.toDataURL()")
                 assert after != before, "the generation chart did not change with new points"
                 assert page.locator("#checkpoints tr").count() >= 1
-                for link in ("metrics", "docs", "v1/checkpoints"):
+                for link in ("metrics", "openapi.json", "v1/checkpoints"):
                     assert page.locator(f'a[href="{link}"]').count() >= 1
                 page.reload()
                 page.wait_for_function(

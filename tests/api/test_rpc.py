@@ -115,12 +115,13 @@ async def test_bearer_token_required_on_mutating_calls(serve):
     await stub.GetStatus(pb.GetStatusRequest())  # read-only: no token needed
 
 
-async def test_update_weights_bumps_version_and_new_samples_carry_it(serve):
+async def test_update_weights_bumps_version_and_new_samples_carry_it(serve, tmp_path):
     _, stub = await serve()
-    r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path="/w1"))
+    w1 = str(tmp_path)  # the synthetic engine loads nothing, but the path must exist
+    r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path=w1))
     assert r.policy_version == 1
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path="/w1"))
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path=w1))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     versions = set()
     for _ in range(6):
@@ -153,3 +154,16 @@ def pb_stub(channel):
     from rolloutd.v1 import rollout_pb2_grpc
 
     return rollout_pb2_grpc.RolloutServiceStub(channel)
+
+
+@pytest.mark.parametrize("tag", ["5", "007", "latest", "none"])
+async def test_a_tag_that_reads_as_a_sequence_or_keyword_is_refused(serve, tag):
+    """--restore and `checkpoints show` read digits as a sequence: such a tag would be unreachable."""
+    service, stub = await serve()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Checkpoint(pb.CheckpointRequest(tag=tag))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tag" in info.value.details()
+    assert service.store.sequences() == []
+    ok = await stub.Checkpoint(pb.CheckpointRequest(tag="step-5"))
+    assert ok.outcome == pb.CHECKPOINT_OUTCOME_COMPLETED

@@ -314,8 +314,8 @@ async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):
     b = nodes()
     await b.restore()
     assert list(b.controller.buffer.finalized_leases) == finalized
-    for lease_id in finalized:
-        assert (await b.controller.ack(lease_id, 5)).already_acked
+    for step, lease_id in enumerate(finalized, start=1):  # the same step: idempotent
+        assert (await b.controller.ack(lease_id, step)).already_acked
 
 
 async def test_compaction_merges_small_segments_and_keeps_the_large_one(nodes):
@@ -369,3 +369,53 @@ async def test_an_attempt_that_times_out_but_publishes_later_does_not_block_the_
 
 def late_sequence(node):
     return sorted(node.store.sequences())[-2]
+
+
+TAGS = {1: ("step-1", 1), 2: ("manual-1", None), 5: ("step-5", 5), 10: ("step-10", 10)}
+
+
+async def _tagged_history(node: Node, steps: int) -> None:
+    """One checkpoint per trainer step, tagged as TAGS says (the rollback walkthrough's tags)."""
+    node.controller.start()
+    for step in range(1, steps + 1):
+        await settle(lambda: node.controller.status().buffer.committed >= 1)
+        lease, _groups = await node.controller.fetch(1, 100, "t")
+        await node.controller.ack(lease.lease_id, step)
+        tag, trainer_step = TAGS.get(step, ("", step))
+        report = await node.checkpoint(tag=tag, trainer_step=trainer_step)
+        assert report.outcome is Outcome.COMPLETED, report
+    await node.controller.stop()
+
+
+async def test_retention_keeps_the_newest_tagged_snapshots(nodes):
+    """keep_latest=2, rewind_window=2: without keep_tagged only step-10's snapshot would be
+    needed by a rewind, and manual-1 (no trainer step) never; keep_tagged keeps all four."""
+    a = nodes(rewind_window=2)
+    await _tagged_history(a, 14)
+    tags = [m.tag for m in a.store.list() if m.tag]
+    assert tags == ["step-10", "step-5", "manual-1", "step-1"]
+    assert len(a.store.list()) == 2 + 4
+
+
+async def test_keep_tagged_bounds_what_tags_protect(nodes):
+    a = nodes(rewind_window=2)
+    a.checkpointer.config = replace(a.checkpointer.config, keep_tagged=1)
+    await _tagged_history(a, 14)
+    assert [m.tag for m in a.store.list() if m.tag] == ["step-10"]
+    assert len(a.store.list()) == 3
+
+
+async def test_a_skip_with_no_changes_counts_as_fresh(nodes):
+    """An idle, healthy service has a current snapshot: since_success must not keep growing
+    (RolloutdCheckpointStale fired on idle pods)."""
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)  # the buffer is full
+    assert (await a.checkpointer.checkpoint(Trigger.PERIODIC)).outcome is Outcome.COMPLETED
+    completed_at = a.checkpointer.last_success_at
+    await asyncio.sleep(0.3)
+    skipped = await a.checkpointer.checkpoint(Trigger.PERIODIC)
+    assert (skipped.outcome, skipped.reason) == (Outcome.SKIPPED, Reason.NO_CHANGES)
+    assert a.checkpointer.since_success_s() < 0.2
+    assert a.checkpointer.last_success_at == completed_at  # still the last snapshot written
+    await a.controller.stop()

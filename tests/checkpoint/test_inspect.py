@@ -32,15 +32,15 @@ def test_list_shows_each_snapshot(location: Location, snapshots: list[Manifest])
     assert code == 0
     header, newest, oldest = out.splitlines()
     assert header.split() == ["SEQ", "TAG", "STEP", "CREATED", "(UTC)", "ROWS", "BYTES", "STATUS"]
-    assert newest.split()[0] == "2" and newest.split()[-1] == "ok"
+    assert newest.split()[0] == "2" and newest.split()[-1] == "unverified"
     assert "38" in newest.split()  # live rows
     assert oldest.split()[:3] == ["1", "step-10", "10"]
 
     code, out = _run(location, "list", "--json")
     records = json.loads(out)
     assert [r["sequence"] for r in records] == [2, 1]
-    assert records[0]["bytes"] == snapshots[1].total_bytes
-    assert records[1]["tag"] == "step-10" and records[1]["status"] == "ok"
+    assert records[0]["size_bytes"] == snapshots[1].total_bytes
+    assert records[1]["tag"] == "step-10" and records[1]["status"] == "unverified"
 
 
 def test_list_flags_damage_without_reading_files(location: Location, snapshots: list[Manifest]):
@@ -77,6 +77,7 @@ def test_verify_checks_every_checksum(location: Location, snapshots: list[Manife
 
 
 def test_empty_store_and_usage_errors(location: Location, capsys):
+    location.open().write_sidecar_json(1, b"{}")  # a store that exists, with no snapshot yet
     code, out = _run(location, "list")
     assert code == 0 and "no snapshots" in out
     with pytest.raises(SystemExit) as caught:
@@ -99,4 +100,36 @@ def test_storage_options_parse_json_values_and_nest():
 def test_unreachable_store_is_an_error_not_a_crash(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["list", "--dir", str(tmp_path / "file" / "store")]) == 1
-    assert "Not a directory" in capsys.readouterr().err
+    assert "no snapshot store at" in capsys.readouterr().err
+
+
+def test_list_never_says_ok_for_what_it_did_not_read(location: Location, snapshots):
+    """A flipped bit keeps every size: list cannot see it, so it says unverified, not ok."""
+    location.flip_bit(snapshots[1].segments[1].file.path)
+    code, out = _run(location, "list")
+    assert code == 0
+    assert [line.split()[-1] for line in out.splitlines()[1:]] == ["unverified", "unverified"]
+    assert " ok" not in out
+    code, out = _run(location, "verify")
+    assert code == 1 and "corrupt" in out
+
+
+def test_show_takes_what_restore_takes(location: Location, snapshots: list[Manifest]):
+    for spec, expected in (
+        ("latest", snapshots[1]),
+        ("2", snapshots[1]),
+        ("step-10", snapshots[0]),
+    ):
+        code, out = _run(location, "show", spec)
+        assert code == 0, spec
+        assert Manifest.from_json(out.encode()) == expected, spec
+    code, _ = _run(location, "show", "step-99")
+    assert code == 1
+
+
+def test_a_store_that_does_not_exist_is_an_error(location: Location, capsys):
+    for command in ("list", "show", "verify"):
+        argv = [command, "latest"] if command == "show" else [command]
+        code, _ = _run(location, *argv)
+        assert code == 1, command
+        assert f"no snapshot store at {location.url}" in capsys.readouterr().err

@@ -19,12 +19,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import grpc
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolloutd.config import Config, load_config
+from tests.integration.proc import ServeProcess
 
+from .kubelet import container_environment
 from .tools import REPO, tool
 
 K8S = REPO / "k8s"
@@ -412,3 +416,69 @@ def test_pods_run_as_the_image_user(rendered: Rendering) -> None:
     for name, pod in _pod_specs(rendered):
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["automountServiceAccountToken"] is False, name
+
+
+def test_pods_do_not_get_service_links(rendered: Rendering) -> None:
+    """kubelet's ROLLOUTD_ADMIN_SERVICE_HOST & co. are noise to rolloutd; the pods ask for none."""
+    for name, pod in _pod_specs(rendered):
+        assert pod["enableServiceLinks"] is False, name
+
+
+FAKE_SECRETS = {
+    "rolloutd-s3-credentials": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
+}
+
+
+@pytest.mark.process
+def test_rolloutd_starts_with_the_environment_kubelet_builds(
+    rendered: Rendering, tmp_path: Path
+) -> None:
+    """The rendered container's own args and environment, as kubelet builds them, service links
+    included (a copy of the pod spec without enableServiceLinks: false must start too). Only what
+    exists in a cluster alone is replaced by flags: the engine (no GPU here), the ports (free
+    ones) and the checkpoint location (a scratch directory instead of the volume or bucket)."""
+    statefulset = rendered.get("StatefulSet", "rolloutd")
+    c = container(statefulset)
+
+    def lookup(kind: str, name: str) -> dict[str, str]:
+        return FAKE_SECRETS[name] if kind == "Secret" else rendered.get(kind, name)["data"]
+
+    fields = {
+        "metadata.name": f"{statefulset['metadata']['name']}-0",
+        "metadata.namespace": statefulset["metadata"]["namespace"],
+        "metadata.uid": "4c1d6c2e-0000-4000-8000-000000000000",
+        "spec.nodeName": "node-a",
+    }
+    env = container_environment(c, fields, lookup, rendered.of_kind("Service"))
+    assert "ROLLOUTD_ADMIN_SERVICE_HOST" in env and "ROLLOUTD_ADMIN_PORT_8080_TCP_ADDR" in env
+    args = list(c["args"])
+    assert args[0] == "serve"
+    config_path = args[args.index("--config") + 1]
+    local = tmp_path / "rolloutd.yaml"
+    local.write_text(rendered.mounted_file(statefulset, config_path))
+    args[args.index("--config") + 1] = str(local)
+    image_env = {k: os.environ[k] for k in ("PATH", "PYTHONPATH") if k in os.environ}
+    serve = ServeProcess(
+        [
+            *args[1:],
+            "--engine", "synthetic",
+            "--grpc-port", "0",
+            "--http-port", "0",
+            "--checkpoint-dir", str(tmp_path / "checkpoints"),
+        ],
+        env={**image_env, "HOME": str(tmp_path), **env},
+        cwd=tmp_path,
+        inherit_env=False,
+    )  # fmt: skip
+    try:
+        address = serve.wait_listening(timeout=120)
+        with grpc.insecure_channel(address) as channel:
+            probe = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=c["readinessProbe"]["grpc"]["service"]),
+                timeout=10,
+            )
+        assert probe.status == health_pb2.HealthCheckResponse.SERVING
+        assert serve.terminate() == 0, serve.output
+    finally:
+        if serve.proc.poll() is None:
+            serve.kill()

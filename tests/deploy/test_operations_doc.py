@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from rolloutd.config import ENV_PREFIX, Config
+from rolloutd.config import ENV_PREFIX, SERVICE_LINK, Config, load_config
 from rolloutd.domain.report import CheckpointPhase, RestorePhase
 from rolloutd.telemetry import spans
 
@@ -33,9 +33,13 @@ def test_prometheus_names_are_catalogue_series(name: str) -> None:
     assert name in by_series_name()
 
 
-@pytest.mark.parametrize("variable", sorted(set(re.findall(rf"\b{ENV_PREFIX}[A-Z_]+", DOC))))
+@pytest.mark.parametrize("variable", sorted(set(re.findall(rf"\b{ENV_PREFIX}[A-Z0-9_]+", DOC))))
 def test_environment_overrides_name_config_keys(variable: str) -> None:
+    """Or, for the examples of what kubelet injects, a name the configuration ignores."""
     dotted = variable.removeprefix(ENV_PREFIX).lower().replace("__", ".")
+    if SERVICE_LINK.match(variable) and "__" not in variable:
+        assert load_config(environ={variable: "8080"}) == load_config(environ={})
+        return
     assert _config_key_exists(dotted), f"{variable}: no config key {dotted}"
 
 

@@ -26,8 +26,9 @@ class Trainer:
     step: int = 0
     acked: Counter[str] = field(default_factory=Counter)
     """prompt position key -> times acknowledged."""
-    pending: list[tuple[str, list[str]]] = field(default_factory=list)
-    """(lease_id, keys) whose ack RPC failed with the service."""
+    pending: list[tuple[str, list[str], int]] = field(default_factory=list)
+    """(lease_id, keys, trainer_step) whose ack RPC failed with the service; retried with the
+    same step (the step that consumed the groups)."""
     delivered: int = 0
     checkpoint_every: int = 4
     """Call Checkpoint(trainer_step) every this many steps, as a trainer saving its own state."""
@@ -38,16 +39,22 @@ class Trainer:
             f"{g.epoch}:{g.offset}" if g.source == pb.PROMPT_SOURCE_DATASET else f"s:{g.prompt_id}"
         )
 
-    def _ack(self, stub: pb_grpc.RolloutServiceStub, lease_id: str, keys: list[str]) -> None:
-        self.step += 1
+    def _ack(
+        self,
+        stub: pb_grpc.RolloutServiceStub,
+        lease_id: str,
+        keys: list[str],
+        step: int | None = None,
+    ) -> None:
+        if step is None:
+            self.step += 1
+            step = self.step
         try:
-            stub.AckGroups(
-                pb.AckGroupsRequest(lease_id=lease_id, trainer_step=self.step), timeout=10
-            )
+            stub.AckGroups(pb.AckGroupsRequest(lease_id=lease_id, trainer_step=step), timeout=10)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                 return  # never durable: the groups come back
-            self.pending.append((lease_id, keys))
+            self.pending.append((lease_id, keys, step))
             raise
         self.acked.update(keys)
 
@@ -56,8 +63,8 @@ class Trainer:
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
             retry, self.pending = self.pending, []
-            for lease_id, keys in retry:
-                self._ack(stub, lease_id, keys)
+            for lease_id, keys, step in retry:
+                self._ack(stub, lease_id, keys, step)
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=3, wait_ms=200), timeout=10)

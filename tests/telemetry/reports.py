@@ -140,8 +140,16 @@ STATUS = StatusSnapshot(
 CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
 
 
-def scripted_run(observer: Observes) -> None:
+class ServiceObserver(Observes, Protocol):
+    """The domain's observer plus what the server's RPC interceptor reports."""
+
+    def rpc_finished(self, method: str, status_code: int, seconds: float) -> None: ...
+
+
+def scripted_run(observer: ServiceObserver) -> None:
     """Every kind of observer call, in the order a short run makes them."""
+    observer.rpc_finished("FetchGroups", 0, 0.004)
+    observer.rpc_finished("FetchGroups", 3, 0.0002)
     observer.restored(restore_report(start_ns=T0))
     observer.mutation_blocked(MutationKind.STAGE_SAMPLE, 0.002)
     observer.mutation_blocked(MutationKind.ADMIT, 0.0005)

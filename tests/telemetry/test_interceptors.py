@@ -69,7 +69,7 @@ async def test_a_checkpoint_call_inside_a_client_span_is_one_trace(probe, span_e
     [root] = [s for s in spans if s.name == "rolloutd.checkpoint"]
     assert client.parent is not None and client.parent.span_id == step.get_span_context().span_id
     assert rpc.parent is not None and rpc.parent.span_id == client.context.span_id
-    assert rpc.name == client.name == CHECKPOINT
+    assert rpc.name == client.name == f"{SERVICE}/Checkpoint"  # no leading slash (RPC conventions)
     assert root.parent is not None and root.parent.span_id == rpc.context.span_id
     phases = [s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id]
     assert len(phases) == 5
@@ -92,8 +92,8 @@ async def test_client_spans_through_grpc_intercept_channel_record_failures_and_f
         channel.close()
 
     clients = {s.name: s for s in exporter.get_finished_spans() if s.kind is SpanKind.CLIENT}
-    assert clients[MISSING].status.status_code is StatusCode.ERROR
-    assert dict(clients[MISSING].attributes or {})["rpc.grpc.status_code"] == 5
-    assert clients[CHECKPOINT].status.status_code is StatusCode.UNSET
+    assert clients[MISSING[1:]].status.status_code is StatusCode.ERROR
+    assert dict(clients[MISSING[1:]].attributes or {})["rpc.grpc.status_code"] == 5
+    assert clients[CHECKPOINT[1:]].status.status_code is StatusCode.UNSET
     servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
     assert {s.context.trace_id for s in servers} == {s.context.trace_id for s in clients.values()}

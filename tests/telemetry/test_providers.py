@@ -152,14 +152,18 @@ def test_the_sampler_comes_from_the_environment_unless_given(monkeypatch, teleme
 
 
 @pytest.mark.parametrize("how", ["environment", "argument"])
-def test_sdk_disabled_records_nothing_and_observes_harmlessly(how, monkeypatch, telemetry):
+def test_sdk_disabled_exports_nothing_and_keeps_metrics_on(how, monkeypatch, telemetry):
+    """OTEL_SDK_DISABLED stops traces and every exporter; /metrics (the admin port's own
+    Prometheus registry) still serves every instrument, as the README says."""
     if how == "environment":
         monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     t = telemetry(disabled=how == "argument")
     assert not t.enabled
     assert isinstance(t.tracer_provider, trace.NoOpTracerProvider)
     scripted_run(t.observer())
-    assert b"rolloutd" not in generate_latest(t.prometheus_registry)
+    exposition = generate_latest(t.prometheus_registry).decode()
+    assert "rolloutd_checkpoint_attempts_total" in exposition
+    assert "rolloutd_checkpoint_duration_seconds_bucket" in exposition
 
 
 def test_sdk_providers_are_built_when_enabled(telemetry):

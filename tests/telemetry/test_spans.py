@@ -100,7 +100,7 @@ def test_a_skipped_attempt_is_a_span_without_phases(span_exporter):
 def test_the_checkpoint_nests_under_the_current_span(span_exporter):
     provider, exporter = span_exporter
     tracer = provider.get_tracer("test")
-    with tracer.start_as_current_span("/rolloutd.v1.RolloutService/Checkpoint") as rpc:
+    with tracer.start_as_current_span("rolloutd.v1.RolloutService/Checkpoint") as rpc:
         record_checkpoint(tracer, checkpoint_report())
     spans = by_name(exporter.get_finished_spans())
     root = spans[CHECKPOINT_SPAN]

@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, status
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutd import __version__
 from rolloutd.api import validation
@@ -47,6 +47,15 @@ class SnapshotInfo:
     """Rows live in the snapshot."""
     size_bytes: int
     """Bytes of every file the snapshot references."""
+
+
+def find_snapshot(snapshots: Sequence[SnapshotInfo], spec: str) -> SnapshotInfo | None:
+    """``latest`` (the first: listings are newest first), a sequence number, or a tag."""
+    if spec == "latest":
+        return snapshots[0] if snapshots else None
+    if spec.isdigit():
+        return next((s for s in snapshots if s.sequence == int(spec)), None)
+    return next((s for s in snapshots if s.tag == spec), None)
 
 
 class AdminState(Protocol):
@@ -81,7 +90,13 @@ class Readiness(BaseModel):
 class CheckpointRequest(BaseModel):
     """Checked by :func:`validation.checkpoint_request`, as the ``Checkpoint`` RPC is."""
 
-    tag: str = Field("", description="Label stored with the snapshot.")
+    model_config = ConfigDict(extra="forbid")
+
+    tag: str = Field(
+        "",
+        description="Label stored with the snapshot; not all digits, latest or none (those "
+        "name a sequence or a --restore keyword).",
+    )
     trainer_step: int | None = Field(
         None, description="Trainer checkpoint step: acks up to it are finalized."
     )
@@ -135,6 +150,10 @@ def create_admin_app(
         title="rolloutd admin",
         version=__version__,
         description="Health, readiness, Prometheus metrics, status and checkpoints of rolloutd.",
+        # Swagger UI and ReDoc load their assets from a CDN and do not render offline; the
+        # OpenAPI document itself stays at /openapi.json.
+        docs_url=None,
+        redoc_url=None,
     )
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
@@ -181,6 +200,15 @@ def create_admin_app(
     async def list_checkpoints() -> list[SnapshotInfo]:
         """Restorable snapshots, newest first."""
         return list(state.checkpoints())
+
+    @app.get("/v1/checkpoints/{snapshot}", responses={404: {"description": "No such snapshot."}})
+    async def get_checkpoint(snapshot: str) -> SnapshotInfo:
+        """One snapshot, named as ``--restore`` names it: ``latest``, a sequence number or a
+        tag."""
+        found = find_snapshot(state.checkpoints(), snapshot)
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no snapshot {snapshot!r}")
+        return found
 
     @app.post("/v1/checkpoints", dependencies=[Depends(require_token)])
     async def create_checkpoint(body: CheckpointRequest | None = None) -> CheckpointResult:

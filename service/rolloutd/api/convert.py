@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from rolloutd.weights.updater import UpdateResult
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_ID_CHARS = 512
+ROLES = ("system", "user", "assistant", "tool")
+"""Chat roles a prompt's messages may have."""
 
 OUTCOMES = {
     Outcome.COMPLETED: pb.CHECKPOINT_OUTCOME_COMPLETED,
@@ -65,7 +68,8 @@ def group_to_proto(g: Group) -> pb.Group:
         source=pb.PROMPT_SOURCE_DATASET if position else pb.PROMPT_SOURCE_SUBMITTED,
         samples=[sample_to_proto(s) for s in g.ordered_samples()],
         prompt_text=m.prompt.text,
-        metadata=_struct(m.prompt.metadata),
+        metadata=_struct(m.prompt.metadata) if isinstance(m.prompt.metadata, dict) else None,
+        metadata_json=json.dumps(m.prompt.metadata, ensure_ascii=False),
         policy_version=m.policy_version,
         admitted_at=m.admitted_at,
         committed_at=m.committed_at or 0.0,
@@ -81,16 +85,36 @@ def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
             f"{field}.prompt_id", f"must be at most {MAX_PROMPT_ID_CHARS} characters"
         )
     messages = tuple({"role": m.role, "content": m.content} for m in p.messages)
+    if messages and p.text:
+        raise InvalidArgument(field, "give text or messages, not both")
     for j, m in enumerate(messages):
-        if not m["role"] or not m["content"].strip():
-            raise InvalidArgument(f"{field}.messages[{j}]", "role and content must not be empty")
+        if m["role"] not in ROLES:
+            raise InvalidArgument(
+                f"{field}.messages[{j}].role",
+                f"must be one of {', '.join(ROLES)}, not {m['role']!r}",
+            )
+        if not m["content"].strip():
+            raise InvalidArgument(f"{field}.messages[{j}].content", "must not be empty")
     if not p.text.strip() and not messages:
         raise InvalidArgument(f"{field}.text", "must not be empty (or give messages)")
     text = p.text if p.text.strip() else "\n".join(m["content"] for m in messages)
     if len(text) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"{field}.text", f"must be at most {MAX_PROMPT_CHARS} characters")
-    metadata = json_format.MessageToDict(p.metadata) if p.HasField("metadata") else {}
-    return Prompt(prompt_id=p.prompt_id, text=text, metadata=metadata, messages=messages)
+    return Prompt(prompt_id=p.prompt_id, text=text, metadata=_metadata(p, field), messages=messages)
+
+
+def _metadata(p: pb.Prompt, field: str) -> Any:
+    """``metadata_json`` exactly as given (any JSON value), else the Struct, else None."""
+    if p.metadata_json:
+        if p.HasField("metadata"):
+            raise InvalidArgument(
+                f"{field}.metadata_json", "give metadata_json or metadata, not both"
+            )
+        try:
+            return json.loads(p.metadata_json)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{field}.metadata_json", f"not JSON: {exc}") from None
+    return json_format.MessageToDict(p.metadata) if p.HasField("metadata") else None
 
 
 def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:

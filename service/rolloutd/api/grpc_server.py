@@ -11,11 +11,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from rolloutd.api.reflection import enable_reflection
 from rolloutd.api.servicer import Host, RolloutServicer
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.lifecycle import ServingState
+from rolloutd.startup import PortUnavailable
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from rolloutd.weights.updater import WeightsUpdater
@@ -36,13 +37,18 @@ class GrpcServer:
         auth_token: str | None,
         tls_cert: str | None,
         tls_key: str | None,
+        tls_client_ca: str | None,
         interceptors: Sequence[grpc.aio.ServerInterceptor],
         weights: WeightsUpdater,
     ) -> None:
         self._address = address
         self._health = health.aio.HealthServicer()
         self._credentials = (
-            grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            grpc.ssl_server_credentials(
+                [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())],
+                root_certificates=Path(tls_client_ca).read_bytes() if tls_client_ca else None,
+                require_client_auth=tls_client_ca is not None,
+            )
             if tls_cert and tls_key
             else None
         )
@@ -59,22 +65,23 @@ class GrpcServer:
             RolloutServicer(controller, host, auth_token, weights=weights), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+        enable_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
             self._server,
         )
         self._started = False
 
     async def start(self) -> int:
         """Binds and serves; returns the port (port 0 picks a free one)."""
-        if self._credentials is not None:
-            port = self._server.add_secure_port(self._address, self._credentials)
-        else:
-            port = self._server.add_insecure_port(self._address)
+        try:
+            if self._credentials is not None:
+                port = self._server.add_secure_port(self._address, self._credentials)
+            else:
+                port = self._server.add_insecure_port(self._address)
+        except RuntimeError as exc:  # grpc says only "Failed to bind to address ..."
+            raise PortUnavailable(
+                "gRPC", self._address, "--grpc-port", "grpc.port", "in use"
+            ) from exc
         await self._server.start()
         self._started = True
         return port

@@ -7,15 +7,14 @@ Each raises :class:`InvalidArgument` naming the field; gRPC answers ``INVALID_AR
 
 from __future__ import annotations
 
+from rolloutd.checkpoint.tags import tag_problem
 from rolloutd.domain.errors import InvalidArgument
-
-MAX_TAG_CHARS = 128
-"""Longest checkpoint tag (it names a snapshot in listings and in span attributes)."""
 
 
 def checkpoint_request(tag: str, trainer_step: int | None) -> None:
     """``Checkpoint`` / ``POST /v1/checkpoints``: the tag and the trainer step."""
     if trainer_step is not None and trainer_step < 0:
         raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
-    if len(tag) > MAX_TAG_CHARS:
-        raise InvalidArgument("tag", f"must be at most {MAX_TAG_CHARS} characters")
+    problem = tag_problem(tag)
+    if problem is not None:
+        raise InvalidArgument("tag", problem)

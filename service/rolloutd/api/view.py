@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from google.protobuf import json_format
-
 from rolloutd.api import convert
 from rolloutd.api.admin import SnapshotInfo
+from rolloutd.api.json_shape import to_json
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller
@@ -52,7 +51,10 @@ class ServiceView:
     def status_proto(self) -> pb.GetStatusResponse:
         c = self._scheduler.checkpointer
         last = convert.checkpoint_status_to_proto(
-            c.sequence, c.consecutive_failures, c.last_success_at, c.last_attempt
+            c.sequence,
+            c.consecutive_failures,
+            0.0 if c.last_success is None else c.last_success_at,  # no checkpoint yet
+            c.last_attempt,
         )
         return convert.status_to_proto(
             self._controller.status(),
@@ -71,7 +73,7 @@ class ServiceView:
         return self._lifecycle.state.ready, self._lifecycle.reason
 
     def status(self) -> Mapping[str, Any]:
-        return json_format.MessageToDict(self.status_proto(), preserving_proto_field_name=True)
+        return to_json(self.status_proto())
 
     def checkpoints(self) -> Sequence[SnapshotInfo]:
         return [

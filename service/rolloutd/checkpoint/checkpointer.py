@@ -54,7 +54,11 @@ class CheckpointerConfig:
     interval_s: float = 60.0
     """Seconds between periodic checkpoints; 0 disables them."""
     keep_latest: int = 3
-    """Snapshots kept besides those tagged with a trainer step still inside the rewind window."""
+    """Newest snapshots kept, tagged or not."""
+    keep_tagged: int = 10
+    """Newest tagged snapshots kept besides keep_latest, whatever their trainer step: rollback
+    points for --restore TAG (0: tags protect nothing). Snapshots whose trainer step a Rewind may
+    still need (within limits.rewind_window) are kept as well; all others are retired."""
     max_consecutive_failures: int = 3
     """Failed attempts in a row after which the service reports not-ready."""
     timeout_s: float = 120.0
@@ -97,6 +101,9 @@ class Checkpointer:
         self.last_success: CheckpointReport | None = None
         self.last_success_at = time.time()
         """Wall-clock time of the last completed snapshot (start-up until there is one)."""
+        self._current_at = time.time()
+        """When the store was last known to hold everything: a completed attempt, or a periodic
+        one skipped because nothing changed since (an idle service is not stale)."""
 
     def adopt(self, manifest: Manifest, state: ControllerState) -> None:
         """Continue incrementally from a restored snapshot (``state`` is its whole state)."""
@@ -111,7 +118,8 @@ class Checkpointer:
         return 0 if self._parent is None else self._parent.sequence
 
     def since_success_s(self) -> float:
-        return time.time() - self.last_success_at
+        """Seconds since the snapshot was last known current (see ``_current_at``)."""
+        return time.time() - self._current_at
 
     async def checkpoint(
         self, trigger: Trigger, tag: str = "", trainer_step: int | None = None
@@ -271,16 +279,28 @@ class Checkpointer:
                 manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = self.controller.retained_from_step(capture)
-            await asyncio.to_thread(
-                self.store.retire, self.config.keep_latest, keep_tagged(oldest_step)
-            )
+            await asyncio.to_thread(self._retire, oldest_step)
         return manifest, groups, finalized
+
+    def _retire(self, oldest_step: int | None) -> None:
+        """Retention (in a worker thread): the newest ``keep_latest``, the newest
+        ``keep_tagged`` tagged ones, and the tagged ones a Rewind to ``oldest_step`` or later may
+        need."""
+        rollback_points = {m.sequence for m in self.store.list() if m.tag}
+        newest_tagged = set(sorted(rollback_points, reverse=True)[: self.config.keep_tagged])
+        needed = keep_tagged(oldest_step)
+        self.store.retire(
+            self.config.keep_latest, lambda m: m.sequence in newest_tagged or needed(m)
+        )
 
     def _report(self, report: CheckpointReport) -> CheckpointReport:
         self.last_attempt = report
         if report.outcome is Outcome.COMPLETED:
             self.consecutive_failures = 0
             self.last_success, self.last_success_at = report, report.ended_ns / 1e9
+            self._current_at = self.last_success_at
+        elif report.reason is Reason.NO_CHANGES:
+            self._current_at = report.ended_ns / 1e9
         elif report.outcome is Outcome.FAILED:
             self.consecutive_failures += 1
             log.error(

@@ -1,8 +1,10 @@
 """Operator commands: ``rolloutd checkpoints list|show|verify --dir URL [--storage-option k=v]``.
 
-``list`` reads manifests only and checks file sizes; ``verify`` re-reads every file of every
-snapshot and compares checksums (a segment shared by several snapshots is read once), exiting 1
-when anything fails; ``show SEQ`` prints a manifest. Exit status 2 is a usage error.
+``list`` reads manifests only and checks file sizes, so the best it can say is ``unverified``
+(sizes match) or ``damaged``; ``verify`` re-reads every file of every snapshot and compares
+checksums (a segment shared by several snapshots is read once), says ``ok`` or ``corrupt``, and
+exits 1 when anything fails; ``show latest|SEQ|TAG`` prints a manifest. A store that does not
+exist (a mistyped ``--dir``) exits 1; exit status 2 is a usage error.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from rolloutd.checkpoint.store import (
     SnapshotReader,
     SnapshotStore,
 )
+from rolloutd.checkpoint.tags import sequence_of
 
 DEFAULT_DIR = "./.rolloutd/checkpoints"
 
 
 class Status(enum.Enum):
     OK = "ok"
+    """Every checksum verified (``verify`` only)."""
+    UNVERIFIED = "unverified"
+    """Every file is there with its size; checksums not read (``list``)."""
     DAMAGED = "damaged"
     """A file is missing or has the wrong size (found without reading files)."""
     CORRUPT = "corrupt"
@@ -107,16 +113,17 @@ def _list(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
         else:
             assert manifest is not None
             problems = store.check_sizes(manifest)
-            status = Status.DAMAGED if problems else Status.OK
+            status = Status.DAMAGED if problems else Status.UNVERIFIED
         rows.append(_row(sequence, manifest, status))
         records.append(
             {
                 "sequence": sequence,
                 "tag": manifest.tag if manifest else None,
                 "trainer_step": manifest.trainer_step if manifest else None,
-                "created_at": manifest.created_at if manifest else None,
+                # The field names of the admin API's /v1/checkpoints.
+                "created_unix_s": manifest.created_at if manifest else None,
                 "rows": manifest.live_rows if manifest else None,
-                "bytes": manifest.total_bytes if manifest else None,
+                "size_bytes": manifest.total_bytes if manifest else None,
                 "status": status.value,
                 "problems": problems,
             }
@@ -133,7 +140,7 @@ def _list(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
 
 def _show(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
     try:
-        manifest = store.load(args.sequence)
+        manifest = store.load(sequence_of(store, args.snapshot))
     except (SnapshotNotFound, CorruptSnapshot) as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
@@ -187,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.set_defaults(func=_list)
     show = commands.add_parser("show", parents=[common], help="print one manifest")
-    show.add_argument("sequence", type=int)
+    show.add_argument("snapshot", help="latest, a sequence number or a tag (as --restore)")
     show.set_defaults(func=_show)
     verify = commands.add_parser("verify", parents=[common], help="re-check every checksum")
     verify.add_argument("sequences", type=int, nargs="*", help="only these (default: all)")
@@ -204,9 +211,23 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
+        if not _exists(args.dir, options):
+            sys.stderr.write(
+                f"rolloutd checkpoints: no snapshot store at {args.dir} (nothing there); "
+                "check --dir, the checkpoint.dir of the service\n"
+            )
+            return 1
         store = SnapshotStore(args.dir, options)
         status: int = args.func(store, args, out or sys.stdout)
     except OSError as exc:
         sys.stderr.write(f"rolloutd checkpoints: {exc}\n")
         return 1
     return status
+
+
+def _exists(url: str, options: dict[str, Any]) -> bool:
+    """A store exists once its directory does, or (object stores) once its prefix holds a file."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return bool(fs.exists(path))

@@ -61,7 +61,7 @@ def _prompt_from_json(d: Mapping[str, Any]) -> Prompt:
     return Prompt(
         prompt_id=str(d["id"]),
         text=str(d["text"]),
-        metadata=dict(d["metadata"]),
+        metadata=d["metadata"],  # any JSON value, delivered exactly as it came
         messages=tuple(d["messages"]),
     )
 
@@ -131,7 +131,8 @@ def _decoder(kind: Any) -> Callable[[Any], Any]:
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         hints = typing.get_type_hints(kind)
         plan = [(f.name, _decoder(hints[f.name])) for f in dataclasses.fields(kind)]
-        return lambda d: kind(**{name: dec(d[name]) for name, dec in plan})
+        # A field a snapshot from an earlier version lacks takes its declared default.
+        return lambda d: kind(**{name: dec(d[name]) for name, dec in plan if name in d})
     raise TypeError(f"no sidecar decoding for {kind!r}")
 
 

@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
-from rolloutd.domain.errors import InvariantError, NotFound
+from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
 from rolloutd.domain.group import Group, GroupMeta, GroupState, Position, Sample
 
 ACKED_LEASES_REMEMBERED = 65_536
@@ -188,7 +188,8 @@ class RolloutBuffer:
 
     def ack(self, record: AckRecord) -> list[int] | None:
         """Applies an ack, live or replayed from the journal; None when its lease was acked
-        already (idempotent). Returns the ids of its groups the buffer does not hold: admitted
+        already (idempotent; with another trainer step it is a conflict: the groups were consumed
+        by one step, not two). Returns the ids of its groups the buffer does not hold: admitted
         and acked after the snapshot a restore started from.
 
         Live, every group of the lease is LEASED. In replay a group may also be COMMITTED (its
@@ -196,7 +197,11 @@ class RolloutBuffer:
         after the snapshot, but its siblings were never all durable, so it is gone like an
         unheld one.
         """
-        if record.lease_id in self.acks or record.lease_id in self.finalized_leases:
+        if record.lease_id in self.acks:
+            same_step(record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step)
+            return None
+        if record.lease_id in self.finalized_leases:
+            same_step(record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step)
             return None
         for gid in record.group_ids:
             if gid in self.groups and self.groups[gid].state is GroupState.GENERATING:
@@ -336,3 +341,11 @@ class RolloutBuffer:
             key=lambda g: (g.meta.committed_at or 0.0, g.group_id),
         )
         self._ready = deque(g.group_id for g in ready)
+
+
+def same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:
+    """A repeated ack is idempotent only at the step it was first made at."""
+    if acked_step != trainer_step:
+        raise FailedPrecondition(
+            f"lease {lease_id!r} was acked with trainer_step {acked_step}, not {trainer_step}"
+        )

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.barrier import MutationBarrier
-from rolloutd.domain.buffer import AckRecord, BufferCounts, Lease, RolloutBuffer
+from rolloutd.domain.buffer import AckRecord, BufferCounts, Lease, RolloutBuffer, same_step
 from rolloutd.domain.engine import (
     EngineDeadError,
     EngineError,
@@ -429,8 +429,10 @@ class Controller:
         async with self.barrier.mutation(MutationKind.ACK):
             known = self.buffer.acks.get(lease_id)
             if known is not None:
+                same_step(lease_id, known.trainer_step, trainer_step)
                 return AckResult(len(known.group_ids), already_acked=True)
             if lease_id in self.buffer.finalized_leases:
+                same_step(lease_id, self.buffer.finalized_leases[lease_id], trainer_step)
                 return AckResult(0, already_acked=True)
             lease = self.buffer.leases.get(lease_id)
             if lease is None:
@@ -509,6 +511,7 @@ class Controller:
                 for lease in self.buffer.expired_leases(self.clock()):
                     requeued = self.buffer.requeue(lease.lease_id)
                     self.counters.requeued_groups += len(requeued)
+                    self.counters.expired_leases += 1
                     log.info(
                         "lease %s of %s expired; %d groups available again",
                         lease.lease_id,

@@ -25,7 +25,8 @@ class Prompt:
 
     prompt_id: str
     text: str
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: Any = None
+    """Any JSON value (None: none given), returned exactly with the group."""
     messages: tuple[dict[str, str], ...] = ()
 
 

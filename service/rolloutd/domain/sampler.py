@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rolloutd.domain.errors import ResourceExhausted
+from rolloutd.domain.errors import FailedPrecondition, ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
 
 
@@ -47,7 +47,8 @@ class Sampler:
         """Every prompt ever submitted, append-only: a captured prefix never changes."""
         self._submitted_head = 0
         """Prompts before this index have been admitted."""
-        self._submitted_ids: set[str] = set()
+        self._submitted_ids: dict[str, Prompt] = {}
+        """Every submitted prompt by id: a resubmission must be the same prompt."""
         self._readmit: deque[Admission] = deque()
         self._skip: set[Position] = set()
         """Positions never to admit again: their groups were acked but lost in a crash."""
@@ -114,11 +115,22 @@ class Sampler:
         """Queues new prompts; returns (accepted, duplicates). All or nothing on overflow."""
         given = list(prompts)
         fresh: list[Prompt] = []
-        seen = set(self._submitted_ids)
+        batch: dict[str, Prompt] = {}
         for p in given:
-            if p.prompt_id not in seen:
-                seen.add(p.prompt_id)
+            earlier = self._submitted_ids.get(p.prompt_id) or batch.get(p.prompt_id)
+            if earlier is None:
+                batch[p.prompt_id] = p
                 fresh.append(p)
+            elif earlier != p:
+                differing = [
+                    f
+                    for f in ("text", "messages", "metadata")
+                    if getattr(earlier, f) != getattr(p, f)
+                ]
+                raise FailedPrecondition(
+                    f"prompt {p.prompt_id!r} was submitted before with another "
+                    f"{' and '.join(differing)}; a prompt id names one prompt"
+                )
         duplicates = len(given) - len(fresh)
         if self.pending + len(fresh) > self._max_pending:
             raise ResourceExhausted(
@@ -126,7 +138,7 @@ class Sampler:
                 f"would exceed limits.max_pending_prompts={self._max_pending}"
             )
         self._submitted.extend(fresh)  # append-only: captured prefixes stay valid
-        self._submitted_ids.update(p.prompt_id for p in fresh)
+        self._submitted_ids.update((p.prompt_id, p) for p in fresh)
         return len(fresh), duplicates
 
     def skip(self, admission: Admission) -> None:
@@ -160,7 +172,7 @@ class Sampler:
         self._cursor = state.cursor
         self._submitted = list(state.submitted_prompts)
         self._submitted_head = state.submitted_head
-        self._submitted_ids = {p.prompt_id for p in self._submitted}
+        self._submitted_ids = {p.prompt_id: p for p in self._submitted}
         self._readmit = deque(state.readmit)
         self._skip = set(state.skip)
         self._skip_ids = set(state.skip_ids)

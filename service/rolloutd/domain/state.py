@@ -34,6 +34,7 @@ class Counters:
     requeued_groups: int = 0
     dropped_groups: int = 0
     committed_tokens: int = 0
+    expired_leases: int = 0
 
 
 @dataclass(frozen=True)

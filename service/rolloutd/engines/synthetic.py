@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import random
 import time
 from array import array
 
 from rolloutd.config import SyntheticSettings
-from rolloutd.domain.engine import EngineCounters, GenerationRequest
+from rolloutd.domain.engine import EngineCounters, EngineError, GenerationRequest
 from rolloutd.domain.group import Sample
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 
@@ -85,7 +86,7 @@ class SyntheticEngine:
             index=request.index,
             token_ids=token_ids,
             logprobs=logprobs,
-            text=" ".join(f"t{t}" for t in token_ids[:8]),
+            text=" ".join(f"t{t}" for t in token_ids),  # one word per token
             finish_reason="length" if length == max_tokens else "stop",
             policy_version=version,
             prompt_token_ids=prompt_ids,
@@ -103,6 +104,10 @@ class SyntheticEngine:
     async def update_weights(
         self, path: str, version: int, *, timeline: WeightsTimeline | None = None
     ) -> None:
+        """No weights to load, but the path must exist, as it must for vLLM: a trainer that
+        tests against this engine learns of a wrong path here, not on the GPU fleet."""
+        if not await asyncio.to_thread(os.path.exists, path):
+            raise EngineError(f"weights path {path}: does not exist")
         timeline = timeline or WeightsTimeline()
         with timeline.phase(WeightsPhase.PAUSE):
             self._paused.clear()

@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import grpc
+
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
@@ -26,6 +28,7 @@ from rolloutd.domain.report import (
     Trigger,
 )
 from rolloutd.domain.weights import WeightsOutcome, WeightsPhase, WeightsSource
+from rolloutd.v1 import rollout_pb2 as pb
 
 
 class Kind(enum.Enum):
@@ -69,6 +72,8 @@ class Area(enum.Enum):
     SNAPSHOT_SIZE = "snapshot size"
     WEIGHTS = "weight updates"
     DRILL_DOWN = "drill-down"
+    DELIVERY = "delivery"
+    RPC = "rpc"
 
 
 SECONDS_BUCKETS: tuple[float, ...] = (
@@ -180,7 +185,8 @@ CHECKPOINT_INTERVAL = Instrument(
 )  # fmt: skip
 CHECKPOINT_SINCE_SUCCESS = Instrument(
     "rolloutd.checkpoint.since_success", Kind.OBSERVABLE_GAUGE, "s",
-    "Seconds since the last completed checkpoint (since start-up if none).", Area.CADENCE,
+    "Seconds since the snapshot was last known current: a completed checkpoint, or a periodic "
+    "one skipped because nothing changed (since start-up if neither).", Area.CADENCE,
 )  # fmt: skip
 CHECKPOINT_SPACING = Instrument(
     "rolloutd.checkpoint.spacing", Kind.HISTOGRAM, "s",
@@ -255,6 +261,30 @@ WEIGHTS_UPDATES = Instrument(
     "the engine).",
     Area.WEIGHTS,
     attributes={"source": _values(WeightsSource), "outcome": _values(WeightsOutcome)},
+)  # fmt: skip
+LEASES_EXPIRED = Instrument(
+    "rolloutd.leases.expired", Kind.OBSERVABLE_COUNTER, "{lease}",
+    "Leases that expired unacknowledged; their groups became available again.", Area.DELIVERY,
+)  # fmt: skip
+GROUPS_REQUEUED = Instrument(
+    "rolloutd.groups.requeued", Kind.OBSERVABLE_COUNTER, "{group}",
+    "Groups made available again, by an expired lease or a Rewind.", Area.DELIVERY,
+)  # fmt: skip
+PROMPTS_PENDING = Instrument(
+    "rolloutd.prompts.pending", Kind.OBSERVABLE_GAUGE, "{prompt}",
+    "Submitted prompts (SubmitPrompts) waiting for admission.", Area.DELIVERY,
+)  # fmt: skip
+
+RPC_METHODS: tuple[str, ...] = tuple(
+    m.name for m in pb.DESCRIPTOR.services_by_name["RolloutService"].methods
+)
+RPC_STATUS_CODES: tuple[str, ...] = tuple(str(code.value[0]) for code in grpc.StatusCode)
+RPC_SERVER_DURATION = Instrument(
+    "rpc.server.duration", Kind.HISTOGRAM, "s",
+    "Duration of each RolloutService RPC, by method and gRPC status code (RPC semantic "
+    "conventions; rpc.grpc.status_code is the code's number, 0 being OK).",
+    Area.RPC,
+    attributes={"rpc.method": RPC_METHODS, "rpc.grpc.status_code": RPC_STATUS_CODES},
 )  # fmt: skip
 
 CATALOGUE: tuple[Instrument, ...] = tuple(

@@ -9,15 +9,36 @@ the global one, which is the trainer's. Context crosses the wire with the global
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
 import grpc
-from opentelemetry.instrumentation.grpc import (
-    aio_server_interceptor,
-    client_interceptor,
-)
-from opentelemetry.trace import TracerProvider
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import client_interceptor
+from opentelemetry.instrumentation.grpc._aio_server import OpenTelemetryAioServerInterceptor
+from opentelemetry.instrumentation.grpc.version import __version__ as instrumentation_version
+from opentelemetry.trace import Span, TracerProvider
+
+
+def span_name(full_method: str) -> str:
+    """The RPC semantic conventions' span name, ``rolloutd.v1.RolloutService/Checkpoint``: gRPC's
+    method path without its leading slash."""
+    return full_method.lstrip("/")
+
+
+class _ServerInterceptor(OpenTelemetryAioServerInterceptor):
+    """The instrumentation's aio server interceptor, with conventional span names (it names
+    spans by the raw method path, ``/package.Service/Method``)."""
+
+    @contextmanager
+    def _start_span(
+        self, handler_call_details: Any, context: Any, set_status_on_exception: bool = False
+    ) -> Iterator[Span]:
+        with super()._start_span(handler_call_details, context, set_status_on_exception) as span:
+            span.update_name(span_name(handler_call_details.method))
+            yield span
 
 
 def server_interceptors(
@@ -25,7 +46,13 @@ def server_interceptors(
 ) -> list[grpc.aio.ServerInterceptor]:
     """For ``grpc.aio.server(interceptors=...)``: one server span per RPC, current while the
     handler runs, so spans the handler records (a checkpoint's phase tree) nest below it."""
-    return [aio_server_interceptor(tracer_provider=tracer_provider)]
+    tracer = trace.get_tracer(
+        "opentelemetry.instrumentation.grpc",
+        instrumentation_version,
+        tracer_provider,
+        schema_url="https://opentelemetry.io/schemas/1.11.0",
+    )
+    return [_ServerInterceptor(tracer)]
 
 
 class _ClientInfo(NamedTuple):
@@ -91,7 +118,7 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClie
             )
             return continuation(traced, request)
 
-        info = _ClientInfo(details.method, details.timeout)
+        info = _ClientInfo(span_name(details.method), details.timeout)
         return self._interceptor.intercept_unary(request, details.metadata, info, invoker)
 
     def intercept_stream_unary(
@@ -132,3 +159,54 @@ def instrument_channel(
 ) -> grpc.Channel:
     """``channel`` with :func:`client_interceptors` applied."""
     return grpc.intercept_channel(channel, *client_interceptors(tracer_provider))
+
+
+RpcRecorder = Callable[[str, int, float], None]
+"""(method, gRPC status code number, seconds) of one finished RPC."""
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Times every unary RPC of ``service`` and hands method, status code and duration to
+    ``record`` (``rpc.server.duration``); other services (health, reflection) pass untouched.
+
+    The status code is the one the handler set (``context.abort`` sets it before raising); an
+    exception without one is UNKNOWN, as gRPC reports it to the client.
+    """
+
+    def __init__(self, service: str, record: RpcRecorder) -> None:
+        self._prefix = f"/{service}/"
+        self._record = record
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        path: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or handler.unary_unary is None or not path.startswith(self._prefix):
+            return handler
+        method = path.removeprefix(self._prefix)
+        behavior = handler.unary_unary
+        record = self._record
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            failed = False
+            try:
+                return await behavior(request, context)
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                code = context.code()
+                if code is None:
+                    code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+                number = code.value[0] if isinstance(code, grpc.StatusCode) else int(code)
+                record(method, number, time.perf_counter() - started)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

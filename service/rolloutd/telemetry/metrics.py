@@ -113,6 +113,7 @@ class MetricsObserver:
         self._weights_duration = self._histogram(cat.WEIGHTS_UPDATE_DURATION)
         self._weights_bytes = self._counter(cat.WEIGHTS_BYTES)
         self._weights_updates = self._counter(cat.WEIGHTS_UPDATES)
+        self._rpc_duration = self._histogram(cat.RPC_SERVER_DURATION)
 
         self._observable(cat.GENERATION_TOKENS, self._observe_generation_tokens)
         self._observable(cat.PROMPT_TOKENS, self._observe_prompt_tokens)
@@ -124,6 +125,9 @@ class MetricsObserver:
         self._observable(cat.ENGINE_REQUESTS, self._observe_engine_requests)
         self._observable(cat.ENGINE_KV_CACHE_USAGE, self._observe_kv_cache)
         self._observable(cat.POLICY_VERSION, self._observe_policy_version)
+        self._observable(cat.LEASES_EXPIRED, self._observe_leases_expired)
+        self._observable(cat.GROUPS_REQUEUED, self._observe_groups_requeued)
+        self._observable(cat.PROMPTS_PENDING, self._observe_prompts_pending)
 
         self._estimated = _Series(cat.COMMITTED_TOKENS)
         self._mutation_kind = _Series(cat.MUTATION_BLOCKED)
@@ -138,6 +142,7 @@ class MetricsObserver:
         self._request_state = _Series(cat.ENGINE_REQUESTS)
         self._weights_phase = _Series(cat.WEIGHTS_UPDATE_DURATION)
         self._weights_attempt = _Series(cat.WEIGHTS_UPDATES)
+        self._rpc = _Series(cat.RPC_SERVER_DURATION)
 
         self._start_counters_at_zero()
 
@@ -245,6 +250,10 @@ class MetricsObserver:
         for part, size in report.size_bytes.items():
             self._checkpoint_size.set(size, self._size_part(part))
 
+    def rpc_finished(self, method: str, status_code: int, seconds: float) -> None:
+        """One RolloutService RPC handled (called by the server interceptor, not the domain)."""
+        self._rpc_duration.record(seconds, self._rpc(method, str(status_code)))
+
     def restored(self, report: RestoreReport) -> None:
         for phase in report.phases:
             self._restore_duration.record(phase.seconds, self._restore_phase(phase.phase))
@@ -318,6 +327,21 @@ class MetricsObserver:
         if (status := self._status()) is None:
             return []
         return [Observation(status.policy_version)]
+
+    def _observe_leases_expired(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.expired_leases)]
+
+    def _observe_groups_requeued(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.requeued_groups)]
+
+    def _observe_prompts_pending(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.pending_prompts)]
 
     def _checkpoint_state(self) -> CheckpointState | None:
         sources = self._sources

@@ -64,6 +64,10 @@ class TelemetryObserver:
         self.metrics.register_sources(engine_counters, engine_name, status, checkpoint_state)
         self.generation.engine, self.generation.model = engine_name, model
 
+    def rpc_finished(self, method: str, status_code: int, seconds: float) -> None:
+        with _never_raises("a finished RPC"):
+            self.metrics.rpc_finished(method, status_code, seconds)
+
     def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None:
         with _never_raises("a blocked mutation"):
             self.metrics.mutation_blocked(kind, wait_s)

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -320,6 +321,19 @@ def _metric_exporter(
     return HttpMetricExporter(endpoint=export.endpoint, timeout=timeout_s)
 
 
+class _ScrapeOnlyMeterProvider(SdkMeterProvider):
+    """The SDK meter provider feeding the admin port's Prometheus registry alone.
+
+    It stays live under ``OTEL_SDK_DISABLED``: the SDK reads that variable itself and would hand
+    out no-op meters, while the README promises /metrics on the admin port always. Nothing it
+    records leaves the process.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._disabled = False
+
+
 @dataclass(frozen=True)
 class _SdkProviders:
     tracer: SdkTracerProvider
@@ -331,7 +345,7 @@ class Telemetry:
 
     ``shutdown`` flushes both providers within a time bound and is idempotent; it blocks, so
     from the event loop use ``await telemetry.aclose()``. With the SDK disabled the providers
-    are the API's no-op ones and the registry stays empty.
+    are the API's no-op ones, except the meter provider behind /metrics.
     """
 
     def __init__(
@@ -340,7 +354,9 @@ class Telemetry:
         prometheus_registry: CollectorRegistry,
         resource: Resource,
         sdk: _SdkProviders | None,
+        meter: metrics.MeterProvider | None = None,
     ):
+        """``meter``: without the SDK, the provider behind /metrics (else a no-op one)."""
         self.settings = settings
         self.prometheus_registry = prometheus_registry
         self.resource = resource
@@ -349,7 +365,7 @@ class Telemetry:
             trace.NoOpTracerProvider() if sdk is None else sdk.tracer
         )
         self.meter_provider: metrics.MeterProvider = (
-            metrics.NoOpMeterProvider() if sdk is None else sdk.meter
+            (meter or metrics.NoOpMeterProvider()) if sdk is None else sdk.meter
         )
         self._lock = threading.Lock()
         self._closed = False
@@ -469,8 +485,16 @@ def setup_telemetry(
 def build_telemetry(settings: TelemetrySettings) -> Telemetry:
     registry = CollectorRegistry()
     if settings.disabled:
-        logger.info("OpenTelemetry SDK disabled (OTEL_SDK_DISABLED); nothing is recorded")
-        return Telemetry(settings, registry, Resource.get_empty(), sdk=None)
+        logger.info(
+            "OpenTelemetry SDK disabled (OTEL_SDK_DISABLED): no traces, nothing exported; "
+            "/metrics stays on"
+        )
+        scrape_only = _ScrapeOnlyMeterProvider(
+            metric_readers=[PrometheusMetricReader(registry=registry)],
+            views=histogram_views(),
+            shutdown_on_exit=False,
+        )
+        return Telemetry(settings, registry, Resource.get_empty(), sdk=None, meter=scrape_only)
     throttle.install(settings.log_interval_s)
     resource = build_resource(settings)
 

@@ -24,6 +24,12 @@ class StatusSnapshot:
     """Sibling requests dispatched to the engine and not yet staged."""
     policy_version: int = 0
     """Policy version of the weights the engine generates with."""
+    pending_prompts: int = 0
+    """Submitted prompts waiting for admission."""
+    expired_leases: int = 0
+    """Leases that expired unacked, since the store began (cumulative)."""
+    requeued_groups: int = 0
+    """Groups made available again by an expired lease or a Rewind (cumulative)."""
 
 
 @dataclass(frozen=True)
@@ -50,4 +56,7 @@ def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
         },
         inflight_samples=status.inflight_samples,
         policy_version=status.policy_version,
+        pending_prompts=status.pending_prompts,
+        expired_leases=status.counters.expired_leases,
+        requeued_groups=status.counters.requeued_groups,
     )

@@ -73,16 +73,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "text", "metadata", "messages")
+    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     metadata: _struct_pb2.Struct
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    metadata_json: str
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at")
@@ -109,7 +111,7 @@ class Sample(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at")
+    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at", "metadata_json")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class Group(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     prompt_id: str
     epoch: int
@@ -132,7 +135,8 @@ class Group(_message.Message):
     policy_version: int
     admitted_at: float
     committed_at: float
-    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ...) -> None: ...
+    metadata_json: str
+    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class FetchGroupsRequest(_message.Message):
     __slots__ = ("max_groups", "wait_ms", "consumer")
