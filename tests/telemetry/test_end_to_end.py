@@ -175,6 +175,7 @@ async def test_update_weights_is_a_span_of_pause_load_resume_under_the_rpc(
     service = RolloutService(service_config(tmp_path), telemetry=telemetry)
     addresses = await service.start()
     client = RolloutClient(addresses.grpc)
+    (tmp_path / "weights-v1").mkdir()  # the synthetic engine loads nothing, but the path must exist
     try:
         await asyncio.to_thread(client.update_weights, 1, str(tmp_path / "weights-v1"))
     finally:
@@ -184,7 +185,7 @@ async def test_update_weights_is_a_span_of_pause_load_resume_under_the_rpc(
     [root] = [s for s in spans if s.name == WEIGHTS_SPAN]
     assert root.parent is not None
     [rpc] = [s for s in spans if s.context.span_id == root.parent.span_id]
-    assert rpc.name == "/rolloutd.v1.RolloutService/UpdateWeights" and rpc.kind is SpanKind.SERVER
+    assert rpc.name == "rolloutd.v1.RolloutService/UpdateWeights" and rpc.kind is SpanKind.SERVER
     phases = sorted(
         (s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id),
         key=lambda s: s.start_time,

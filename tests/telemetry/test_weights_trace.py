@@ -21,7 +21,7 @@ from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
 from tests.weights.helpers import SHAPES, write_model
 
 SERVICE = "rolloutd-weights-trace"
-PUSH_RPC = "/rolloutd.v1.RolloutService/PushWeights"
+PUSH_RPC = "rolloutd.v1.RolloutService/PushWeights"
 
 
 async def test_a_push_is_a_phase_tree_in_the_trainers_trace(span_exporter, tmp_path: Path):

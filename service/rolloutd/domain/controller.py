@@ -547,6 +547,8 @@ class Controller:
         except EngineDeadError as exc:
             self._die(exc)
             raise Unavailable(f"the service is not ready: {exc}") from exc
+        except EngineError as exc:  # refused before anything was loaded (a wrong path)
+            raise InvalidArgument("weights_path", str(exc)) from exc
         self.policy_version, self.weights_path = version, weights_path
         return await self.evict_stale()
 

@@ -140,7 +140,7 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClie
             )
             return continuation(traced, requests)
 
-        info = _ClientInfo(details.method, details.timeout, is_client_stream=True)
+        info = _ClientInfo(span_name(details.method), details.timeout, is_client_stream=True)
         return self._interceptor.intercept_stream(request_iterator, details.metadata, info, invoker)
 
 
