@@ -8,6 +8,7 @@ kills that process.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rolloutd.config import EngineConfig, VLLMSettings
 from rolloutd.domain.engine import EngineDeadError, EngineError, GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, Sample
+from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 from rolloutd.engines.tiny_model import build_tiny_model, write_random_weights
 
 if TYPE_CHECKING:
@@ -222,11 +224,14 @@ async def test_update_weights_matches_transformers_greedy(
     # A request in flight when the update starts finishes on the old weights (mode "wait").
     in_flight = asyncio.ensure_future(engine.generate(request("in-flight", max_tokens=120)))
     await wait_for(lambda: engine.counters().requests_running == 1)
-    update = await engine.update_weights(str(models.second), 7)
+    timeline = WeightsTimeline()
+    await engine.update_weights(str(models.second), 7, timeline=timeline)
     assert engine.policy_version == 7
     assert in_flight.done() and in_flight.result().policy_version == 0
-    assert (update.version, update.path) == (7, str(models.second))
-    assert update.started_ns < update.paused_ns < update.loaded_ns < update.resumed_ns
+    phases = timeline.phases
+    assert [p.phase for p in phases] == [WeightsPhase.PAUSE, WeightsPhase.LOAD, WeightsPhase.RESUME]
+    for before_phase, after_phase in itertools.pairwise(phases):
+        assert before_phase.start_ns <= before_phase.end_ns <= after_phase.start_ns
 
     after = await engine.generate(request("greedy-v7", **greedy))  # type: ignore[arg-type]
     expected, logprobs = hf_greedy(models.second, prompt_ids, 24)

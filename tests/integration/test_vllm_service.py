@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import grpc
+import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -179,10 +180,12 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
         q.terminate()
 
 
-def test_bad_weights_are_invalid_argument_and_a_failed_load_stops_the_process(tmp_path, cache_dir):
-    """A path without weights is the caller's mistake (INVALID_ARGUMENT, the service goes on); a
-    load that fails half-way leaves the engine dead, and the process exits non-zero so that its
-    orchestrator restarts it from the last snapshot."""
+def test_bad_weights_are_invalid_argument_and_a_dead_engine_stops_the_process(tmp_path, cache_dir):
+    """Weights that are not there, or that do not fit the served model, are the caller's mistake
+    (INVALID_ARGUMENT naming what is wrong; the old weights keep serving). An engine that dies
+    (its engine-core process killed, as an out-of-memory kill would) cannot be recovered in
+    place: the process exits non-zero so that its orchestrator restarts it from the last
+    snapshot."""
     p = serve(tmp_path, cache_dir, "--checkpoint-interval", "0", "--max-tokens", "8")
     bad = tmp_path / "bad-weights"
     bad.mkdir()
@@ -195,17 +198,32 @@ def test_bad_weights_are_invalid_argument_and_a_failed_load_stops_the_process(tm
                     pb.UpdateWeightsRequest(version=1, weights_path=str(tmp_path / "nowhere")),
                     timeout=60,
                 )
-            status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
-            with pytest.raises(grpc.RpcError) as broken:
+            with pytest.raises(grpc.RpcError) as misshapen:
                 stub.UpdateWeights(
                     pb.UpdateWeightsRequest(version=1, weights_path=str(bad)), timeout=120
                 )
-        code = p.proc.wait(timeout=120)
+            status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+        (core,) = [
+            c
+            for c in psutil.Process(p.proc.pid).children()
+            if "EngineCore" in " ".join(c.cmdline())
+        ]
+        core.kill()
+        core.wait(30)
+        time.sleep(2)  # vLLM's output handler notices the dead core
+        with grpc.insecure_channel(p.grpc) as channel, pytest.raises(grpc.RpcError) as dead:
+            pb_grpc.RolloutServiceStub(channel).UpdateWeights(
+                pb.UpdateWeightsRequest(version=2, weights_path=str(ensure_tiny_model(cache_dir))),
+                timeout=120,
+            )
+        code = p.proc.wait(timeout=180)
     finally:
         if p.proc.poll() is None:
             p.kill()
     assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "safetensors" in missing.value.details()
+    assert "nowhere" in missing.value.details()
+    assert misshapen.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model.embed_tokens.weight" in misshapen.value.details()
     assert status.state == pb.SERVING_STATE_SERVING and status.policy_version == 0
-    assert broken.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
     assert code == 1, p.output
