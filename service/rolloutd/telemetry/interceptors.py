@@ -74,6 +74,18 @@ class _CallDetails(
     """The call's details with the trace context added to its metadata."""
 
 
+def _with_metadata(details: grpc.ClientCallDetails, metadata: Any) -> _CallDetails:
+    """The call's details with ``metadata`` (the caller's, plus the trace context)."""
+    return _CallDetails(
+        details.method,
+        details.timeout,
+        metadata,
+        details.credentials,
+        details.wait_for_ready,
+        details.compression,
+    )
+
+
 class _OtelClientInterceptor(Protocol):
     """What ``client_interceptor()`` returns: the instrumentation's unary and stream interfaces."""
 
@@ -108,15 +120,7 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClie
         details = client_call_details
 
         def invoker(request: Any, metadata: Any) -> Any:
-            traced = _CallDetails(
-                details.method,
-                details.timeout,
-                metadata,
-                details.credentials,
-                details.wait_for_ready,
-                details.compression,
-            )
-            return continuation(traced, request)
+            return continuation(_with_metadata(details, metadata), request)
 
         info = _ClientInfo(span_name(details.method), details.timeout)
         return self._interceptor.intercept_unary(request, details.metadata, info, invoker)
@@ -130,15 +134,7 @@ class _TracingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClie
         details = client_call_details
 
         def invoker(requests: Iterator[Any], metadata: Any) -> Any:
-            traced = _CallDetails(
-                details.method,
-                details.timeout,
-                metadata,
-                details.credentials,
-                details.wait_for_ready,
-                details.compression,
-            )
-            return continuation(traced, requests)
+            return continuation(_with_metadata(details, metadata), requests)
 
         info = _ClientInfo(span_name(details.method), details.timeout, is_client_stream=True)
         return self._interceptor.intercept_stream(request_iterator, details.metadata, info, invoker)
