@@ -80,7 +80,9 @@ def test_a_failing_disk_makes_the_service_not_ready_and_it_recovers(tmp_path, tm
             stub = pb_grpc.RolloutServiceStub(channel)
             ready = "rolloutd.v1.RolloutService"
             wait_for(lambda: health(channel, ready) == health_pb2.HealthCheckResponse.NOT_SERVING)
-            assert attempts(p, "failed/io_error") >= 3
+            # The log reaches the test through a pipe and a reader thread, possibly after the
+            # health change it led to: wait for the line rather than read it at once.
+            wait_for(lambda: attempts(p, "failed/io_error") >= 3, within_s=10)
             assert (
                 health(channel, "") == health_pb2.HealthCheckResponse.SERVING
             )  # alive: no restart loop
