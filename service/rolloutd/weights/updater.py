@@ -150,18 +150,7 @@ class WeightsUpdater:
             error = exc
             raise
         finally:
-            self._observer.weights_updated(
-                WeightsReport(
-                    version=attempt.version,
-                    source=attempt.source,
-                    started_ns=attempt.started_ns,
-                    ended_ns=time.time_ns(),
-                    phases=tuple(attempt.timeline.phases),
-                    files=attempt.files,
-                    bytes=attempt.bytes,
-                    error=error,
-                )
-            )
+            self._observer.weights_updated(_report(attempt, error))
 
     async def _update(self, attempt: _Attempt, weights_path: str) -> UpdateResult:
         self._check_version(attempt.version)
@@ -243,7 +232,7 @@ class WeightsUpdater:
         evicted = await self._target.update_weights(
             attempt.version, str(directory), timeline=attempt.timeline
         )
-        result = UpdateResult(self._target.policy_version, evicted, _report_so_far(attempt))
+        result = UpdateResult(self._target.policy_version, evicted, _report(attempt))
         logger.info(
             "policy v%d serves (%s, %d files, %.1f MB): %s",
             attempt.version,
@@ -255,7 +244,8 @@ class WeightsUpdater:
         return result
 
 
-def _report_so_far(attempt: _Attempt) -> WeightsReport:
+def _report(attempt: _Attempt, error: BaseException | None = None) -> WeightsReport:
+    """The attempt as reported so far (``error``: why it was refused or failed)."""
     return WeightsReport(
         version=attempt.version,
         source=attempt.source,
@@ -264,6 +254,7 @@ def _report_so_far(attempt: _Attempt) -> WeightsReport:
         phases=tuple(attempt.timeline.phases),
         files=attempt.files,
         bytes=attempt.bytes,
+        error=error,
     )
 
 
