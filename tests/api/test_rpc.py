@@ -1,3 +1,5 @@
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -167,3 +169,38 @@ async def test_a_tag_that_reads_as_a_sequence_or_keyword_is_refused(serve, tag):
     assert service.store.sequences() == []
     ok = await stub.Checkpoint(pb.CheckpointRequest(tag="step-5"))
     assert ok.outcome == pb.CHECKPOINT_OUTCOME_COMPLETED
+
+
+async def test_not_ready_refuses_new_work_but_takes_acks_rewinds_and_checkpoints(serve):
+    service, stub = await serve()
+    r = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=5000))
+    await service.lifecycle.block("test", "held off by the test")
+    for new_work in (
+        stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1)),
+        stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=[pb.Prompt(prompt_id="x", text="x")])),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await new_work
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "not_ready" in info.value.details()
+    ack = await stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1))
+    assert ack.acked_groups == 1
+    await stub.Rewind(pb.RewindRequest(trainer_step=0))
+    c = await stub.Checkpoint(pb.CheckpointRequest(trainer_step=0))
+    assert c.outcome == pb.CHECKPOINT_OUTCOME_COMPLETED
+
+
+async def test_a_fetch_waiting_when_the_drain_begins_is_unavailable(serve):
+    service, stub = await serve(**{"limits.max_in_flight": 1, "limits.buffer_capacity": 1})
+    first = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=5000))
+    assert first.lease_id  # the buffer is full now: the next fetch waits
+    waiting = asyncio.ensure_future(
+        stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=30_000))
+    )
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await service.controller.begin_drain()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(waiting, 5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in info.value.details()

@@ -2,6 +2,12 @@
 
 Besides each RPC's decode and encode (through ``convert``) it holds the bearer-token check, the
 readiness gate of mutating calls and the mapping of errors to status codes (``errors.STATUS``).
+
+Readiness stops new work only: while not ready (failed checkpoints, a task that ended) and while
+draining, leases, admissions and weight updates are refused with ``UNAVAILABLE``, but acks,
+rewinds and on-demand checkpoints of work already handed out go on, since refusing an ack would
+let its lease expire and its groups be delivered twice. Nothing is served before the service
+has restored.
 """
 
 from __future__ import annotations
@@ -50,9 +56,15 @@ Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
-def rpc(*, mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
-    """Authorizes mutating calls, refuses work unless serving, maps domain and engine errors to
-    status codes."""
+SETTLING = (ServingState.SERVING, ServingState.NOT_READY, ServingState.DRAINING)
+"""States in which work already handed out (acks, rewinds, checkpoints) is still accepted."""
+
+
+def rpc(
+    *, mutating: bool, new_work: bool = True
+) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    """Authorizes mutating calls, refuses new work unless serving (and settling work unless
+    restored, see the module docstring), maps domain and engine errors to status codes."""
 
     def decorate(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         @wraps(handler)
@@ -62,8 +74,9 @@ def rpc(*, mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]
             if mutating:
                 await self._authorize(context)
             try:
-                if mutating and not self._host.state.ready:
-                    raise Unavailable(f"the service is {self._host.state.value}; retry later")
+                state = self._host.state
+                if mutating and not (state.ready or (not new_work and state in SETTLING)):
+                    raise Unavailable(f"the service is {state.value}; retry later")
                 return await handler(self, request, context)
             except MAPPED as exc:
                 await context.abort(status_of(exc), str(exc))
@@ -112,7 +125,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             lease_expires_at=lease.expires_at,
         )
 
-    @rpc(mutating=True)
+    @rpc(mutating=True, new_work=False)
     async def AckGroups(
         self, request: pb.AckGroupsRequest, context: grpc.aio.ServicerContext
     ) -> pb.AckGroupsResponse:
@@ -157,7 +170,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             **convert.weights_update_fields(result, time.perf_counter() - started)
         )
 
-    @rpc(mutating=True)
+    @rpc(mutating=True, new_work=False)
     async def Checkpoint(
         self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointResponse:
@@ -166,7 +179,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         report = await self._host.checkpoint(request.tag, step)
         return convert.checkpoint_to_proto(report)
 
-    @rpc(mutating=True)
+    @rpc(mutating=True, new_work=False)
     async def Rewind(
         self, request: pb.RewindRequest, context: grpc.aio.ServicerContext
     ) -> pb.RewindResponse:

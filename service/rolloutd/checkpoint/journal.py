@@ -1,12 +1,17 @@
-"""The ack journal: what a client was told is durable, before the RPC returns.
+"""The journal: what a client was told is durable, before the RPC returns.
 
-Each record gets the next position; a snapshot records the last position it includes
-(``acks_through``) and restore replays the records after it. Retention prunes records that every
-kept snapshot covers. Locally records are JSON lines appended and fdatasynced (one file per run of
-appends); on an object store each record is its own object, durable once its put returns.
+Four kinds of record, one sequence of positions: acks, lease grants, accepted submissions, and
+reservations of group ids (``kind`` in each record; a record without one is an ack). A snapshot
+records the last position it includes (``acks_through``) and restore replays the records after
+it, on top of nothing when there is no snapshot yet. Retention prunes what every kept snapshot
+covers, at each checkpoint.
 
-Layout: ``journal/<position>-<token>.jsonl`` (local) or ``journal/<position>.json`` (object store).
-The next issues grow this module to journal lease grants and submissions too.
+Group commit: writers that arrive while a sync is in progress queue up; the next sync makes the
+whole queue durable at once (one ``fdatasync`` locally, one put on an object store), so the cost
+of durability is shared by concurrent acks, lease grants and submissions.
+
+Layout: ``journal/<first position>-<token>.jsonl`` locally (JSON lines appended; one file per run
+of appends), ``journal/<first>-<last>.jsonl`` on an object store (one object per batch).
 """
 
 from __future__ import annotations
@@ -31,19 +36,25 @@ from rolloutd.checkpoint.backends import (
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.sidecar import from_json, to_json
-from rolloutd.domain.buffer import AckRecord
-from rolloutd.domain.group import Group
+from rolloutd.domain.buffer import AckRecord, Lease
+from rolloutd.domain.group import Prompt
 from rolloutd.domain.sampler import Admission
-from rolloutd.domain.state import JournaledAck
+from rolloutd.domain.state import (
+    IdReservation,
+    Journaled,
+    JournaledAck,
+    JournaledLease,
+    JournaledSubmission,
+)
 
 
 class CorruptJournal(StoreError):
-    """The ack journal lost or garbled a record that was acknowledged as durable."""
+    """The journal lost or garbled a record that was acknowledged as durable."""
 
 
 @dataclass(frozen=True)
 class JournalEntry:
-    """One durable ack record at its journal position (positions increase by one per record)."""
+    """One durable record at its journal position (positions increase by one per record)."""
 
     position: int
     record: dict[str, Any]
@@ -105,7 +116,8 @@ class _FileJournal:
                 return entries[-1].position
         return 0
 
-    def append(self, position: int, record: Mapping[str, Any]) -> None:
+    def append(self, position: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Appends ``records`` at ``position`` onwards with one ``fdatasync``."""
         if self._fd < 0:
             makedirs(self._dir)
             # first position, then creation time: files sort in the order they were written
@@ -113,7 +125,9 @@ class _FileJournal:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
             self._fd = os.open(os.path.join(self._dir, name), flags, 0o644)
             fsync_dir(self._dir)
-        data = _encode_record(position, record) + b"\n"
+        data = b"".join(
+            _encode_record(position + i, record) + b"\n" for i, record in enumerate(records)
+        )
         done = 0
         while done < len(data):
             done += os.write(self._fd, data[done:])
@@ -147,33 +161,63 @@ class _FileJournal:
 
 
 class _ObjectJournal:
-    """Object-store journal: one object per record, durable once its put returns."""
+    """Object-store journal: one object per batch of records, durable once its put returns.
+
+    An object is named after its first and last position; a batch retried after a failed put
+    may overlap an earlier object, and the later one (the one acknowledged) wins on read.
+    """
 
     def __init__(self, backend: ObjectBackend) -> None:
         self._backend = backend
 
-    def _positions(self) -> list[int]:
-        names = self._backend.listdir(JOURNAL)
-        return sorted(int(n.split(".", 1)[0]) for n in names if n.endswith(".json"))
+    def _batches(self) -> list[tuple[int, int, str]]:
+        batches = []
+        for name in self._backend.listdir(JOURNAL):
+            stem, _, suffix = name.partition(".")
+            if suffix not in ("json", "jsonl"):
+                continue
+            first, _, last = stem.partition("-")
+            batches.append((int(first), int(last or first), name))
+        return sorted(batches)
 
     def last_position(self) -> int:
-        positions = self._positions()
-        return positions[-1] if positions else 0
+        return max((last for _, last, _ in self._batches()), default=0)
 
-    def append(self, position: int, record: Mapping[str, Any]) -> None:
-        self._backend.put(f"{JOURNAL}/{position:020d}.json", _encode_record(position, record))
+    def append(self, position: int, records: Sequence[Mapping[str, Any]]) -> None:
+        last = position + len(records) - 1
+        data = b"".join(
+            _encode_record(position + i, record) + b"\n" for i, record in enumerate(records)
+        )
+        self._backend.put(f"{JOURNAL}/{position:020d}-{last:020d}.jsonl", data)
 
     def read(self, after: int) -> list[JournalEntry]:
-        paths = [f"{JOURNAL}/{p:020d}.json" for p in self._positions() if p > after]
-        return [_decode_record(data) for data in self._backend.read_many(paths)]
+        paths = [f"{JOURNAL}/{n}" for _, last, n in self._batches() if last > after]
+        entries: dict[int, JournalEntry] = {}
+        for data in self._backend.read_many(paths):
+            for line in data.split(b"\n"):
+                if line:
+                    entry = _decode_record(line)
+                    if entry.position > after:
+                        entries[entry.position] = entry
+        return [entries[p] for p in sorted(entries)]
 
     def prune(self, through: int) -> int:
-        doomed = [f"{JOURNAL}/{p:020d}.json" for p in self._positions() if p <= through]
+        doomed = [f"{JOURNAL}/{n}" for _, last, n in self._batches() if last <= through]
         self._backend.delete(doomed)
         return len(doomed)
 
     def rotate(self) -> None:
-        """Nothing to do: every record is its own object."""
+        """Nothing to do: every batch is its own object."""
+
+
+@dataclass
+class _Pending:
+    """A record waiting for the next group commit, and what became of it."""
+
+    record: Mapping[str, Any]
+    position: int = 0
+    error: BaseException | None = None
+    done: bool = False
 
 
 class Journal:
@@ -190,28 +234,61 @@ class Journal:
             else _ObjectJournal(backend)
         )
         self._lock = threading.Lock()
+        """Held while the files are written or read; the queue has its own."""
+        self._queue_changed = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._syncing = False
         self._position = max(self._files.last_position(), floor)
+        self.syncs = 0
+        """Syncs (local) or puts (object store) so far: fewer than records under concurrency."""
 
     @property
     def position(self) -> int:
-        """Position of the last durable ack record; no I/O (capture it under the exclusive hold)."""
+        """Position of the last durable record; no I/O (capture it under the exclusive hold)."""
         return self._position
 
     def write(self, record: Mapping[str, Any]) -> int:
         """Journal ``record`` (JSON-able); it is durable when this returns its position.
 
-        Appends are serialised; locally each costs one ``fdatasync``, on an object store one put.
+        Group commit: the first writer to find no sync in progress syncs every record queued by
+        then, its own included, in one batch; the others wait for the batch that holds theirs.
+        A failed batch fails every writer in it, and nothing after it is appended to the same
+        file (it may end in a torn record).
         """
-        with self._lock:
-            position = self._position + 1
-            try:
-                self._files.append(position, record)
-            except OSError:
-                self._files.rotate()  # never append after what may be a torn record
-                raise
-            self._position = position
+        mine = _Pending(record)
+        with self._queue_changed:
+            self._queue.append(mine)
+            while self._syncing and not mine.done:
+                self._queue_changed.wait()
+            if not mine.done:
+                batch, self._queue, self._syncing = self._queue, [], True
+        if not mine.done:
+            self._sync(batch)
+        if mine.error is not None:
+            raise mine.error
         fault_point(FaultPoint.JOURNAL_APPEND)
-        return position
+        return mine.position
+
+    def _sync(self, batch: list[_Pending]) -> None:
+        error: BaseException | None = None
+        first = 0
+        try:
+            with self._lock:
+                first = self._position + 1
+                try:
+                    self._files.append(first, [p.record for p in batch])
+                except OSError:
+                    self._files.rotate()  # never append after what may be a torn record
+                    raise
+                self._position = first + len(batch) - 1
+                self.syncs += 1
+        except BaseException as exc:
+            error = exc
+        with self._queue_changed:
+            for i, pending in enumerate(batch):
+                pending.position, pending.error, pending.done = first + i, error, True
+            self._syncing = False
+            self._queue_changed.notify_all()
 
     def read(self, after: int = 0) -> list[JournalEntry]:
         """Records with a position after ``after`` (a manifest's ``acks_through``), in order."""
@@ -228,29 +305,58 @@ class Journal:
         with self._lock:
             return self._files.prune(through)
 
-    # --- acks (the domain's AckJournal port) --------------------------------------------------
+    # --- the domain's AckJournal port -------------------------------------------------------
 
-    async def append(self, record: AckRecord, groups: Sequence[Group]) -> None:
+    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None:
         """Journals an ack with the admission of each of its groups; durable on return."""
-        await asyncio.to_thread(self.write, encode_ack(record, groups))
+        await asyncio.to_thread(self.write, encode_ack(record, admissions))
 
-    def acks_after(self, after: int) -> list[JournaledAck]:
-        """The acks journaled after position ``after``, in order."""
-        return [decode_ack(entry.record) for entry in self.read(after)]
+    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
+        """Journals a lease grant with the admission of each of its groups; durable on return."""
+        record = {"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)}
+        await asyncio.to_thread(self.write, record)
+
+    async def submit(self, prompts: Sequence[Prompt]) -> None:
+        """Journals accepted prompts; durable on return."""
+        await asyncio.to_thread(self.write, {"kind": SUBMIT, "prompts": to_json(list(prompts))})
+
+    async def reserve_ids(self, through: int) -> None:
+        """Journals that group ids up to ``through`` may be handed out; durable on return."""
+        await asyncio.to_thread(self.write, {"kind": IDS, "through": through})
+
+    def acks_after(self, after: int) -> list[Journaled]:
+        """The events journaled after position ``after``, in order."""
+        return [decode(entry.record) for entry in self.read(after)]
 
 
-def encode_ack(record: AckRecord, groups: Sequence[Group]) -> dict[str, Any]:
-    return {
-        **to_json(record),
-        "groups": [
-            {"group_id": g.group_id, **to_json(Admission(g.meta.prompt, g.meta.position))}
-            for g in groups
-        ],
-    }
+ACK, LEASE, SUBMIT, IDS = "ack", "lease", "submit", "ids"
+
+
+def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
+    return [{"group_id": gid, **to_json(a)} for gid, a in admissions.items()]
+
+
+def _decode_admissions(d: Mapping[str, Any]) -> dict[int, Admission]:
+    return {int(g["group_id"]): from_json(Admission, g) for g in d["groups"]}
+
+
+def encode_ack(record: AckRecord, admissions: Mapping[int, Admission]) -> dict[str, Any]:
+    return {"kind": ACK, **to_json(record), "groups": _admissions(admissions)}
+
+
+def decode(d: Mapping[str, Any]) -> Journaled:
+    """One journal record as a domain event; records from before ``kind`` existed are acks."""
+    kind = d.get("kind", ACK)
+    if kind == ACK:
+        return decode_ack(d)
+    if kind == LEASE:
+        return JournaledLease(from_json(Lease, d), _decode_admissions(d))
+    if kind == SUBMIT:
+        return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
+    if kind == IDS:
+        return IdReservation(int(d["through"]))
+    raise CorruptJournal(f"{JOURNAL}: a record of unknown kind {kind!r}")
 
 
 def decode_ack(d: Mapping[str, Any]) -> JournaledAck:
-    return JournaledAck(
-        from_json(AckRecord, d),
-        {int(g["group_id"]): from_json(Admission, g) for g in d["groups"]},
-    )
+    return JournaledAck(from_json(AckRecord, d), _decode_admissions(d))

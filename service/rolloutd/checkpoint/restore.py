@@ -1,4 +1,4 @@
-"""Restore: rebuild the controller from a snapshot plus the ack journal, in six phases.
+"""Restore: rebuild the controller from a snapshot plus the journal, in six phases.
 
 1. ``resolve_snapshot`` pick the snapshot (latest, a sequence or a tag); newer ones that do not
                         verify are skipped with a reason; a changed semantic configuration refuses.
@@ -6,13 +6,16 @@
 3. ``buffer``           the live rows of the snapshot's segments.
 4. ``replay_metadata``  groups, leases, acks and counters from the sidecar; leased-unacked groups
                         become available again; the cursor must be ahead of every group's position.
-5. ``recovery_ledger``  acks journaled after the snapshot are applied, so no acked group is
-                        delivered again and no acked position is admitted again.
+5. ``recovery_ledger``  what was journaled after the snapshot is applied: acks (no acked group is
+                        delivered again, no acked position admitted again), live lease grants,
+                        accepted submissions and reserved group ids.
 6. ``redispatch``       unfinished groups: staged siblings reused, missing ones generated
                         (granularity ``sibling``), or the whole group generated again (``group``).
 
 This module only orchestrates and times the phases: the sidecar decodes the state, the
-controller restores it (``Controller.restore``) and replays the acks through its one ack path.
+controller restores it (``Controller.restore``) and replays the journal (``Controller.replay``).
+A store is never empty while it has a journal: without a snapshot, the journal is replayed into
+the fresh controller.
 """
 
 from __future__ import annotations
@@ -107,21 +110,26 @@ async def _run(
         for s in report.skipped:
             log.warning("snapshot %d skipped: %s", s.sequence, s.reason)
         snapshot = resolution.snapshot
-        if snapshot is None:
-            if report.skipped:
-                log.error("no snapshot verifies; starting fresh")
-            else:
-                log.info("no snapshot to restore (%s); starting fresh", spec)
+        if snapshot is None and report.skipped:
+            log.error("no snapshot verifies; starting fresh")
             return None
-        manifest = snapshot.manifest
-        report.sequence, report.tag = manifest.sequence, manifest.tag
-        diff = differing_keys(manifest.fingerprint, fingerprint)
-        if diff:
-            raise RestoreRefused(
-                f"snapshot {manifest.sequence} was taken under a different configuration: "
-                + "; ".join(diff)
-                + " (start with --restore none to begin afresh, or restore with the old configuration)"
-            )
+        if snapshot is not None:
+            manifest = snapshot.manifest
+            report.sequence, report.tag = manifest.sequence, manifest.tag
+            diff = differing_keys(manifest.fingerprint, fingerprint)
+            if diff:
+                raise RestoreRefused(
+                    f"snapshot {manifest.sequence} was taken under a different configuration: "
+                    + "; ".join(diff)
+                    + " (start with --restore none to begin afresh, or restore with the old"
+                    " configuration)"
+                )
+    if snapshot is None:
+        with clock.phase(RestorePhase.RECOVERY_LEDGER):
+            events = await asyncio.to_thread(store.acks_after, 0)
+            await controller.replay(events)
+        log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
+        return None
 
     with clock.phase(RestorePhase.DATALOADER):
         state = sidecar.decode(snapshot.sidecar)  # cursor, submitted and re-admitted prompts
@@ -135,8 +143,8 @@ async def _run(
         await controller.restore(state)
 
     with clock.phase(RestorePhase.RECOVERY_LEDGER):
-        acks = await asyncio.to_thread(store.acks_after, manifest.acks_through)
-        await controller.replay_acks(acks)
+        events = await asyncio.to_thread(store.acks_after, manifest.acks_through)
+        await controller.replay(events)
 
     with clock.phase(RestorePhase.REDISPATCH):
         started = time.perf_counter()

@@ -5,7 +5,7 @@ Layout under the root (a directory, ``file://`` URL or any fsspec URL such as ``
     manifests/<sequence>.json            a snapshot exists exactly when its manifest does
     segments/<sequence>-<token>.arrow    Arrow IPC file of sample rows, shared by later snapshots
     sidecars/<sequence>-<token>.json     controller state of one snapshot
-    journal/                             the ack journal (journal.py)
+    journal/                             acks, leases, submissions, id reservations (journal.py)
     trash/, tmp/                         retention (retention.py), files being written (backends.py)
 
 Invariants:
@@ -66,7 +66,7 @@ from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
 from rolloutd.domain.report import SkippedSnapshot
-from rolloutd.domain.state import JournaledAck
+from rolloutd.domain.state import Journaled
 
 __all__ = [
     "LATEST",
@@ -126,7 +126,7 @@ class SnapshotReader(Protocol):
     def check_sizes(self, manifest: Manifest) -> builtins.list[str]: ...
     def verify_file(self, entry: FileEntry) -> builtins.list[str]: ...
     def resolve(self, spec: str | int = ...) -> Resolution: ...
-    def acks_after(self, after: int) -> builtins.list[JournaledAck]: ...
+    def acks_after(self, after: int) -> builtins.list[Journaled]: ...
 
 
 class SnapshotStore:
@@ -366,6 +366,7 @@ class SnapshotStore:
         """See :func:`retention.retire`."""
         return retention.retire(self, keep_latest, keep)
 
-    def acks_after(self, after: int) -> builtins.list[JournaledAck]:
-        """Acks journaled after ``after`` (a manifest's ``acks_through``), decoded, in order."""
+    def acks_after(self, after: int) -> builtins.list[Journaled]:
+        """Acks, lease grants, submissions and id reservations journaled after ``after`` (a
+        manifest's ``acks_through``), decoded, in order."""
         return self.journal.acks_after(after)

@@ -186,6 +186,13 @@ class RolloutBuffer:
         self.leases[lease_id] = lease
         return lease
 
+    def grant(self, lease: Lease) -> None:
+        """Grants a lease again after a restart (journal replay); its groups are COMMITTED."""
+        for gid in lease.group_ids:
+            self._ready.remove(gid)
+            self._change(self.groups[gid], state=GroupState.LEASED, lease_id=lease.lease_id)
+        self.leases[lease.lease_id] = lease
+
     def ack(self, record: AckRecord) -> list[int] | None:
         """Applies an ack, live or replayed from the journal; None when its lease was acked
         already (idempotent; with another trainer step it is a conflict: the groups were consumed

@@ -6,8 +6,13 @@ consistent cut. Generation and weight updates run outside mutations; aborting th
 group being dropped or evicted happens inside one (the engine only cancels requests there).
 
 Persistent state goes in and out in one value (:class:`ControllerState`): ``capture()`` under the
-checkpoint's exclusive hold, ``restore(state)`` before ``start()``. Acks, live or replayed from the
-journal after a restore, take one path (``_apply_ack``).
+checkpoint's exclusive hold, ``restore(state)`` before ``start()``, then ``replay(events)`` of what
+the journal holds after that snapshot. Acks, live or replayed, take one path (``_apply_ack``).
+
+What a client is told is journaled before it is told (DESIGN.md §2): acks, lease grants and
+accepted submissions, each inside its mutation so that a snapshot's journal position and its cut
+agree. Group ids are reserved in blocks in the journal before they are handed out, so a restore
+never issues one again; the replica is part of every id, so ids are unique across the fleet.
 
 Delivery contract (DESIGN.md §2): an ack is durable (journaled) before ``ack`` returns and is
 idempotent; ``finalize(step)`` drops groups acked at steps <= step; ``rewind(step)`` makes groups
@@ -48,13 +53,28 @@ from rolloutd.domain.state import (
     AckJournal,
     ControllerState,
     Counters,
+    IdReservation,
+    Journaled,
     JournaledAck,
+    JournaledLease,
+    JournaledSubmission,
     LostAck,
     NullJournal,
 )
 from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
+
+ID_BITS = 40
+"""Low bits of a group id count within a replica; the bits above are the replica's index, so ids
+are unique across a fleet (replica 0's ids are the plain counter)."""
+ID_BLOCK = 1024
+"""Group ids reserved in the journal at a time: one durable write per this many admissions."""
+
+
+def local_id(group_id: int) -> int:
+    """The replica-local counter of a group id."""
+    return group_id & ((1 << ID_BITS) - 1)
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,8 @@ class ControllerConfig:
     """Attempts after a recoverable engine error before the group is dropped."""
     reap_interval_s: float = 1.0
     """How often expired leases are looked for."""
+    replica: int = 0
+    """This replica's index in the fleet: the high bits of every group id it issues."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +160,12 @@ class Controller:
         self.policy_version = engine.policy_version
         self.weights_path: str | None = None
         self.next_group_id = 1
+        """The replica-local counter of the next group id (see :data:`ID_BITS`)."""
+        self.ids_reserved_through = 0
+        """Local ids up to this one are journaled as reserved and may be issued."""
+        self._lost_leased: dict[str, dict[int, Admission]] = {}
+        """Live leases restored from the journal whose groups no snapshot held, by lease id: the
+        admissions of those groups, skipped by the sampler until the lease is acked or expires."""
         self.max_acked_step = -1
         self.finalized_through = -1
         self.lost_acks: list[LostAck] = []
@@ -149,6 +177,8 @@ class Controller:
         self._loops: list[asyncio.Task[None]] = []
         self._admitting = False
         self._draining = False
+        self._submitting = asyncio.Lock()
+        """Serialises submissions: check, journal, accept, with no other in between."""
         self.fatal: BaseException | None = None
         self._dead = asyncio.Event()
 
@@ -168,7 +198,8 @@ class Controller:
         await self._notify()
 
     async def begin_drain(self) -> None:
-        """Stops admission and releases waiting fetches; generation in progress continues."""
+        """Stops admission and answers waiting fetches ``Unavailable`` (a trainer must tell
+        "shutting down" from "nothing ready" to retry elsewhere); generation continues."""
         self._admitting, self._draining = False, True
         await self._notify()
 
@@ -205,8 +236,15 @@ class Controller:
         while True:
             async with self._changed:
                 await self._changed.wait_for(self._can_admit)
+            if self.next_group_id > self.ids_reserved_through:
+                try:
+                    await self._reserve_ids()
+                except OSError as exc:
+                    log.error("cannot reserve group ids in the journal: %s; retrying", exc)
+                    await asyncio.sleep(1.0)
+                    continue
             async with self.barrier.mutation(MutationKind.ADMIT):
-                if not self._can_admit():
+                if not self._can_admit() or self.next_group_id > self.ids_reserved_through:
                     continue
                 admission = self.sampler.next()
                 if admission is None:
@@ -216,8 +254,16 @@ class Controller:
                 self.counters.admitted_groups += 1
             self.dispatch(group, group.missing)
 
+    async def _reserve_ids(self) -> None:
+        """Journals the next block of ids before any of it is handed out."""
+        through = self.next_group_id + ID_BLOCK - 1
+        await self.journal.reserve_ids(through)
+        self.ids_reserved_through = through
+
     def _new_group(self, admission: Admission) -> Group:
-        gid = self.next_group_id
+        if self.next_group_id > self.ids_reserved_through:
+            raise InvariantError(f"group id {self.next_group_id} issued before it was reserved")
+        gid = (self.config.replica << ID_BITS) | self.next_group_id
         self.next_group_id += 1
         return Group(
             GroupMeta(
@@ -368,6 +414,8 @@ class Controller:
     def _check_serving(self) -> None:
         if self.fatal is not None:
             raise Unavailable(f"the service failed: {self.fatal}")
+        if self._draining:
+            raise Unavailable("the service is draining (shutting down); fetch from another replica")
 
     async def fetch(
         self, max_groups: int, wait_ms: int, consumer: str
@@ -396,6 +444,14 @@ class Controller:
                     groups = (
                         [] if lease is None else [self.buffer.groups[g] for g in lease.group_ids]
                     )
+                    if lease is not None:
+                        try:
+                            await self.journal.lease(lease, self._admissions(lease.group_ids))
+                        except OSError as exc:
+                            self.buffer.requeue(lease.lease_id)
+                            raise Unavailable(
+                                f"the lease could not be made durable: {exc}"
+                            ) from exc
                 if lease is not None:
                     self.observer.groups_leased(
                         [now - (g.meta.committed_at or now) for g in groups]
@@ -413,8 +469,14 @@ class Controller:
                 except TimeoutError:
                     return None
             self._check_serving()
-            if self._draining:
-                return None
+
+    def _admissions(self, group_ids: Iterable[int]) -> dict[int, Admission]:
+        """What a journal record keeps of each group: enough to never admit it again."""
+        return {
+            gid: Admission(g.meta.prompt, g.meta.position)
+            for gid in group_ids
+            for g in (self.buffer.groups[gid],)
+        }
 
     def _fetch_may_proceed(self) -> bool:
         return self.buffer.ready_count > 0 or self.fatal is not None or self._draining
@@ -437,9 +499,15 @@ class Controller:
             lease = self.buffer.leases.get(lease_id)
             if lease is None:
                 raise NotFound(f"lease {lease_id!r} is unknown or expired")
-            record = AckRecord(lease_id, lease.group_ids, trainer_step, self.clock())
-            await self.journal.append(record, [self.buffer.groups[g] for g in lease.group_ids])
-            self._apply_ack(JournaledAck(record))
+            lost = self._lost_leased.get(lease_id, {})
+            record = AckRecord(lease_id, lease.group_ids + tuple(lost), trainer_step, self.clock())
+            admissions = {**self._admissions(lease.group_ids), **lost}
+            try:
+                await self.journal.append(record, admissions)
+            except OSError as exc:
+                raise Unavailable(f"the ack could not be made durable: {exc}") from exc
+            self._lost_leased.pop(lease_id, None)
+            self._apply_ack(JournaledAck(record, lost))
         await self._notify()  # acked groups no longer count against the buffer's capacity
         if self.max_acked_step - self.config.rewind_window > self.finalized_through:
             await self.finalize(self.max_acked_step - self.config.rewind_window)
@@ -509,6 +577,8 @@ class Controller:
                 continue
             async with self.barrier.mutation(MutationKind.REQUEUE):
                 for lease in self.buffer.expired_leases(self.clock()):
+                    for admission in self._lost_leased.pop(lease.lease_id, {}).values():
+                        self.sampler.unskip(admission)
                     requeued = self.buffer.requeue(lease.lease_id)
                     self.counters.requeued_groups += len(requeued)
                     self.counters.expired_leases += 1
@@ -521,9 +591,18 @@ class Controller:
             await self._notify()
 
     async def submit(self, admissions: list[Admission]) -> tuple[int, int]:
+        """Queues trainer-supplied prompts; the accepted ones are journaled (durable) before
+        this returns, and a prompt id accepted before, also before a restart, is a duplicate."""
         self._check_serving()
-        async with self.barrier.mutation(MutationKind.ADMIT):
-            accepted, duplicates = self.sampler.submit(a.prompt for a in admissions)
+        prompts = [a.prompt for a in admissions]
+        async with self._submitting, self.barrier.mutation(MutationKind.ADMIT):
+            fresh = self.sampler.fresh(prompts)
+            if fresh:
+                try:
+                    await self.journal.submit(fresh)
+                except OSError as exc:
+                    raise Unavailable(f"the prompts could not be made durable: {exc}") from exc
+            accepted, duplicates = self.sampler.submit(prompts)
         await self._notify()
         return accepted, duplicates
 
@@ -585,7 +664,8 @@ class Controller:
             buffer=self.buffer.capture(),
             sampler=self.sampler.capture(),
             counters=replace(self.counters),
-            next_group_id=self.next_group_id,
+            # the next id a restore may issue: past every id that may have been handed out
+            next_group_id=max(self.next_group_id, self.ids_reserved_through + 1),
             policy_version=self.policy_version,
             weights_path=self.weights_path,
             max_acked_step=self.max_acked_step,
@@ -606,9 +686,10 @@ class Controller:
         """Rebuilds the controller from a whole state, before ``start()``.
 
         Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
-        position (admission would create a second group for a buffered position). Leases did not
-        survive the restart: their groups become available again. The engine gets the state's
-        weights when it is behind them.
+        position (admission would create a second group for a buffered position). Leases that
+        have not expired stay granted (their ack succeeds after the restart); the groups of
+        expired ones become available again. The engine gets the state's weights when it is
+        behind them.
         """
         cursor = state.sampler.cursor
         ahead = sorted(
@@ -630,20 +711,66 @@ class Controller:
             self.max_acked_step = state.max_acked_step
             self.finalized_through = state.finalized_through
             self.lost_acks = list(state.lost_acks)
-            for lease_id in list(self.buffer.leases):
-                self.buffer.requeue(lease_id)
+            for lease in self.buffer.expired_leases(self.clock()):
+                self.buffer.requeue(lease.lease_id)
         if state.weights_path and state.policy_version > self.engine.policy_version:
             await self.engine.update_weights(state.weights_path, state.policy_version)
         self.policy_version, self.weights_path = state.policy_version, state.weights_path
 
-    async def replay_acks(self, acks: Iterable[JournaledAck]) -> None:
-        """Applies acks journaled after the restored snapshot, in journal order. Their group ids
-        were issued (and acked), so the id sequence moves past them: ids stay unique for the
-        store even when the groups themselves were admitted after the snapshot."""
+    async def replay(self, events: Iterable[Journaled]) -> None:
+        """Applies what was journaled after the restored snapshot (or into an empty controller
+        when there is none), in journal order:
+
+        * an ack goes through the one ack path;
+        * a lease grant that has not expired is granted again: its groups the buffer holds are
+          leased to it, and the prompts of those it does not hold (admitted after the snapshot)
+          are kept from admission until the lease is acked or expires;
+        * accepted prompts are queued again (duplicates by id are ignored);
+        * the id counter moves past every reserved and every journaled id.
+        """
+        now = self.clock()
         async with self.barrier.mutation(MutationKind.RESTORE):
-            for ack in acks:
-                self.next_group_id = max(self.next_group_id, max(ack.record.group_ids) + 1)
-                self._apply_ack(ack)
+            for event in events:
+                if isinstance(event, IdReservation):
+                    self.next_group_id = max(self.next_group_id, event.through + 1)
+                elif isinstance(event, JournaledSubmission):
+                    self.sampler.submit(event.prompts, bounded=False)
+                elif isinstance(event, JournaledLease):
+                    self._bump_ids(event.lease.group_ids)
+                    if event.lease.expires_at > now:
+                        self._regrant(event)
+                else:
+                    self._bump_ids(event.record.group_ids)
+                    self._lost_leased.pop(event.record.lease_id, None)
+                    self._apply_ack(event)
+
+    def _bump_ids(self, group_ids: Iterable[int]) -> None:
+        mine = [local_id(g) for g in group_ids if g >> ID_BITS == self.config.replica]
+        if mine:
+            self.next_group_id = max(self.next_group_id, max(mine) + 1)
+
+    def _regrant(self, event: JournaledLease) -> None:
+        """A live lease from the journal, granted again (inside the RESTORE mutation)."""
+        lease = event.lease
+        if lease.lease_id in self.buffer.acks or lease.lease_id in self.buffer.finalized_leases:
+            return
+        if lease.lease_id in self.buffer.leases:
+            self.buffer.requeue(lease.lease_id)
+        held = tuple(
+            g
+            for g in lease.group_ids
+            if g in self.buffer.groups and self.buffer.groups[g].state is GroupState.COMMITTED
+        )
+        for gid in lease.group_ids:
+            g = self.buffer.groups.get(gid)
+            if g is not None and g.state is GroupState.GENERATING:
+                self.buffer.remove(gid)  # finished and leased after the snapshot: gone
+        lost = {g: event.admissions[g] for g in lease.group_ids if g not in held}
+        for admission in lost.values():
+            self.sampler.skip(admission)
+        self.buffer.grant(replace(lease, group_ids=held))
+        if lost:
+            self._lost_leased[lease.lease_id] = lost
 
     def generating_groups(self) -> list[Group]:
         return [g for g in self.buffer.groups.values() if g.state is GroupState.GENERATING]

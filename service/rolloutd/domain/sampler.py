@@ -111,9 +111,28 @@ class Sampler:
             return Admission(self.prompt_at(position), position)
         return None
 
-    def submit(self, prompts: Iterable[Prompt]) -> tuple[int, int]:
-        """Queues new prompts; returns (accepted, duplicates). All or nothing on overflow."""
+    def fresh(self, prompts: Iterable[Prompt]) -> list[Prompt]:
+        """The prompts :meth:`submit` would accept, without queueing them; raises what it would."""
         given = list(prompts)
+        fresh = self._check(given)
+        if self.pending + len(fresh) > self._max_pending:
+            raise ResourceExhausted(
+                f"{self.pending} prompts are waiting for admission; accepting {len(fresh)} more "
+                f"would exceed limits.max_pending_prompts={self._max_pending}"
+            )
+        return fresh
+
+    def submit(self, prompts: Iterable[Prompt], *, bounded: bool = True) -> tuple[int, int]:
+        """Queues new prompts; returns (accepted, duplicates). All or nothing on overflow.
+        ``bounded=False`` when replaying prompts that were accepted before a restart."""
+        given = list(prompts)
+        fresh = self.fresh(given) if bounded else self._check(given)
+        self._submitted.extend(fresh)  # append-only: captured prefixes stay valid
+        self._submitted_ids.update((p.prompt_id, p) for p in fresh)
+        return len(fresh), len(given) - len(fresh)
+
+    def _check(self, given: list[Prompt]) -> list[Prompt]:
+        """The prompts not submitted before; a prompt id submitted with another prompt fails."""
         fresh: list[Prompt] = []
         batch: dict[str, Prompt] = {}
         for p in given:
@@ -131,15 +150,7 @@ class Sampler:
                     f"prompt {p.prompt_id!r} was submitted before with another "
                     f"{' and '.join(differing)}; a prompt id names one prompt"
                 )
-        duplicates = len(given) - len(fresh)
-        if self.pending + len(fresh) > self._max_pending:
-            raise ResourceExhausted(
-                f"{self.pending} prompts are waiting for admission; accepting {len(fresh)} more "
-                f"would exceed limits.max_pending_prompts={self._max_pending}"
-            )
-        self._submitted.extend(fresh)  # append-only: captured prefixes stay valid
-        self._submitted_ids.update((p.prompt_id, p) for p in fresh)
-        return len(fresh), duplicates
+        return fresh
 
     def skip(self, admission: Admission) -> None:
         """Never admit this again: its group was acknowledged, though no snapshot held it."""
@@ -147,6 +158,16 @@ class Sampler:
             self._skip_ids.add(admission.prompt.prompt_id)
         elif admission.position >= self._cursor:
             self._skip.add(admission.position)
+
+    def unskip(self, admission: Admission) -> None:
+        """Undoes :meth:`skip` (the lease that held the group expired unacknowledged): admit the
+        prompt again, at its place if the cursor has not reached it, else first."""
+        if admission.position is None and admission.prompt.prompt_id in self._skip_ids:
+            self._skip_ids.discard(admission.prompt.prompt_id)
+        elif admission.position is not None and admission.position in self._skip:
+            self._skip.discard(admission.position)
+        else:
+            self.readmit(admission)
 
     def readmit(self, admission: Admission) -> None:
         """Admit this prompt again first (its group was lost, evicted or rewound past durability)."""

@@ -6,8 +6,9 @@ ack ledger, the sampler's cursor and queues, counters and id high-water marks.
 controller; ``checkpoint/sidecar.py`` encodes and decodes it, and nothing else reads its parts.
 
 A captured state holds the changes since the previous capture (see :class:`BufferState`); a state
-to restore from is whole. Acks journaled after a snapshot come back as :class:`JournaledAck` and
-go through the same ack path as live ones.
+to restore from is whole. What a client was told between snapshots (acks, lease grants,
+accepted submissions) and the group ids reserved since come back from the journal as
+:data:`Journaled` events, in journal order; acks go through the same ack path as live ones.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from rolloutd.domain.buffer import AckRecord, BufferState, remember_finalized
-from rolloutd.domain.group import Group
+from rolloutd.domain.buffer import AckRecord, BufferState, Lease, remember_finalized
+from rolloutd.domain.group import Prompt
 from rolloutd.domain.sampler import Admission, SamplerState
 
 
@@ -76,14 +77,60 @@ class JournaledAck:
     admissions: Mapping[int, Admission] = field(default_factory=dict)
 
 
-class AckJournal(Protocol):
-    """Makes an ack durable before the RPC returns (checkpoint/journal.py implements it)."""
+@dataclass(frozen=True)
+class JournaledLease:
+    """A lease grant read back from the journal, with the admission of each of its groups: a
+    restarted service keeps a live lease (its ack succeeds, its groups go to nobody else), also
+    when its groups were admitted after the snapshot and did not survive."""
 
-    async def append(self, record: AckRecord, groups: Sequence[Group]) -> None: ...
+    lease: Lease
+    admissions: Mapping[int, Admission] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JournaledSubmission:
+    """Prompts accepted by ``SubmitPrompts`` after the snapshot."""
+
+    prompts: tuple[Prompt, ...]
+
+
+@dataclass(frozen=True)
+class IdReservation:
+    """Group ids up to ``through`` (the replica-local counter) may have been handed out: a
+    restore never issues them again."""
+
+    through: int
+
+
+Journaled = JournaledAck | JournaledLease | JournaledSubmission | IdReservation
+"""One event of the journal, in the order it was made durable."""
+
+
+class AckJournal(Protocol):
+    """Makes what a client is told durable before the RPC returns: acks, lease grants, accepted
+    submissions, and the group ids reserved for admission (checkpoint/journal.py implements it;
+    concurrent writes share one sync)."""
+
+    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None: ...
+
+    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None: ...
+
+    async def submit(self, prompts: Sequence[Prompt]) -> None: ...
+
+    async def reserve_ids(self, through: int) -> None: ...
 
 
 class NullJournal:
     """Keeps nothing: for a controller without a store."""
 
-    async def append(self, record: AckRecord, groups: Sequence[Group]) -> None:
+    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None:
+        return None
+
+    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
+        return None
+
+    async def submit(self, prompts: Sequence[Prompt]) -> None:
+        return None
+
+    async def reserve_ids(self, through: int) -> None:
         return None

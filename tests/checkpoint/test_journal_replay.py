@@ -1,0 +1,144 @@
+"""What the journal holds after the newest snapshot (or with no snapshot at all) comes back on
+restore: acks, live lease grants, accepted submissions and reserved group ids. The stopped
+controller stands for a process killed at that instant (everything it told a client is in the
+journal; nothing after the snapshot is in a snapshot)."""
+
+from __future__ import annotations
+
+import threading
+
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.controller import ID_BITS, ID_BLOCK
+from rolloutd.domain.group import Prompt
+from rolloutd.domain.sampler import Admission
+from tests.checkpoint.test_checkpointer import nodes  # noqa: F401  (the fixture)
+from tests.fakes import settle
+
+
+async def drain(controller, step, *, wait_ms=300):
+    """Fetches and acks until nothing comes within ``wait_ms``; the prompt ids delivered."""
+    delivered = []
+    while (leased := await controller.fetch(4, wait_ms, "t")) is not None:
+        delivered += [g.meta.prompt.prompt_id for g in leased[1]]
+        await controller.ack(leased[0].lease_id, step)
+    return delivered
+
+
+async def test_an_ack_before_any_snapshot_holds_after_a_restart(nodes):  # noqa: F811
+    a = nodes()
+    a.controller.start()
+    lease, groups = await a.controller.fetch(2, 2000, "t")
+    await a.controller.ack(lease.lease_id, 1)
+    await a.controller.stop()
+    assert a.store.sequences() == []  # no snapshot: only the journal
+
+    b = nodes()
+    await b.restore()
+    again = await b.controller.ack(lease.lease_id, 1)
+    assert again.already_acked  # the ack held, and acks again idempotently
+    b.controller.start()
+    delivered = await drain(b.controller, 2)
+    acked = {g.meta.prompt.prompt_id for g in groups}
+    assert not acked & set(delivered), "acknowledged prompts delivered again"
+    assert len(delivered) + len(acked) == 40  # and no other prompt was lost
+
+
+async def test_a_lease_survives_a_restart_and_its_groups_go_to_nobody_else(nodes):  # noqa: F811
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 4)
+    await a.checkpoint()
+    # leased after the snapshot: one group the snapshot holds ready, and then newer ones
+    lease, groups = await a.controller.fetch(4, 2000, "t")
+    held = [g for g in groups if g.group_id <= 4]
+    assert held
+    await a.controller.stop()
+
+    b = nodes()
+    await b.restore()
+    b.controller.start()
+    taken_by_others = await drain(b.controller, 1)
+    leased_ids = {g.meta.prompt.prompt_id for g in groups}
+    assert not leased_ids & set(taken_by_others)  # neither held nor lost groups were redelivered
+    result = await b.controller.ack(lease.lease_id, 2)
+    assert result.acked_groups == len(groups) and not result.already_acked
+    assert len(taken_by_others) + len(groups) == 40
+
+
+async def test_a_restored_lease_that_expires_gives_its_groups_back(nodes):  # noqa: F811
+    a = nodes(lease_timeout_s=0.5)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    await a.checkpoint()
+    _lease, groups = await a.controller.fetch(4, 2000, "t")
+    await a.controller.stop()
+
+    b = nodes(lease_timeout_s=0.5)
+    await b.restore()
+    b.controller.start()
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
+    delivered = await drain(b.controller, 1)
+    assert {g.meta.prompt.prompt_id for g in groups} <= set(delivered)
+    assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40
+
+
+async def test_submitted_prompts_are_durable_without_a_snapshot(nodes):  # noqa: F811
+    a = nodes(max_in_flight=1, buffer_capacity=1)
+    prompts = [Admission(Prompt(f"s{i}", f"submitted {i}"), None) for i in range(5)]
+    assert await a.controller.submit(prompts) == (5, 0)
+    await a.controller.stop()
+
+    b = nodes()
+    await b.restore()
+    assert await b.controller.submit(prompts[:2]) == (0, 2)  # idempotent across the restart
+    b.controller.start()
+    delivered = await drain(b.controller, 1)
+    assert sorted(p for p in delivered if p.startswith("s")) == [f"s{i}" for i in range(5)]
+
+
+async def test_group_ids_are_never_issued_twice_across_restarts(nodes):  # noqa: F811
+    seen: dict[int, str] = {}
+    for life in range(4):
+        node = nodes()
+        await node.restore()
+        node.controller.start()
+        await settle(lambda n=node: n.controller.status().buffer.committed >= 2)
+        if life == 1:
+            await node.checkpoint()
+        for g in node.controller.buffer.groups.values():
+            prompt = g.meta.prompt.prompt_id
+            assert seen.setdefault(g.group_id, prompt) == prompt, f"id {g.group_id} reissued"
+        await node.controller.stop()  # groups admitted since the snapshot are lost
+    # each life reserved a block in the journal: ids keep climbing past them
+    assert max(seen) > ID_BLOCK
+
+
+async def test_the_replica_is_part_of_every_group_id(nodes):  # noqa: F811
+    a = nodes(replica=3)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 1)
+    assert all(gid >> ID_BITS == 3 for gid in a.controller.buffer.groups)
+
+
+def test_concurrent_writes_share_a_sync(tmp_path):
+    store = SnapshotStore(str(tmp_path / "store"))
+    barrier = threading.Barrier(8)
+    positions: list[int] = []
+
+    def writer(n: int) -> None:
+        barrier.wait()
+        for i in range(25):
+            positions.append(store.journal.write({"writer": n, "i": i}))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(positions) == list(range(1, 201))
+    assert store.journal.syncs < 200  # group commit: some syncs made several records durable
+    reread = SnapshotStore(str(tmp_path / "store")).journal.read(0)
+    assert [e.position for e in reread] == list(range(1, 201))
+    assert sorted((e.record["writer"], e.record["i"]) for e in reread) == sorted(
+        (n, i) for n in range(8) for i in range(25)
+    )
