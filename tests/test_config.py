@@ -93,3 +93,13 @@ def test_kubelet_service_links_are_not_configuration():
 def test_mistyped_keys_are_still_refused_beside_service_links(name, key):
     with pytest.raises(ConfigError, match=f"'{key}': unknown key"):
         load_config(environ={**KUBELET_SERVICE_LINKS, name: "1"})
+
+
+def test_fleet_from_flags_or_environment_and_checked():
+    c = load_config(environ={"ROLLOUTD_FLEET__REPLICA": "2", "ROLLOUTD_FLEET__REPLICAS": "4"})
+    assert (c.fleet.replica, c.fleet.replicas) == (2, 4)
+    assert (c.controller().replica, c.controller().replicas) == (2, 4)
+    assert c.semantic_fingerprint("d", "m")["fleet.replicas"] == 4
+    assert load_config(environ={}).fleet.replicas == 1
+    with pytest.raises(ConfigError, match=r"fleet\.replica must be below fleet\.replicas"):
+        load_config(overrides={"fleet.replica": 3, "fleet.replicas": 3}, environ={})

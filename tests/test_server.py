@@ -23,6 +23,7 @@ from rolloutd.domain.engine import EngineDeadError, EngineError
 from rolloutd.domain.errors import InvalidArgument, InvariantError, RestoreRefused, RolloutError
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import Outcome, Trigger
+from rolloutd.domain.state import JournaledAck
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -197,3 +198,43 @@ def test_every_domain_and_engine_error_has_a_status():
     assert {e: status_of(e("f", "x") if issubclass(e, InvalidArgument) else e("x")) for e in errors}
     assert STATUS[EngineError] is grpc.StatusCode.INVALID_ARGUMENT
     assert STATUS[EngineDeadError] is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_acks_of_earlier_leases_are_taken_while_failed_checkpoints_hold_readiness_off(
+    tmp_path, monkeypatch
+):
+    """Not ready stops new work only: refusing the ack would let the lease expire and its
+    groups be delivered twice. The journal is writable; only publishing snapshots fails."""
+    s = service(tmp_path, interval_s=0.05, **{"checkpoint.max_consecutive_failures": 2})
+    publish = s.store.publish
+    failing = True
+
+    def unpublishable(manifest: Manifest) -> None:
+        if failing:
+            raise OSError(28, "No space left on device")
+        publish(manifest)
+
+    monkeypatch.setattr(s.store, "publish", unpublishable)
+    addresses = await s.start()
+    try:
+        async with grpc.aio.insecure_channel(addresses.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            lease = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=2, wait_ms=10_000))
+            assert lease.lease_id
+            for _ in range(200):
+                if not s.lifecycle.state.ready:
+                    break
+                await asyncio.sleep(0.05)
+            assert s.lifecycle.state is ServingState.NOT_READY
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            ack = await stub.AckGroups(
+                pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=1), timeout=10
+            )
+            assert ack.acked_groups == len(lease.groups) and not ack.already_acked
+            failing = False
+    finally:
+        await s.shutdown()
+    acked = [e.record.lease_id for e in s.store.acks_after(0) if isinstance(e, JournaledAck)]
+    assert lease.lease_id in acked  # durable

@@ -25,6 +25,8 @@ SERVE_FLAGS: dict[str, tuple[str, Any]] = {
     "checkpoint_interval": ("checkpoint.interval_s", float),
     "restore": ("restore", str),
     "max_tokens": ("engine.max_tokens", int),
+    "replica": ("fleet.replica", int),
+    "replicas": ("fleet.replicas", int),
 }
 
 
@@ -65,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--restore", help="latest, none, a sequence number or a tag")
     serve.add_argument("--max-tokens", type=int, help="longest completion per sibling")
+    serve.add_argument("--replica", type=int, help="this replica's index in the fleet (from 0)")
+    serve.add_argument("--replicas", type=int, help="the fleet's size (replicas sharing a dataset)")
 
     trainer = sub.add_parser(
         "trainer", help="example trainer: fetch, train, ack, report progress", parents=[after]

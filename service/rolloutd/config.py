@@ -233,6 +233,11 @@ class HttpConfig(_Section):
     """Dashboard points kept (in memory and next to local checkpoints): 2 h at 5 s."""
 
 
+class FleetConfig(_Section):
+    replica: int = owned(ControllerConfig, "replica", ge=0)
+    replicas: int = owned(ControllerConfig, "replicas", gt=0)
+
+
 class AuthConfig(_Section):
     token: str | None = None
     """Bearer token required on mutating RPCs; unset: no authentication."""
@@ -251,6 +256,7 @@ class Config(_Section):
     grpc: GrpcConfig = GrpcConfig()
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @field_validator("restore", mode="before")
     @classmethod
@@ -269,6 +275,11 @@ class Config(_Section):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
         if self.grpc.tls_client_ca is not None and self.grpc.tls_cert is None:
             raise ValueError("grpc.tls_client_ca needs grpc.tls_cert and grpc.tls_key")
+        if self.fleet.replica >= self.fleet.replicas:
+            raise ValueError(
+                f"fleet.replica must be below fleet.replicas ({self.fleet.replica} >= "
+                f"{self.fleet.replicas}); replicas are numbered from 0"
+            )
         return self
 
     def controller(self) -> ControllerConfig:
@@ -280,6 +291,8 @@ class Config(_Section):
             group_size=self.group_size,
             seed=self.dataset.seed,
             sampling=_compose(SamplingParams, self.engine),
+            replica=self.fleet.replica,
+            replicas=self.fleet.replicas,
         )
 
     def checkpointer(self) -> CheckpointerConfig:
@@ -294,6 +307,8 @@ class Config(_Section):
             "dataset": dataset_digest,
             "dataset.seed": self.dataset.seed,
             "dataset.shuffle": self.dataset.shuffle,
+            "fleet.replicas": self.fleet.replicas,
+            "fleet.replica": self.fleet.replica,
         }
 
 

@@ -38,7 +38,7 @@ from rolloutd.domain.controller import Controller
 from rolloutd.domain.engine import EngineDeadError, GenerationEngine
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
-from rolloutd.domain.sampler import Sampler
+from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
 from rolloutd.startup import PortUnavailable
 from rolloutd.supervisor import Supervisor
@@ -92,7 +92,7 @@ class RolloutService:
             config.controller(),
             engine,
             Sampler(
-                prompts,
+                fleet_share(prompts, config.fleet.replica, config.fleet.replicas),
                 seed=config.dataset.seed,
                 shuffle=config.dataset.shuffle,
                 epochs=config.dataset.epochs,

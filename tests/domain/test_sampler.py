@@ -3,7 +3,7 @@ import pytest
 from rolloutd.checkpoint import sidecar
 from rolloutd.domain.errors import ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
-from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.sampler import Admission, Sampler, fleet_share
 
 PROMPTS = [Prompt(f"p{i}", f"text {i}") for i in range(10)]
 
@@ -79,3 +79,18 @@ def test_skipped_positions_are_never_admitted():
     positions = [a.position for a in iter(s.next, None)]
     assert Position(0, 1) not in positions and Position(0, 2) not in positions
     assert len(positions) == len(PROMPTS) - 2
+
+
+def test_a_fleet_shares_the_dataset_once_with_a_fixed_owner_per_prompt():
+    prompts = [Prompt(f"p{i}", f"q{i}") for i in range(10)]
+    owners: dict[str, list[int]] = {}
+    for epoch in range(2):
+        for replica in range(3):
+            s = Sampler(fleet_share(prompts, replica, 3), seed=5, epochs=epoch + 1)
+            while (a := s.next()) is not None:
+                if a.position is not None and a.position.epoch == epoch:
+                    owners.setdefault(a.prompt.prompt_id, []).append(replica)
+    assert sorted(owners) == sorted(p.prompt_id for p in prompts)  # the union is the dataset
+    assert all(len(set(r)) == 1 and len(r) == 2 for r in owners.values())  # once an epoch, same
+    with pytest.raises(ValueError, match="not within a fleet of 3"):
+        fleet_share(prompts, 3, 3)

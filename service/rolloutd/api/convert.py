@@ -183,6 +183,8 @@ def status_to_proto(
             generation_tokens=generation_tokens,
         ),
         last_checkpoint=last_checkpoint,
+        replica=s.replica,
+        replicas=s.replicas,
     )
 
 

@@ -121,8 +121,7 @@ async def _run(
                 raise RestoreRefused(
                     f"snapshot {manifest.sequence} was taken under a different configuration: "
                     + "; ".join(diff)
-                    + " (start with --restore none to begin afresh, or restore with the old"
-                    " configuration)"
+                    + _advice(fingerprint_diff(manifest.fingerprint, fingerprint))
                 )
     if snapshot is None:
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
@@ -159,6 +158,17 @@ async def _run(
 
     checkpointer.adopt(manifest, state)
     return manifest
+
+
+def _advice(keys: list[str]) -> str:
+    if "fleet.replicas" in keys or "fleet.replica" in keys:
+        return (
+            " (each replica owns a share of the dataset that depends on the fleet's size, so a "
+            "store cannot change fleets mid-run: start each replica with the --replica/--replicas "
+            "it was started with, or begin a new run on empty stores, or with --restore none; "
+            "see docs/operations.md, scaling)"
+        )
+    return " (start with --restore none to begin afresh, or restore with the old configuration)"
 
 
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:

@@ -107,7 +107,13 @@ class ControllerConfig:
     reap_interval_s: float = 1.0
     """How often expired leases are looked for."""
     replica: int = 0
-    """This replica's index in the fleet: the high bits of every group id it issues."""
+    """This replica's index in the fleet, from 0 (``--replica``; in Kubernetes the pod's
+    ordinal). It owns the dataset rows whose index modulo ``fleet.replicas`` is this one, and it
+    is the high bits of every group id the replica issues, so ids are unique across the fleet."""
+    replicas: int = 1
+    """Replicas sharing one dataset (``--replicas``): each prompt is owned by one of them, so the
+    fleet delivers each prompt once an epoch. A store restores only under the fleet size (and
+    replica index) it was written with."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,8 @@ class ControllerStatus:
     cursor_offset: int
     dataset_exhausted: bool
     counters: Counters
+    replica: int
+    replicas: int
 
 
 class Controller:
@@ -807,4 +815,6 @@ class Controller:
             cursor_offset=cursor.offset,
             dataset_exhausted=self.sampler.exhausted,
             counters=self.counters,
+            replica=self.config.replica,
+            replicas=self.config.replicas,
         )

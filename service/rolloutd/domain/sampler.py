@@ -17,6 +17,15 @@ from rolloutd.domain.errors import FailedPrecondition, ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
 
 
+def fleet_share(prompts: Sequence[Prompt], replica: int, replicas: int) -> Sequence[Prompt]:
+    """The dataset prompts replica ``replica`` of ``replicas`` owns: those whose row index is
+    ``replica`` modulo ``replicas``. Every prompt has exactly one owner, the same in every epoch,
+    so the fleet delivers each prompt once an epoch; each replica permutes its own share."""
+    if not 0 <= replica < replicas:
+        raise ValueError(f"replica {replica} is not within a fleet of {replicas}")
+    return prompts[replica::replicas]
+
+
 @dataclass(frozen=True)
 class Admission:
     """The next prompt to admit; ``position`` is None for submitted prompts."""
