@@ -183,6 +183,10 @@ class CheckpointConfig(_Section):
     compact_segments: int = owned(CheckpointerConfig, "compact_segments", gt=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to fsspec (e.g. endpoint_url, key, secret for s3)."""
+    lock_timeout_s: float = Field(30.0, gt=0)
+    """One process writes a store: it renews its claim every third of this. A second process
+    refuses to start on the store while the claim is younger than this, and takes over an older
+    one; the old holder, if it comes back, is fenced (publishes nothing, turns not-ready)."""
 
 
 class WeightsConfig(_Section):

@@ -29,6 +29,7 @@ from rolloutd.api.dashboard import dashboard_router
 from rolloutd.api.grpc_server import SERVICE_NAME, GrpcServer
 from rolloutd.api.view import ServiceView
 from rolloutd.checkpoint.checkpointer import Checkpointer
+from rolloutd.checkpoint.claim import Fenced
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.store import SnapshotStore
@@ -87,7 +88,9 @@ class RolloutService:
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
         ckpt = config.checkpoint
-        self.store = SnapshotStore(ckpt.dir, ckpt.storage_options)
+        self.store = SnapshotStore(
+            ckpt.dir, ckpt.storage_options, lock_timeout_s=ckpt.lock_timeout_s
+        )
         self.controller = Controller(
             config.controller(),
             engine,
@@ -188,6 +191,8 @@ class RolloutService:
 
     async def _start(self) -> Addresses:
         await self._state_changed(self.lifecycle.state)
+        await asyncio.to_thread(self.store.claim.acquire)  # a store held elsewhere fails fast
+        self.supervisor.spawn("store-claim", self._keep_claim())
         port = await self._grpc.start()
         http = None
         if self._admin is not None:
@@ -274,6 +279,11 @@ class RolloutService:
             except InvariantError as exc:  # the rest of the shutdown still runs, in order
                 log.critical("final checkpoint: %s", exc)
                 self._exit_code = 1
+        if self.store.claim.held:
+            try:
+                await asyncio.to_thread(self.store.claim.release)
+            except OSError as exc:
+                log.warning("could not release the store's claim: %s", exc)
         await self.engine.stop()
         if self._admin is not None:
             await asyncio.to_thread(self.history.sample)  # the final checkpoint on the dashboard
@@ -292,6 +302,21 @@ class RolloutService:
 
     async def _task_failed(self, name: str, error: BaseException) -> None:
         await self.lifecycle.block(f"task:{name}", f"{name} ended: {error}")
+
+    async def _keep_claim(self) -> None:
+        """Renews the claim on the store; once another process took it over, readiness stays
+        off (the store's writes are fenced already) and the task waits for the shutdown."""
+        claim = self.store.claim
+        while claim.fenced is None:
+            await asyncio.sleep(claim.timeout_s / 3)
+            try:
+                await asyncio.to_thread(claim.renew)
+            except Fenced:
+                break
+            except OSError as exc:  # the store is unreachable: the next renewal retries
+                log.warning("could not renew the claim on the store: %s", exc)
+        await self.lifecycle.block("fenced", claim.fenced or "fenced")
+        await asyncio.Event().wait()
 
     async def _watch_controller(self) -> None:
         """Ends, with the controller's fatal error, when the controller cannot go on."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rolloutd.checkpoint.claim import StoreHeld
 from rolloutd.checkpoint.restore import RestoreRefused
 from rolloutd.checkpoint.store import SnapshotNotFound
 from rolloutd.config import Config
@@ -40,7 +41,7 @@ START_FAILURES: tuple[type[BaseException], ...] = (
 
 def describe(exc: BaseException, config: Config) -> str:
     """The one line for a failure in ``START_FAILURES``."""
-    if isinstance(exc, EngineStartError | PortUnavailable | RestoreRefused):
+    if isinstance(exc, EngineStartError | PortUnavailable | RestoreRefused | StoreHeld):
         return str(exc)
     if isinstance(exc, SnapshotNotFound):
         return (

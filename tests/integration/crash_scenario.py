@@ -51,6 +51,9 @@ class Scenario:
             "ROLLOUTD_LIMITS__REWIND_WINDOW": "2",
             "ROLLOUTD_CHECKPOINT__KEEP_LATEST": "2",
             "ROLLOUTD_CHECKPOINT__COMPACT_SEGMENTS": "3",
+            # a lease is durable: one granted as the process died, its response lost, holds
+            # its groups until it expires
+            "ROLLOUTD_LIMITS__LEASE_TIMEOUT_S": "10",
             **self.env,
         }
         if fault:

@@ -22,7 +22,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +227,13 @@ class Journal:
     retention pruned every record.
     """
 
-    def __init__(self, backend: LocalBackend | ObjectBackend, floor: int = 0) -> None:
+    def __init__(
+        self,
+        backend: LocalBackend | ObjectBackend,
+        floor: int = 0,
+        *,
+        guard: Callable[[], None] | None = None,
+    ) -> None:
         self._files: _FileJournal | _ObjectJournal = (
             _FileJournal(backend.root)
             if isinstance(backend, LocalBackend)
@@ -239,6 +245,8 @@ class Journal:
         self._queue: list[_Pending] = []
         self._syncing = False
         self._position = max(self._files.last_position(), floor)
+        self._guard = guard
+        """Raises instead of letting a write through (a process fenced off the store)."""
         self.syncs = 0
         """Syncs (local) or puts (object store) so far: fewer than records under concurrency."""
 
@@ -274,6 +282,8 @@ class Journal:
         first = 0
         try:
             with self._lock:
+                if self._guard is not None:
+                    self._guard()
                 first = self._position + 1
                 try:
                     self._files.append(first, [p.record for p in batch])

@@ -15,7 +15,8 @@ Invariants:
 * :meth:`SnapshotStore.publish` makes every file of a manifest durable before the manifest itself
   (fsync of files, directories and the manifest, then a rename; on an object store every file is
   complete before the manifest is put), so a crash leaves either the new snapshot or none of it.
-* One process writes a store at a time.
+* One process writes a store at a time: it holds the store's claim (claim.py), and a process
+  that lost it is fenced before it writes.
 
 Every I/O failure is an :class:`OSError` (see backends.py); a file that exists but does not verify
 raises :class:`CorruptSnapshot`. The checkpointer and restore see the store through the narrow
@@ -48,6 +49,7 @@ from rolloutd.checkpoint.backends import (
     open_backend,
     sequence_of,
 )
+from rolloutd.checkpoint.claim import StoreClaim
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import (
     FORMAT_VERSION,
@@ -143,10 +145,16 @@ class SnapshotStore:
         storage_options: Mapping[str, Any] | None = None,
         *,
         checksum: ChecksumAlgorithm = ChecksumAlgorithm.CRC32,
+        lock_timeout_s: float = 30.0,
     ) -> None:
         self.backend = open_backend(url, storage_options or {})
         self._checksum = checksum
-        self.journal = Journal(self.backend, floor=self._newest_acks_through())
+        self.claim = StoreClaim(self.backend, lock_timeout_s)
+        """The one-writer claim (claim.py): a serving process acquires it before restoring;
+        publication, retention and journal writes check it first."""
+        self.journal = Journal(
+            self.backend, floor=self._newest_acks_through(), guard=self.claim.check
+        )
 
     @property
     def url(self) -> str:
@@ -198,8 +206,10 @@ class SnapshotStore:
     def publish(self, manifest: Manifest) -> None:
         """Make ``manifest`` the newest snapshot, atomically and durably.
 
-        Its files must have been written by this store; sequences must increase.
+        Its files must have been written by this store; sequences must increase. A process that
+        lost its claim on the store publishes nothing (:class:`Fenced`).
         """
+        self.claim.check()
         newest = self.sequences()
         if newest and manifest.sequence <= newest[0]:
             raise ValueError(f"sequence {manifest.sequence} is not after {newest[0]}")
@@ -363,7 +373,8 @@ class SnapshotStore:
     def retire(
         self, keep_latest: int, keep: Callable[[Manifest], bool] | None = None
     ) -> RetireResult:
-        """See :func:`retention.retire`."""
+        """See :func:`retention.retire`; nothing is retired by a process that lost its claim."""
+        self.claim.check()
         return retention.retire(self, keep_latest, keep)
 
     def acks_after(self, after: int) -> builtins.list[Journaled]:
