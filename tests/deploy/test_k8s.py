@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import tomllib
 from collections.abc import Iterator
@@ -110,6 +111,7 @@ class Rendering:
             "metadata.namespace": workload["metadata"]["namespace"],
             "metadata.uid": "4c1d6c2e-0000-4000-8000-000000000000",
             "spec.nodeName": "gpu-node-a",
+            "metadata.labels['apps.kubernetes.io/pod-index']": "0",
         }
         for var in c.get("env", []):
             if "valueFrom" in var:
@@ -285,7 +287,46 @@ def test_downward_api_names_the_pod(rendered: Rendering) -> None:
         "POD_NAMESPACE": "metadata.namespace",
         "POD_UID": "metadata.uid",
         "NODE_NAME": "spec.nodeName",
+        "ROLLOUTD_FLEET__REPLICA": "metadata.labels['apps.kubernetes.io/pod-index']",
     }
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_the_fleet_size_is_set_once_next_to_replicas(
+    rendered: Rendering, kubectl: str, count: int
+) -> None:
+    """Raising the overlay's replica count (kustomize's `replicas:`) is all it takes: every pod's
+    fleet.replicas follows, and each pod is the replica of its ordinal (above)."""
+    copy = rendered.scratch / f"k8s-{count}"
+    shutil.copytree(K8S, copy, dirs_exist_ok=True)
+    v = rendered.variant
+    (overlay,) = [r for r in v.resources if r.startswith("overlays/")]
+    kustomization = copy / overlay / "kustomization.yaml"
+    tree = yaml.safe_load(kustomization.read_text())
+    (entry,) = tree["replicas"]
+    assert entry["name"] == "rolloutd"
+    entry["count"] = count
+    kustomization.write_text(yaml.safe_dump(tree))
+    target = copy / overlay
+    if v.components:
+        target = rendered.scratch / f"with-components-{count}"
+        target.mkdir(exist_ok=True)
+        (target / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "resources": [os.path.relpath(copy / r, target) for r in v.resources],
+                    "components": [os.path.relpath(copy / c, target) for c in v.components],
+                }
+            )
+        )
+    result = subprocess.run([kubectl, "kustomize", str(target)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (statefulset,) = [
+        d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "StatefulSet"
+    ]
+    assert statefulset["spec"]["replicas"] == count
+    env = {e["name"]: e.get("value") for e in container(statefulset)["env"]}
+    assert env["ROLLOUTD_FLEET__REPLICAS"] == str(count)
 
 
 def test_env_references_are_declared_before_use(rendered: Rendering) -> None:
@@ -448,6 +489,7 @@ def test_rolloutd_starts_with_the_environment_kubelet_builds(
         "metadata.namespace": statefulset["metadata"]["namespace"],
         "metadata.uid": "4c1d6c2e-0000-4000-8000-000000000000",
         "spec.nodeName": "node-a",
+        "metadata.labels['apps.kubernetes.io/pod-index']": "0",
     }
     env = container_environment(c, fields, lookup, rendered.of_kind("Service"))
     assert "ROLLOUTD_ADMIN_SERVICE_HOST" in env and "ROLLOUTD_ADMIN_PORT_8080_TCP_ADDR" in env
