@@ -1,9 +1,14 @@
 """Python trainer client: several endpoints, retries with backoff, W3C context propagation.
 
-Fetches go round-robin over the endpoints (one rolloutd per GPU node); an ack goes back to the
-endpoint that issued the lease. Calls that are safe to repeat (every RPC here: acks and prompt
-submissions are idempotent) are retried on UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED
-with exponential backoff and jitter.
+A fetch asks every endpoint at once (one rolloutd per GPU node, a fleet) and returns the first
+lease any of them grants, so a trainer gets groups as soon as one replica has them. At most one
+fetch per endpoint is in flight: a call still waiting when another endpoint answered goes on, and
+a lease it brings back is kept and returned by the next ``fetch``, never stranded. An endpoint
+that fails (down, draining: UNAVAILABLE) is left out with exponential backoff and probed again
+later, so a dead one does not slow every call. An ack goes back to the endpoint that issued the
+lease. Other calls that are safe to repeat (every RPC here: acks and prompt submissions are
+idempotent) are retried on UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED with exponential
+backoff and jitter.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +57,20 @@ class Lease:
     expires_at: float
 
 
+@dataclass
+class _Endpoint:
+    """What the client knows of one endpoint's health, and its fetch in flight."""
+
+    name: str
+    failures: int = 0
+    """Failed fetches in a row."""
+    retry_at: float = 0.0
+    """``time.monotonic()`` before which the endpoint is not asked (backoff)."""
+    in_flight: bool = False
+    sent: list[float] = field(default_factory=list)
+    """When each fetch was sent (monotonic): what a test or a log can count."""
+
+
 class RolloutClient:
     def __init__(
         self,
@@ -77,7 +98,11 @@ class RolloutClient:
         self._retries = retries
         self._backoff = backoff_s
         self._max_backoff = max_backoff_s
-        self._next = 0
+        self._fleet = {ep: _Endpoint(ep) for ep in self.endpoints}
+        self._answers: queue.Queue[tuple[_Endpoint, grpc.Future]] = queue.Queue()
+        """Fetches that completed, in the order they did (filled from gRPC's threads)."""
+        self._spare: deque[Lease] = deque()
+        """Leases that came after a fetch returned another one: the next fetches return them."""
         if interceptors is None:
             interceptors = _default_interceptors()
         self._channels: dict[str, grpc.Channel] = {}
@@ -121,30 +146,73 @@ class RolloutClient:
         return {"timeout": self._timeout + extra_s, "metadata": self._metadata}
 
     def fetch(self, max_groups: int = 1, wait_ms: int = 1000, consumer: str = "") -> Lease | None:
-        """Leases up to ``max_groups`` groups from the next endpoint that has some."""
+        """Leases up to ``max_groups`` groups from whichever endpoint has some first, waiting up
+        to ``wait_ms``; None when none had any (see the module docstring).
+
+        A lease kept from an earlier call's fetch, still in flight then, comes first; it may
+        hold up to that call's ``max_groups``. Raises the first error that retrying cannot cure
+        (INVALID_ARGUMENT, UNAUTHENTICATED...); endpoints that are down are backed off from."""
+        deadline = time.monotonic() + wait_ms / 1000
+        sent: set[str] = set()
+        while True:
+            self._collect(block_until=None)
+            if self._spare:
+                return self._spare.popleft()
+            now = time.monotonic()
+            for ep in self._fleet.values():
+                if not ep.in_flight and ep.retry_at <= now and ep.name not in sent:
+                    sent.add(ep.name)
+                    self._send(ep, max_groups, max(int((deadline - now) * 1000), 0), consumer)
+            if now >= deadline:
+                # what this call sent answers about now (its wait is over): take it in, no more
+                while any(self._fleet[name].in_flight for name in sent):
+                    self._collect(block_until=now + self._timeout)
+                return self._spare.popleft() if self._spare else None
+            probes = [
+                ep.retry_at
+                for ep in self._fleet.values()
+                if ep.name not in sent and not ep.in_flight
+            ]
+            # an answer, the next endpoint due for a probe, or the deadline: whichever comes first
+            self._collect(block_until=min([deadline, *probes]))
+
+    def _send(self, ep: _Endpoint, max_groups: int, wait_ms: int, consumer: str) -> None:
         request = pb.FetchGroupsRequest(max_groups=max_groups, wait_ms=wait_ms, consumer=consumer)
-        n = len(self.endpoints)
-        for i in range(n):
-            ep = self.endpoints[(self._next + i) % n]
-            # Only the last endpoint tried waits; the others are asked without waiting.
-            req = (
-                request
-                if i == n - 1
-                else pb.FetchGroupsRequest(max_groups=max_groups, consumer=consumer)
-            )
+        ep.in_flight = True
+        ep.sent.append(time.monotonic())
+        future = self._stubs[ep.name].FetchGroups.future(request, **self._kw(wait_ms / 1000))
+        future.add_done_callback(lambda f: self._answers.put((ep, f)))
+
+    def _collect(self, block_until: float | None) -> bool:
+        """Takes in every completed fetch (waiting for one until ``block_until``, if given):
+        leases go to the spares, failures back the endpoint off. True if any completed."""
+        got = False
+        while True:
             try:
-                response: pb.FetchGroupsResponse = self._call(
-                    ep, partial(_fetch, request=req, kw=self._kw(req.wait_ms / 1000))
-                )
+                if block_until is None or got:
+                    ep, future = self._answers.get_nowait()
+                else:
+                    ep, future = self._answers.get(timeout=max(block_until - time.monotonic(), 0))
+            except queue.Empty:
+                return got
+            got = True
+            ep.in_flight = False
+            try:
+                response: pb.FetchGroupsResponse = future.result()
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE and i < n - 1:  # type: ignore[attr-defined]
-                    continue
-                raise
+                code = exc.code()  # type: ignore[attr-defined]
+                if code not in RETRYABLE:
+                    raise
+                ep.failures += 1
+                pause = min(self._backoff * 2 ** (ep.failures - 1), self._max_backoff)
+                ep.retry_at = time.monotonic() + pause * random.uniform(0.5, 1.5)
+                log.debug("%s: %s; asked again in %.2fs at the earliest", ep.name, code.name, pause)
+                continue
+            ep.failures, ep.retry_at = 0, 0.0
             if response.lease_id:
-                self._next = (self._next + i + 1) % n
-                return Lease(response.lease_id, ep, response.groups, response.lease_expires_at)
-        self._next = (self._next + 1) % n
-        return None
+                self._spare.append(
+                    Lease(response.lease_id, ep.name, response.groups, response.lease_expires_at)
+                )
 
     def ack(self, lease: Lease, trainer_step: int) -> pb.AckGroupsResponse:
         request = pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=trainer_step)
@@ -230,12 +298,6 @@ class RolloutClient:
             ep: self._call(ep, lambda s: s.GetStatus(pb.GetStatusRequest(), **self._kw()))
             for ep in self.endpoints
         }
-
-
-def _fetch(
-    stub: pb_grpc.RolloutServiceStub, request: pb.FetchGroupsRequest, kw: dict[str, Any]
-) -> Any:
-    return stub.FetchGroups(request, **kw)
 
 
 def _submit(
