@@ -29,7 +29,7 @@ from rolloutd.api.dashboard import dashboard_router
 from rolloutd.api.grpc_server import SERVICE_NAME, GrpcServer
 from rolloutd.api.view import ServiceView
 from rolloutd.checkpoint.checkpointer import Checkpointer
-from rolloutd.checkpoint.claim import Fenced
+from rolloutd.checkpoint.claim import Fenced, StoreHeld
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.store import SnapshotStore
@@ -53,6 +53,9 @@ from rolloutd.weights.staging import StagingArea
 from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
+
+CLAIM = "store-claim"
+"""The cause under which a store that cannot be claimed yet holds readiness off."""
 
 UNRECOVERABLE = (InvariantError, EngineDeadError)
 """Errors after which the process must be restarted rather than wait to be ready again."""
@@ -191,7 +194,7 @@ class RolloutService:
 
     async def _start(self) -> Addresses:
         await self._state_changed(self.lifecycle.state)
-        await asyncio.to_thread(self.store.claim.acquire)  # a store held elsewhere fails fast
+        await self._claim_store()  # a store held elsewhere fails fast
         self.supervisor.spawn("store-claim", self._keep_claim())
         port = await self._grpc.start()
         http = None
@@ -303,12 +306,29 @@ class RolloutService:
     async def _task_failed(self, name: str, error: BaseException) -> None:
         await self.lifecycle.block(f"task:{name}", f"{name} ended: {error}")
 
+    async def _claim_store(self) -> None:
+        """Claims the store; :class:`StoreHeld` ends the start. A store that cannot be written
+        (read-only, unreachable) leaves the service not ready until a later attempt succeeds."""
+        try:
+            await asyncio.to_thread(self.store.claim.acquire)
+        except StoreHeld:
+            raise
+        except OSError as exc:
+            log.error("cannot claim the store: %s; retrying", exc)
+            await self.lifecycle.block(CLAIM, f"cannot claim the store: {exc}")
+        else:
+            await self.lifecycle.unblock(CLAIM)
+
     async def _keep_claim(self) -> None:
-        """Renews the claim on the store; once another process took it over, readiness stays
-        off (the store's writes are fenced already) and the task waits for the shutdown."""
+        """Claims the store until it holds it, then renews the claim; once another process took
+        it over, readiness stays off (its writes are fenced already) and the task waits for the
+        shutdown."""
         claim = self.store.claim
         while claim.fenced is None:
             await asyncio.sleep(claim.timeout_s / 3)
+            if not claim.held:
+                await self._claim_store()
+                continue
             try:
                 await asyncio.to_thread(claim.renew)
             except Fenced:

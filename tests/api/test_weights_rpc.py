@@ -323,7 +323,11 @@ async def test_the_client_pushes_to_every_endpoint_at_once(serve, model, tmp_pat
     services = []
     for i in range(2):
         service, _ = await serve(
-            **{"engine.model": str(model), "weights.staging_dir": str(tmp_path / f"staging{i}")}
+            **{
+                "engine.model": str(model),
+                "weights.staging_dir": str(tmp_path / f"staging{i}"),
+                "checkpoint.dir": str(tmp_path / f"checkpoints{i}"),  # one writer per store
+            }
         )
         services.append(service)
     new = write_model(tmp_path / "new", seed=8)

@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from rolloutd.client import RolloutClient
-from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
 

@@ -57,11 +57,9 @@ def attempts(p: ServeProcess, outcome_reason: str) -> int:
     return p.output.count(f"checkpoint {outcome_reason}")
 
 
-@pytest.mark.parametrize("fault", ["full", "read-only"])
-def test_a_failing_disk_makes_the_service_not_ready_and_it_recovers(tmp_path, tmpfs, fault):
+def test_a_failing_disk_makes_the_service_not_ready_and_it_recovers(tmp_path, tmpfs):
+    """A full disk (a store read-only from the start cannot even be claimed: the next test)."""
     disk, remount = tmpfs
-    if fault == "read-only":
-        remount("ro")
     p = ServeProcess.synthetic(
         disk / "ckpt",
         "--checkpoint-interval",
@@ -130,3 +128,33 @@ def test_a_failing_disk_makes_the_service_not_ready_and_it_recovers(tmp_path, tm
         )  # what was held while the disk failed is in the snapshot
     finally:
         q.terminate()
+
+
+def test_a_store_that_cannot_be_claimed_at_start_holds_readiness_off_until_it_can(tmp_path, tmpfs):
+    disk, remount = tmpfs
+    remount("ro")
+    p = ServeProcess.synthetic(
+        disk / "ckpt",
+        "--checkpoint-interval",
+        "0.2",
+        env={"ROLLOUTD_CHECKPOINT__LOCK_TIMEOUT_S": "1.5"},
+        cwd=tmp_path,
+    )
+    address = p.wait_listening()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            ready = "rolloutd.v1.RolloutService"
+            assert health(channel, ready) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert "cannot claim the store" in p.output
+            stub = pb_grpc.RolloutServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            remount("rw,size=64m")
+            wait_for(lambda: health(channel, ready) == health_pb2.HealthCheckResponse.SERVING)
+            r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=10_000), timeout=15)
+            assert r.lease_id
+        assert p.terminate() == 0
+    finally:
+        if p.proc.poll() is None:
+            p.kill()

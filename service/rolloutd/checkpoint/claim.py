@@ -116,6 +116,8 @@ class StoreClaim:
         """``time.monotonic()`` of the last renewal; negative while nothing is held."""
         self.fenced: str | None = None
         """Why this process lost the store; None while it holds it (or never claimed it)."""
+        self._wanted = False
+        """An acquire was attempted: from then on nothing is written unless the claim is held."""
         self._renewing = threading.Lock()
         """One renewal at a time: two would race on the version and the loser would think it
         had been taken over."""
@@ -128,7 +130,9 @@ class StoreClaim:
 
     def acquire(self) -> Holder | None:
         """Claims the store; returns the holder it took over, if any. Raises :class:`StoreHeld`
-        naming a live holder."""
+        naming a live holder, and ``OSError`` when the store cannot be written (the service
+        retries, not ready meanwhile)."""
+        self._wanted = True
         for _ in range(3):  # another process may win a race for a stale claim
             current, version = self._read()
             now = self._clock()
@@ -182,12 +186,14 @@ class StoreClaim:
         self._me, self._renewed = renewed, time.monotonic()
 
     def check(self) -> None:
-        """Before a write to the store: raises :class:`Fenced` if the claim was lost. Free while
-        the last renewal is recent; a no-op for a process that never claimed the store (tools,
-        tests of the store alone)."""
+        """Before a write to the store: raises :class:`Fenced` if the claim was lost, and
+        :class:`StoreError` while it is not held yet. Free while the last renewal is recent; a
+        no-op for a process that never tries to claim the store (tools, tests of the store)."""
         if self.fenced is not None:
             raise Fenced(self.fenced)
         if self._renewed < 0:
+            if self._wanted:
+                raise StoreError(f"the store {self._backend.url} is not claimed yet")
             return
         if time.monotonic() - self._renewed > self.timeout_s / 2:
             with self._renewing:
