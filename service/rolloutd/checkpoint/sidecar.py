@@ -10,7 +10,7 @@ The layout (format 1)::
 
     {"format": 1, "sampler": {...}, "controller": {next_group_id, policy_version, weights_path,
      max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
-     "finalized_leases": {lease: step}, "lost_acks": [...], "groups": [...]}
+     "finalized_leases": {lease: step}, "lost_acks": [...], "lost_leases": [...], "groups": [...]}
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.group import GroupMeta, Position, Prompt
 from rolloutd.domain.sampler import Admission, SamplerState
-from rolloutd.domain.state import ControllerState, Counters, LostAck
+from rolloutd.domain.state import ControllerState, Counters, LostAck, LostLease
 
 SIDECAR_FORMAT = 1
 
@@ -190,6 +190,7 @@ def head(state: ControllerState) -> dict[str, Any]:
         "acks": to_json(list(b.acks.values())),
         "finalized_leases": dict(b.finalized_leases),
         "lost_acks": to_json(state.lost_acks),
+        "lost_leases": to_json(state.lost_leases),
     }
 
 
@@ -228,4 +229,6 @@ def decode(d: Mapping[str, Any]) -> ControllerState:
         max_acked_step=int(c["max_acked_step"]),
         finalized_through=int(c["finalized_through"]),
         lost_acks=from_json(tuple[LostAck, ...], d["lost_acks"]),
+        # absent from the sidecars of earlier versions
+        lost_leases=from_json(tuple[LostLease, ...], d.get("lost_leases", [])),
     )

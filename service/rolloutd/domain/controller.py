@@ -59,6 +59,7 @@ from rolloutd.domain.state import (
     JournaledLease,
     JournaledSubmission,
     LostAck,
+    LostLease,
     NullJournal,
 )
 from rolloutd.domain.weights import WeightsTimeline
@@ -679,6 +680,10 @@ class Controller:
             max_acked_step=self.max_acked_step,
             finalized_through=self.finalized_through,
             lost_acks=tuple(self.lost_acks),
+            lost_leases=tuple(
+                LostLease(lease_id, tuple(lost), tuple(lost.values()))
+                for lease_id, lost in self._lost_leased.items()
+            ),
         )
 
     def capture_failed(self, state: ControllerState) -> None:
@@ -719,7 +724,13 @@ class Controller:
             self.max_acked_step = state.max_acked_step
             self.finalized_through = state.finalized_through
             self.lost_acks = list(state.lost_acks)
+            self._lost_leased = {
+                lost.lease_id: dict(zip(lost.group_ids, lost.admissions, strict=True))
+                for lost in state.lost_leases
+            }
             for lease in self.buffer.expired_leases(self.clock()):
+                for admission in self._lost_leased.pop(lease.lease_id, {}).values():
+                    self.sampler.unskip(admission)
                 self.buffer.requeue(lease.lease_id)
         if state.weights_path and state.policy_version > self.engine.policy_version:
             await self.engine.update_weights(state.weights_path, state.policy_version)

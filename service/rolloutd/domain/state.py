@@ -48,6 +48,16 @@ class LostAck:
 
 
 @dataclass(frozen=True)
+class LostLease:
+    """A live lease granted again after a restart whose groups no snapshot held: the
+    admissions of those groups, kept from admission until the lease is acked or expires."""
+
+    lease_id: str
+    group_ids: tuple[int, ...]
+    admissions: tuple[Admission, ...]
+
+
+@dataclass(frozen=True)
 class ControllerState:
     """A consistent cut of everything a snapshot holds (see the module docstring)."""
 
@@ -60,6 +70,7 @@ class ControllerState:
     max_acked_step: int
     finalized_through: int
     lost_acks: tuple[LostAck, ...] = ()
+    lost_leases: tuple[LostLease, ...] = ()
 
     def with_ledger(self, previous: Mapping[str, int]) -> ControllerState:
         """This capture with the whole ledger of finalized leases: ``previous`` (the ledger as
