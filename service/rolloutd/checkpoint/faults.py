@@ -34,7 +34,8 @@ class FaultPoint(enum.Enum):
     COMPACT_MID = "compact.mid"
     """A compacted segment is partly written."""
     JOURNAL_APPEND = "journal.append"
-    """An ack record is durable, the caller not yet told so."""
+    """A journal record (ack, lease grant, submission, id reservation) is durable, the caller
+    not yet told so."""
 
 
 def parse(spec: str) -> dict[FaultPoint, float]:
