@@ -24,8 +24,8 @@ from rolloutd.domain.report import CheckpointReport
 from rolloutd.domain.sampler import Admission
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
-from rolloutd.weights.updater import WeightsUpdater
 from rolloutd.weights.receive import PushChunk
+from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
 
