@@ -4,7 +4,10 @@ For each model size (the tiny model, and a larger random model built the same wa
 ``rolloutd serve`` runs as a subprocess on that model, and this process acts as the trainer:
 
 - ``local_copy_mb_per_s``: ``shutil.copyfile`` of the model's safetensors files into a fresh
-  directory (warm page cache, no fsync): the most a transfer into staging could reach here;
+  directory beside the service's staging directory (warm page cache): the most a transfer into
+  staging could reach here. Neither fsyncs: the service stages weights in the page cache and
+  verifies them from there, and a restart removes unfinished staging, so a copy that paid for
+  durability would measure something the push does not do;
 - ``push_mb_per_s``: ``PushWeights`` from the Python client (``RolloutClient.push_weights``),
   bytes over the service's ``transfer`` phase (header received to last chunk written);
   ``push_vs_local_copy`` is the one over the other;
