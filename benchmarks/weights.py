@@ -10,7 +10,9 @@ For each model size (the tiny model, and a larger random model built the same wa
   durability would measure something the push does not do;
 - ``push_mb_per_s``: ``PushWeights`` from the Python client (``RolloutClient.push_weights``),
   bytes over the service's ``transfer`` phase (header received to last chunk written);
-  ``push_vs_local_copy`` is the one over the other;
+  ``push_vs_local_copy`` is the one over the other (medians), ``push_vs_local_copy_best`` the
+  same for the fastest round of each: on a machine shared with other work a 50 ms copy swings
+  several-fold with the neighbours' load, so the target counts as met only when both reach it;
 - ``push_verified_mb_per_s``: the same bytes over ``transfer`` + ``verify`` (SHA-256 and the
   safetensors headers checked against the served model);
 - ``grpc_stream_mb_per_s``: the ceiling under a push: a client stream of 1 MiB byte strings over
@@ -331,7 +333,8 @@ def measure(size: Size, root: Path, engine: str, s3: dict[str, Any], reps: int) 
         return phase(r, "pause", "load", "resume") * 1000
 
     local = common.median([mb / s for s in rates.copies])
-    push_rate = common.median([mb / phase(r, "transfer") for _, r in rates.push])
+    push_rates = [mb / phase(r, "transfer") for _, r in rates.push]
+    push_rate = common.median(push_rates)
     return {
         "size": size.name,
         "bytes": size_bytes,
@@ -343,6 +346,9 @@ def measure(size: Size, root: Path, engine: str, s3: dict[str, Any], reps: int) 
             [mb / phase(r, "transfer", "verify") for _, r in rates.push]
         ),
         "push_vs_local_copy": push_rate / local,
+        "push_best_mb_per_s": max(push_rates),
+        "local_copy_best_mb_per_s": max(mb / s for s in rates.copies),
+        "push_vs_local_copy_best": max(push_rates) / max(mb / s for s in rates.copies),
         **stream,
         "grpc_stream_vs_local_copy": stream["grpc_stream_mb_per_s"] / local,
         "s3_mb_per_s": common.median([mb / phase(r, "transfer") for _, r in rates.fetched]),
@@ -508,7 +514,7 @@ def main() -> None:
     started = time.time()
     engine = "synthetic" if args.quick else "vllm"
     sizes = [TINY, QUICK_LARGE] if args.quick else [TINY, LARGE]
-    reps = 2 if args.quick else 3
+    reps = 2 if args.quick else 5
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -525,8 +531,12 @@ def main() -> None:
         common.headline(
             f"push / local copy MB/s, {large['bytes'] / 1e6:.0f} MB model",
             large["push_vs_local_copy"], "", f">= {TARGET_PUSH_VS_COPY}",
-            large["push_vs_local_copy"] >= TARGET_PUSH_VS_COPY,
-            f"{large['push_mb_per_s']:.0f} / {large['local_copy_mb_per_s']:.0f} MB/s",
+            min(large["push_vs_local_copy"], large["push_vs_local_copy_best"])
+            >= TARGET_PUSH_VS_COPY,
+            f"medians {large['push_mb_per_s']:.0f} / {large['local_copy_mb_per_s']:.0f} MB/s; "
+            f"fastest rounds {large['push_best_mb_per_s']:.0f} / "
+            f"{large['local_copy_best_mb_per_s']:.0f} MB/s = "
+            f"{large['push_vs_local_copy_best']:.2f}",
         ),
         common.headline(
             f"bare gRPC stream / local copy MB/s, {large['bytes'] / 1e6:.0f} MB",
