@@ -191,11 +191,12 @@ def push_request(raw: bytes) -> pb.PushWeightsRequest | PushChunk:
     bytes kept as a view of the received message; anything else is parsed by protobuf.
 
     Parsing a chunk with protobuf copies its payload twice (into the message, then out of it as
-    ``bytes``), and at gigabytes per second those copies were most of the receiving process's
-    time. The fast path takes only the encoding every protobuf library writes for a chunk (one
-    ``chunk`` field holding ``file``, ``offset`` and ``data`` with one-byte tags, any order, the
-    last of a repeated field winning, as protobuf has it); any other message, and any malformed
-    one, goes to protobuf, which parses or refuses it exactly as before.
+    ``bytes``), on the process whose CPU bounds a push on a small machine (see the weights section
+    of ``benchmarks/README.md``). The fast path takes only the encoding every protobuf library
+    writes for a chunk (one ``chunk`` field holding ``file``, ``offset`` and ``data`` with
+    one-byte tags, any order, the last of a repeated field winning, as protobuf has it); any
+    other message, and any malformed one, goes to protobuf, which parses or refuses it exactly
+    as before.
     """
     chunk = _wire_chunk(raw)
     return pb.PushWeightsRequest.FromString(raw) if chunk is None else chunk
