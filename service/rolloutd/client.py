@@ -17,6 +17,7 @@ import contextvars
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import random
@@ -107,6 +108,7 @@ class RolloutClient:
             interceptors = _default_interceptors()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.RolloutServiceStub] = {}
+        self._push_calls: dict[str, grpc.StreamUnaryMultiCallable] = {}
         credentials = _channel_credentials(secure, tls_ca, tls_cert, tls_key)
         for ep in self.endpoints:
             channel = (
@@ -117,6 +119,12 @@ class RolloutClient:
             channel = grpc.intercept_channel(channel, *interceptors)
             self._channels[ep] = channel
             self._stubs[ep] = pb_grpc.RolloutServiceStub(channel)
+            # PushWeights sends messages it encoded itself (see _chunk_message).
+            self._push_calls[ep] = channel.stream_unary(
+                "/rolloutd.v1.RolloutService/PushWeights",
+                request_serializer=None,
+                response_deserializer=pb.PushWeightsResponse.FromString,
+            )
 
     def __enter__(self) -> RolloutClient:
         return self
@@ -260,15 +268,14 @@ class RolloutClient:
         }
 
     def push_weights(
-        self, version: int, directory: str | os.PathLike[str], *, chunk_mb: float = 0.5
+        self, version: int, directory: str | os.PathLike[str], *, chunk_mb: float = 1.0
     ) -> dict[str, pb.PushWeightsResponse]:
         """Streams the ``*.safetensors`` files of ``directory`` to every endpoint at once, each of
         which loads them as policy ``version``; returns each endpoint's answer.
 
-        The files are hashed once, then read again for each endpoint as it sends. ``chunk_mb``
-        must stay below the service's ``grpc.max_message_mb``. On loopback, 512 KiB messages moved
-        the most bytes per second (about twice as many as 1 MiB, six times as many as 16 MiB:
-        larger messages stall on HTTP/2 flow control). Raises the first endpoint's error
+        The files are hashed once, then sent to each endpoint from a memory map, ``chunk_mb`` MiB
+        per message (see ``benchmarks/weights.py`` for the rates on loopback; ``chunk_mb`` must
+        stay below the service's ``grpc.max_message_mb``). Raises the first endpoint's error
         (the others still finish their push).
         """
         header = weights_header(version, directory)
@@ -277,7 +284,7 @@ class RolloutClient:
         def push(ep: str) -> pb.PushWeightsResponse:
             return self._call(
                 ep,
-                lambda s: s.PushWeights(
+                lambda _: self._push_calls[ep](
                     _push_requests(header, Path(directory), chunk), **self._kw(600)
                 ),
             )
@@ -327,19 +334,44 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _push_requests(
-    header: pb.PushWeightsHeader, directory: Path, chunk: int
-) -> Iterator[pb.PushWeightsRequest]:
-    """The header, then each file in order, ``chunk`` bytes at a time."""
-    yield pb.PushWeightsRequest(header=header)
+def _push_requests(header: pb.PushWeightsHeader, directory: Path, chunk: int) -> Iterator[bytes]:
+    """The encoded messages of a push: the header, then each file in order, ``chunk`` bytes at a
+    time."""
+    yield pb.PushWeightsRequest(header=header).SerializeToString()
     for f in header.files:
-        with (directory / f.name).open("rb", buffering=0) as src:
-            offset = 0
-            while data := src.read(chunk):
-                yield pb.PushWeightsRequest(
-                    chunk=pb.WeightsChunk(file=f.name, offset=offset, data=data)
-                )
-                offset += len(data)
+        if f.size == 0:
+            continue  # nothing to map; the service checks the size
+        name = f.name.encode()
+        with (
+            (directory / f.name).open("rb") as src,
+            mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+        ):
+            view = memoryview(mapped)
+            try:
+                for offset in range(0, len(view), chunk):
+                    data = view[offset : offset + chunk]
+                    message = _chunk_message(name, offset, data)
+                    data.release()
+                    yield message
+            finally:
+                view.release()
+
+
+def _chunk_message(name: bytes, offset: int, data: memoryview) -> bytes:
+    """A ``PushWeightsRequest`` holding one ``WeightsChunk``, encoded around ``data``, which is
+    copied once (protobuf copies it into the message, then again into the encoding)."""
+    fields = b"\x0a" + _varint(len(name)) + name + b"\x10" + _varint(offset) + b"\x1a"
+    fields += _varint(len(data))
+    return b"".join((b"\x12", _varint(len(fields) + len(data)), fields, data))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def _prompt(p: dict[str, Any]) -> pb.Prompt:

@@ -23,6 +23,8 @@ from rolloutd.domain.engine import EngineDeadError
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from rolloutd.weights import receive
+from rolloutd.weights.receive import PushChunk
 from tests.conftest import BUCKET
 from tests.weights.helpers import SHAPES, sha256, write_model, write_sums
 
@@ -124,6 +126,22 @@ async def test_a_push_loads_and_new_samples_carry_its_version(weights_service, t
     mixed = [m for pair in zip(a, b, strict=False) for m in pair] + a[len(b) :] + b[len(a) :]
     assert (await push(stub, [header(4, newer), *mixed])).policy_version == 4
     assert {p.split("/")[0] for p in staged(tmp_path)} == {"v4"}, "the older version is retired"
+
+
+async def test_the_service_receives_chunks_as_views(weights_service, tmp_path, monkeypatch):
+    """The fast deserializer is the one the server runs (it replaces the generated one)."""
+    _, stub, _ = weights_service
+    kinds: list[type] = []
+    real = receive.PushReceiver.write
+
+    async def write(self: receive.PushReceiver, chunk: PushChunk) -> None:
+        kinds.append(type(chunk.data))
+        await real(self, chunk)
+
+    monkeypatch.setattr(receive.PushReceiver, "write", write)
+    new = write_model(tmp_path / "v2", seed=2)
+    assert (await push(stub, [header(2, new), *chunks(new)])).policy_version == 2
+    assert kinds and set(kinds) == {memoryview}
 
 
 def _truncated(new: Path) -> list[pb.PushWeightsRequest]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from rolloutd.api import convert
 from rolloutd.api.reflection import enable_reflection
 from rolloutd.api.servicer import Host, RolloutServicer
 from rolloutd.domain.controller import Controller
@@ -61,8 +62,19 @@ class GrpcServer:
             ],
             interceptors=interceptors,
         )
-        pb_grpc.add_RolloutServiceServicer_to_server(
-            RolloutServicer(controller, host, auth_token, weights=weights), self._server
+        servicer = RolloutServicer(controller, host, auth_token, weights=weights)
+        pb_grpc.add_RolloutServiceServicer_to_server(servicer, self._server)
+        # PushWeights again, with a deserializer that keeps chunk bytes uncopied (registered
+        # handlers are looked up by method; the later registration of a method wins).
+        self._server.add_registered_method_handlers(
+            SERVICE_NAME,
+            {
+                "PushWeights": grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=convert.push_request,
+                    response_serializer=pb.PushWeightsResponse.SerializeToString,
+                )
+            },
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection(

@@ -30,6 +30,7 @@ from rolloutd.domain.report import CheckpointReport
 from rolloutd.domain.sampler import Admission
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from rolloutd.weights.receive import PushChunk
 from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @rpc(mutating=True)
     async def PushWeights(
         self,
-        request_iterator: AsyncIterator[pb.PushWeightsRequest],
+        request_iterator: AsyncIterator[pb.PushWeightsRequest | PushChunk],
         context: grpc.aio.ServicerContext,
     ) -> pb.PushWeightsResponse:
         started = time.perf_counter()

@@ -33,10 +33,11 @@ class PushHeader:
 class PushChunk:
     file: str
     offset: int
-    data: bytes
+    data: bytes | memoryview
+    """A view of the received message where it can be (see ``rolloutd.api.convert``)."""
 
 
-def _write(fd: int, data: bytes, offset: int) -> None:
+def _write(fd: int, data: bytes | memoryview, offset: int) -> None:
     written = os.pwrite(fd, data, offset)
     if written != len(data):
         raise OSError(f"short write: {written} of {len(data)} bytes at offset {offset}")
