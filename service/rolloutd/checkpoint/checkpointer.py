@@ -4,7 +4,8 @@
 2. ``exclusive_hold`` capture a consistent cut: the rows staged and removed since the last
                       snapshot, changed group metadata, sampler cursor, leases, acks, counters.
                       No I/O and no serialization: pointer work proportional to the delta only.
-3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment.
+3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment, and the partial
+                      tokens of siblings still generating as a file of this snapshot's own.
 4. ``sidecar_write``  write controller state as JSON.
 5. ``commit``         fsync and publish atomically; then retention.
 
@@ -19,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rolloutd.checkpoint import sidecar
@@ -201,6 +202,7 @@ class Checkpointer:
             await hold.__aexit__(None, None, None)
         if (
             capture.buffer.empty
+            and not capture.partials
             and not force
             and acks_through == (self._parent.acks_through if self._parent else 0)
         ):
@@ -250,6 +252,11 @@ class Checkpointer:
                 if new_rows
                 else None
             )
+            partials = (
+                await asyncio.to_thread(self.store.write_partials, sequence, capture.partials)
+                if capture.partials
+                else None
+            )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
             groups = dict(self._groups)
             for gid, meta in delta.groups.items():
@@ -274,6 +281,7 @@ class Checkpointer:
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
             )
+            manifest = replace(manifest, partials=partials)
             chosen = plan_compaction(manifest, self.config.compact_segments)
             if chosen:
                 manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)

@@ -8,8 +8,10 @@
                         become available again; the cursor must be ahead of every group's position.
 5. ``recovery_ledger``  acks journaled after the snapshot are applied, so no acked group is
                         delivered again and no acked position is admitted again.
-6. ``redispatch``       unfinished groups: staged siblings reused, missing ones generated
-                        (granularity ``sibling``), or the whole group generated again (``group``).
+6. ``redispatch``       unfinished groups: staged siblings reused, missing ones continued from the
+                        partial tokens the snapshot held (granularity ``token``) or generated
+                        from their first token (``sibling``), or the whole group generated
+                        again (``group``).
 
 This module only orchestrates and times the phases: the sidecar decodes the state, the
 controller restores it (``Controller.restore``) and replays the acks through its one ack path.
@@ -28,16 +30,18 @@ from typing import Any
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
-from rolloutd.checkpoint.store import SnapshotReader
+from rolloutd.checkpoint.store import CorruptSnapshot, SnapshotReader
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
 from rolloutd.domain.group import GroupState
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import (
     Disposition,
     PhaseClock,
     RecoveryState,
     RestorePhase,
     RestoreReport,
+    TokenDisposition,
 )
 from rolloutd.domain.state import ControllerState
 
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class Granularity(enum.Enum):
+    TOKEN = "token"
     SIBLING = "sibling"
     GROUP = "group"
 
@@ -80,11 +85,12 @@ async def restore(
     report.ended_ns = time.time_ns()
     if manifest is not None:
         log.info(
-            "restored snapshot %d in %.2fs: groups %s, siblings %s, skipped %s",
+            "restored snapshot %d in %.2fs: groups %s, siblings %s, tokens %s, skipped %s",
             manifest.sequence,
             report.seconds,
             {k.value: v for k, v in report.groups.items()},
             {k.value: v for k, v in report.siblings.items()},
+            {k.value: v for k, v in report.tokens.items()},
             [(s.sequence, s.reason) for s in report.skipped],
         )
     checkpointer.observer.restored(report)
@@ -128,7 +134,8 @@ async def _run(
 
     with clock.phase(RestorePhase.BUFFER):
         rows = await asyncio.to_thread(snapshot.rows)
-        state = replace(state, buffer=replace(state.buffer, new_rows=rows))
+        partials = await _partials(store, manifest)
+        state = replace(state, buffer=replace(state.buffer, new_rows=rows), partials=partials)
 
     with clock.phase(RestorePhase.REPLAY_METADATA):
         report.groups = _recovery_counts(state)
@@ -140,17 +147,37 @@ async def _run(
 
     with clock.phase(RestorePhase.REDISPATCH):
         started = time.perf_counter()
-        reused = rerun = 0
+        reused = rerun = tokens_reused = tokens_regenerated = 0
         for g in controller.generating_groups():
             staged = len(g.samples)
-            missing = await controller.resume_group(g, rerun_all=granularity is Granularity.GROUP)
-            rerun += len(missing)
-            reused += staged if granularity is Granularity.SIBLING else 0
+            done = await controller.resume_group(
+                g,
+                rerun_all=granularity is Granularity.GROUP,
+                from_tokens=granularity is Granularity.TOKEN,
+            )
+            rerun += len(done.rerun)
+            reused += staged if granularity is not Granularity.GROUP else 0
+            tokens_reused += done.reused_tokens
+            tokens_regenerated += done.regenerated_tokens
         report.siblings = {Disposition.REUSED: reused, Disposition.RERUN: rerun}
+        report.tokens = {
+            TokenDisposition.REUSED: tokens_reused,
+            TokenDisposition.REGENERATED: tokens_regenerated,
+        }
         report.redispatch_s = time.perf_counter() - started
 
     checkpointer.adopt(manifest, state)
     return manifest
+
+
+async def _partials(store: SnapshotReader, manifest: Manifest) -> tuple[PartialSibling, ...]:
+    """The snapshot's partial siblings. A partials file that does not verify costs only the work
+    it held: its siblings start again from their first token, and the restore goes on."""
+    try:
+        return tuple(await asyncio.to_thread(store.read_partials, manifest))
+    except CorruptSnapshot as exc:
+        log.error("partial siblings of snapshot %d are lost: %s", manifest.sequence, exc)
+        return ()
 
 
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:

@@ -5,6 +5,7 @@ Layout under the root (a directory, ``file://`` URL or any fsspec URL such as ``
     manifests/<sequence>.json            a snapshot exists exactly when its manifest does
     segments/<sequence>-<token>.arrow    Arrow IPC file of sample rows, shared by later snapshots
     sidecars/<sequence>-<token>.json     controller state of one snapshot
+    partials/<sequence>-<token>.arrow    tokens of siblings still generating (partials.py)
     journal/                             the ack journal (journal.py)
     trash/, tmp/                         retention (retention.py), files being written (backends.py)
 
@@ -36,9 +37,10 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from rolloutd.checkpoint import retention, segments
+from rolloutd.checkpoint import partials, retention, segments
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
+    PARTIALS,
     SEGMENTS,
     SIDECARS,
     CorruptSnapshot,
@@ -65,6 +67,7 @@ from rolloutd.checkpoint.format import (
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import SkippedSnapshot
 from rolloutd.domain.state import JournaledAck
 
@@ -109,6 +112,7 @@ class SnapshotWriter(Protocol):
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
+    def write_partials(self, sequence: int, siblings: Sequence[PartialSibling]) -> FileEntry: ...
     def compact(self, manifest: Manifest, segments: Sequence[SegmentEntry]) -> Manifest: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
@@ -127,6 +131,7 @@ class SnapshotReader(Protocol):
     def verify_file(self, entry: FileEntry) -> builtins.list[str]: ...
     def resolve(self, spec: str | int = ...) -> Resolution: ...
     def acks_after(self, after: int) -> builtins.list[JournaledAck]: ...
+    def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]: ...
 
 
 class SnapshotStore:
@@ -194,6 +199,22 @@ class SnapshotStore:
             sink.abort()
             raise
         return FileEntry(path, len(data), hasher.value)
+
+    def write_partials(self, sequence: int, siblings: Sequence[PartialSibling]) -> FileEntry:
+        """Write the partial siblings of snapshot ``sequence``; not yet published."""
+        path = f"{PARTIALS}/{file_name(sequence, '.arrow')}"
+        return partials.write(self.backend, path, siblings, self._checksum)
+
+    def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]:
+        """The partial siblings ``manifest`` lists, verified; none when it lists no file.
+        :class:`CorruptSnapshot` when the file does not verify or decode."""
+        entry = manifest.partials
+        if entry is None:
+            return []
+        try:
+            return partials.read(self._read_verified(entry), entry)
+        except CorruptSnapshot as exc:
+            raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
 
     def publish(self, manifest: Manifest) -> None:
         """Make ``manifest`` the newest snapshot, atomically and durably.

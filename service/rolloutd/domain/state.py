@@ -19,6 +19,7 @@ from typing import Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, remember_finalized
 from rolloutd.domain.group import Group
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
 
 
@@ -59,6 +60,9 @@ class ControllerState:
     max_acked_step: int
     finalized_through: int
     lost_acks: tuple[LostAck, ...] = ()
+    partials: tuple[PartialSibling, ...] = ()
+    """Tokens of generating siblings so far (``ControllerConfig.capture_partials``). Written in
+    a snapshot file of their own (``checkpoint/partials.py``), not in rows or the sidecar."""
 
     def with_ledger(self, previous: Mapping[str, int]) -> ControllerState:
         """This capture with the whole ledger of finalized leases: ``previous`` (the ledger as
