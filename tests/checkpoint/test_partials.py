@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rolloutd.checkpoint.backends import PARTIALS
@@ -38,6 +40,13 @@ async def nodes(tmp_path):
 async def generating(node: Node, siblings: int = 6) -> None:
     node.controller.start()
     await settle(lambda: len(node.engine.requests) == siblings)
+
+
+def flip_a_byte(path: Path) -> None:
+    """Corrupts the file but keeps its size, so only its checksum can tell."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def uninterrupted(seed: int) -> list[int]:
@@ -112,7 +121,9 @@ async def test_sibling_granularity_discards_the_tokens_and_counts_them(nodes):
     assert all(r.prefix is None for r in b.engine.requests)
     await settle(lambda: b.controller.status().buffer.committed == 3)
     assert all(
-        s.resumed_at is None for g in b.controller.buffer.groups.values() for s in g.samples.values()
+        s.resumed_at is None
+        for g in b.controller.buffer.groups.values()
+        for s in g.samples.values()
     )
 
 
@@ -153,10 +164,7 @@ async def test_partials_that_do_not_verify_cost_only_their_tokens(nodes):
     await a.controller.stop()
     entry = a.store.load(report.sequence).partials
     assert entry is not None
-    path = a.store.backend._path(entry.path)  # flip one byte, keep the size
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0xFF
-    open(path, "wb").write(bytes(data))
+    flip_a_byte(Path(a.store.backend._path(entry.path)))
 
     b = nodes(engine=GatedEngine(tokens=TOKENS, auto=True))
     restored = await b.restore(granularity=Granularity.TOKEN)
