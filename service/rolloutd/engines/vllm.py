@@ -413,8 +413,10 @@ class VLLMEngine:
         return "length" if len(ids) >= request.params.max_tokens else None
 
     def _decode(self, token_ids: array[int]) -> str:
+        """The text of ``token_ids`` as vLLM's incremental detokenizer gives it: bytes of a
+        character the last tokens leave incomplete are held back, not shown as U+FFFD."""
         tokenizer = self._live_engine().get_tokenizer()
-        return str(tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=True)).rstrip("\ufffd")
 
     async def abort(self, request_ids: list[str]) -> None:
         """Cancel the named requests; their ``generate`` calls raise ``CancelledError`` and vLLM
