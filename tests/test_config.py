@@ -93,3 +93,17 @@ def test_kubelet_service_links_are_not_configuration():
 def test_mistyped_keys_are_still_refused_beside_service_links(name, key):
     with pytest.raises(ConfigError, match=f"'{key}': unknown key"):
         load_config(environ={**KUBELET_SERVICE_LINKS, name: "1"})
+
+
+@pytest.mark.parametrize(
+    ("granularity", "captured"),
+    [(None, True), ("token", True), ("sibling", False), ("group", False)],
+)
+def test_only_token_granularity_streams_partial_siblings(granularity, captured):
+    environ = {} if granularity is None else {"ROLLOUTD_RECOVERY__GRANULARITY": granularity}
+    assert load_config(environ=environ).controller().capture_partials is captured
+
+
+def test_stop_strings_reach_the_sampling_params():
+    config = load_config(environ={"ROLLOUTD_ENGINE__STOP": '["</s>", "Answer:"]'})
+    assert config.controller().sampling.stop == ("</s>", "Answer:")
