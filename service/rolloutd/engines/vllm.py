@@ -14,7 +14,7 @@ What must hold, and how:
   sample's ``policy_version`` is read from the labels of its own tokens. A request queued during
   an update therefore carries the new version even if it was submitted before the update began.
 - **Streaming and resume.** With a delta sink, requests run with ``RequestOutputKind.DELTA`` and
-  each step's tokens and logprobs go to the sink as they come. A request with a prefix (a sibling
+  tokens and logprobs go to the sink every :data:`STREAM_TOKENS` tokens. A request with a prefix (a sibling
   resumed after a restart) is a new request whose prompt is the prompt's token ids followed by
   the prefix's, for the remaining ``max_tokens``; the sample joins the prefix and the
   continuation. vLLM checks stop strings on the continuation's text only, so while the
@@ -81,6 +81,12 @@ _WATCH_INTERVAL_S = 0.1
 
 _PROGRESS_EVERY_S = 15.0
 """How often a start that is still going says so."""
+
+STREAM_TOKENS = 16
+"""Tokens per streamed delta: one Python output per step and sibling cost the generator ~10% on
+CPU (the frontend shares the cores with the engine); a checkpoint then misses at most this many
+tokens of each sibling. A resumed request with stop strings streams every token, so that a stop
+string across the boundary ends the sample at the exact token."""
 
 _CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 """Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
@@ -448,7 +454,8 @@ class VLLMEngine:
         p = request.params
         prefix = request.prefix
         done = len(prefix) if prefix is not None else 0
-        stream = on_delta is not None or (prefix is not None and bool(p.stop))
+        boundary = _Boundary(self, prefix, p.stop) if prefix is not None and p.stop else None
+        stream = on_delta is not None or boundary is not None
         params = VLLMSamplingParams(
             n=1,
             max_tokens=p.max_tokens - done,
@@ -459,10 +466,10 @@ class VLLMEngine:
             logprobs=0,
             flat_logprobs=True,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            stream_interval=None if boundary is not None else STREAM_TOKENS,
         )
         headers = self._trace_headers(request.trace_headers)
         got = _Collected()
-        boundary = _Boundary(self, prefix, p.stop) if prefix is not None and p.stop else None
         final: RequestOutput | None = None
         try:
             async for out in llm.generate(
