@@ -184,3 +184,28 @@ async def test_retention_deletes_the_partials_of_retired_snapshots(nodes):
     kept = {m.partials.path for m in a.store.list() if m.partials is not None}
     on_disk = {f"{PARTIALS}/{n}" for n in a.store.backend.listdir(PARTIALS)}
     assert len(kept) == 2 and on_disk == kept
+
+
+async def test_a_second_restart_still_delivers_where_samples_were_resumed(nodes):
+    a = nodes(engine=streaming())
+    await generating(a)
+    await a.checkpoint()
+    await a.controller.stop()
+    b = nodes(engine=GatedEngine(tokens=TOKENS, auto=True))
+    await b.restore(granularity=Granularity.TOKEN)
+    await settle(lambda: b.controller.status().buffer.committed == 3)
+    report = await b.checkpoint()
+    await b.controller.stop()
+    resumed = b.store.read_resumed(b.store.load(report.sequence))
+    assert len(resumed) == 6
+
+    c = nodes(engine=GatedEngine(tokens=TOKENS, auto=True))
+    await c.restore(granularity=Granularity.TOKEN)
+    samples = [s for g in c.controller.buffer.groups.values() for s in g.samples.values()]
+    assert sum(s.resumed_at == EARLY for s in samples) == 6
+    assert all(s.parts == (SamplePart(0, 0),) for s in samples if s.resumed_at is not None)
+    lease, _groups = await c.controller.fetch(16, 0, "t")
+    await c.controller.ack(lease.lease_id, 1)
+    await c.controller.finalize(1)  # the resumed rows are gone: so are their records
+    report = await c.checkpoint()
+    assert c.store.read_resumed(c.store.load(report.sequence)) == {}

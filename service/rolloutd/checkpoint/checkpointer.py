@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rolloutd.checkpoint import sidecar
+from rolloutd.checkpoint import partials, sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import Manifest, next_manifest
 from rolloutd.checkpoint.journal import Journal
@@ -89,6 +89,9 @@ class Checkpointer:
         self._lock = asyncio.Lock()
         self._groups: dict[int, bytes] = {}
         """Every live group's metadata as of the last completed snapshot, encoded for the sidecar."""
+        self._resumed: dict[int, partials.ResumedRow] = {}
+        """Live rows whose samples were resumed, as of the last completed snapshot: written whole
+        with each snapshot's partials, since segments do not hold where a sample was resumed."""
         self._finalized: Mapping[str, int] = {}
         """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
         first; captures hand over only what was finalized since."""
@@ -113,6 +116,7 @@ class Checkpointer:
             gid: sidecar.encode_group(m) for gid, m in state.buffer.groups.items() if m is not None
         }
         self._finalized = state.buffer.finalized_leases
+        self._resumed = partials.resumed_rows(state.buffer.new_rows)
 
     @property
     def sequence(self) -> int:
@@ -209,11 +213,14 @@ class Checkpointer:
             report.outcome, report.reason = Outcome.SKIPPED, Reason.NO_CHANGES
             return
         try:
-            manifest, groups, finalized = await self._write(clock, capture, acks_through, report)
+            manifest, groups, finalized, resumed = await self._write(
+                clock, capture, acks_through, report
+            )
         except BaseException:
             self.controller.capture_failed(capture)
             raise
         self._parent, self._groups, self._finalized = manifest, groups, finalized
+        self._resumed = resumed
         report.outcome, report.reason, report.sequence = (
             Outcome.COMPLETED,
             Reason.COMPLETED,
@@ -237,7 +244,7 @@ class Checkpointer:
         capture: ControllerState,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, dict[int, bytes], Mapping[str, int]]:
+    ) -> tuple[Manifest, dict[int, bytes], Mapping[str, int], dict[int, partials.ResumedRow]]:
         delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
@@ -252,9 +259,13 @@ class Checkpointer:
                 if new_rows
                 else None
             )
-            partials = (
-                await asyncio.to_thread(self.store.write_partials, sequence, capture.partials)
-                if capture.partials
+            resumed = {k: v for k, v in self._resumed.items() if k not in removed}
+            resumed.update(partials.resumed_rows(new_rows))
+            partials_entry = (
+                await asyncio.to_thread(
+                    self.store.write_partials, sequence, capture.partials, resumed
+                )
+                if capture.partials or resumed
                 else None
             )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
@@ -281,14 +292,14 @@ class Checkpointer:
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
             )
-            manifest = replace(manifest, partials=partials)
+            manifest = replace(manifest, partials=partials_entry)
             chosen = plan_compaction(manifest, self.config.compact_segments)
             if chosen:
                 manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = self.controller.retained_from_step(capture)
             await asyncio.to_thread(self._retire, oldest_step)
-        return manifest, groups, finalized
+        return manifest, groups, finalized, resumed
 
     def _retire(self, oldest_step: int | None) -> None:
         """Retention (in a worker thread): the newest ``keep_latest``, the newest

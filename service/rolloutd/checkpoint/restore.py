@@ -30,6 +30,7 @@ from typing import Any
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
+from rolloutd.checkpoint.partials import ResumedRow, with_resumed
 from rolloutd.checkpoint.store import CorruptSnapshot, SnapshotReader
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
@@ -134,8 +135,9 @@ async def _run(
 
     with clock.phase(RestorePhase.BUFFER):
         rows = await asyncio.to_thread(snapshot.rows)
-        partials = await _partials(store, manifest)
-        state = replace(state, buffer=replace(state.buffer, new_rows=rows), partials=partials)
+        siblings, resumed = await _partials(store, manifest)
+        rows = with_resumed(rows, resumed)
+        state = replace(state, buffer=replace(state.buffer, new_rows=rows), partials=siblings)
 
     with clock.phase(RestorePhase.REPLAY_METADATA):
         report.groups = _recovery_counts(state)
@@ -170,14 +172,19 @@ async def _run(
     return manifest
 
 
-async def _partials(store: SnapshotReader, manifest: Manifest) -> tuple[PartialSibling, ...]:
-    """The snapshot's partial siblings. A partials file that does not verify costs only the work
-    it held: its siblings start again from their first token, and the restore goes on."""
+async def _partials(
+    store: SnapshotReader, manifest: Manifest
+) -> tuple[tuple[PartialSibling, ...], dict[int, ResumedRow]]:
+    """The snapshot's partial siblings and resumed rows. A partials file that does not verify
+    costs only what it held: its siblings start again from their first token, resumed rows are
+    delivered without saying where they were resumed, and the restore goes on."""
     try:
-        return tuple(await asyncio.to_thread(store.read_partials, manifest))
+        siblings = await asyncio.to_thread(store.read_partials, manifest)
+        resumed = await asyncio.to_thread(store.read_resumed, manifest)
     except CorruptSnapshot as exc:
         log.error("partial siblings of snapshot %d are lost: %s", manifest.sequence, exc)
-        return ()
+        return (), {}
+    return tuple(siblings), resumed
 
 
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:

@@ -112,7 +112,12 @@ class SnapshotWriter(Protocol):
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
-    def write_partials(self, sequence: int, siblings: Sequence[PartialSibling]) -> FileEntry: ...
+    def write_partials(
+        self,
+        sequence: int,
+        siblings: Sequence[PartialSibling],
+        resumed: Mapping[int, partials.ResumedRow],
+    ) -> FileEntry: ...
     def compact(self, manifest: Manifest, segments: Sequence[SegmentEntry]) -> Manifest: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
@@ -132,6 +137,7 @@ class SnapshotReader(Protocol):
     def resolve(self, spec: str | int = ...) -> Resolution: ...
     def acks_after(self, after: int) -> builtins.list[JournaledAck]: ...
     def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]: ...
+    def read_resumed(self, manifest: Manifest) -> dict[int, partials.ResumedRow]: ...
 
 
 class SnapshotStore:
@@ -200,17 +206,32 @@ class SnapshotStore:
             raise
         return FileEntry(path, len(data), hasher.value)
 
-    def write_partials(self, sequence: int, siblings: Sequence[PartialSibling]) -> FileEntry:
-        """Write the partial siblings of snapshot ``sequence``; not yet published."""
+    def write_partials(
+        self,
+        sequence: int,
+        siblings: Sequence[PartialSibling],
+        resumed: Mapping[int, partials.ResumedRow],
+    ) -> FileEntry:
+        """Write the partial siblings and resumed rows of snapshot ``sequence``; not yet
+        published."""
         path = f"{PARTIALS}/{file_name(sequence, '.arrow')}"
-        return partials.write(self.backend, path, siblings, self._checksum)
+        return partials.write(self.backend, path, siblings, resumed, self._checksum)
 
     def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]:
         """The partial siblings ``manifest`` lists, verified; none when it lists no file.
         :class:`CorruptSnapshot` when the file does not verify or decode."""
+        return self._partials_file(manifest)[0]
+
+    def read_resumed(self, manifest: Manifest) -> dict[int, partials.ResumedRow]:
+        """Row id -> where its sample was resumed, for the live rows of ``manifest`` that were."""
+        return self._partials_file(manifest)[1]
+
+    def _partials_file(
+        self, manifest: Manifest
+    ) -> tuple[builtins.list[PartialSibling], dict[int, partials.ResumedRow]]:
         entry = manifest.partials
         if entry is None:
-            return []
+            return [], {}
         try:
             return partials.read(self._read_verified(entry), entry)
         except CorruptSnapshot as exc:
