@@ -62,7 +62,7 @@ from telemetry_overhead import OtlpSink, Scraper
 
 from rolloutd.config import Config, load_config
 from rolloutd.dataset import load_prompts
-from rolloutd.domain.engine import EngineCounters, GenerationRequest
+from rolloutd.domain.engine import DeltaSink, EngineCounters, GenerationRequest
 from rolloutd.domain.group import GroupMeta, Prompt, Sample
 from rolloutd.domain.sampler import Sampler
 from rolloutd.domain.weights import WeightsTimeline
@@ -153,10 +153,12 @@ class SharedEngine:
     async def stop(self) -> None:
         return None
 
-    async def generate(self, request: GenerationRequest) -> Sample:
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample:
         if len(self.first_requests) < self._keep:
             self.first_requests.append(request)
-        return await self._engine.generate(request)
+        return await self._engine.generate(request, on_delta)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._engine.abort(request_ids)

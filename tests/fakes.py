@@ -5,20 +5,26 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
+from dataclasses import replace
 
-from rolloutd.domain.engine import EngineCounters, GenerationRequest
+from rolloutd.domain.engine import DeltaSink, EngineCounters, GenerationRequest
 from rolloutd.domain.group import Sample
+from rolloutd.domain.partial import TokenDelta, join_parts
 from rolloutd.domain.weights import WeightsTimeline
 
 
 class GatedEngine:
-    """Each request waits until the test releases it; records every request it saw."""
+    """Each request waits until the test releases it; records every request it saw.
+
+    With a delta sink, the first ``early`` tokens are handed over before the request waits and
+    the rest once released. A request with a prefix continues after the prefix's tokens."""
 
     name = "gated"
 
-    def __init__(self, *, auto: bool = False, tokens: int = 5) -> None:
+    def __init__(self, *, auto: bool = False, tokens: int = 5, early: int = 0) -> None:
         self.auto = auto
         self.tokens = tokens
+        self.early = early
         self.requests: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self._gates: dict[str, asyncio.Event] = {}
@@ -44,8 +50,17 @@ class GatedEngine:
             self._gates[rid].set()
         return len(pending[:n])
 
-    async def generate(self, request: GenerationRequest) -> Sample:
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample:
         self.requests.append(request)
+        prefix = request.prefix
+        done = len(prefix) if prefix is not None else 0
+        ids = array("i", [request.seed % 1000 + i for i in range(done, self.tokens)])
+        lps = array("f", [-0.5 - i / 100 for i in range(done, self.tokens)])
+        version = self._version
+        if on_delta is not None and self.early:
+            on_delta(TokenDelta(ids[: self.early], lps[: self.early], version))
         gate = self._gates.setdefault(request.request_id, asyncio.Event())
         if self.auto:
             gate.set()
@@ -53,18 +68,31 @@ class GatedEngine:
             await gate.wait()
         finally:
             self._gates.pop(request.request_id, None)
-        self.generated += self.tokens
-        return Sample(
+        if on_delta is not None and ids[self.early :]:
+            on_delta(TokenDelta(ids[self.early :], lps[self.early :], version))
+        self.generated += len(ids)
+        sample = Sample(
             index=request.index,
-            token_ids=array("i", [request.seed % 1000 + i for i in range(self.tokens)]),
-            logprobs=array("f", [-0.5] * self.tokens),
+            token_ids=ids,
+            logprobs=lps,
             text="x",
             finish_reason="stop",
-            policy_version=self._version,
+            policy_version=version,
             prompt_token_ids=array("i", [1, 2]),
             seed=request.seed,
             started_at=time.time(),
             finished_at=time.time(),
+        )
+        if prefix is None:
+            return sample
+        parts = join_parts(prefix.parts(), done, version, len(ids))
+        return replace(
+            sample,
+            token_ids=prefix.token_ids() + ids,
+            logprobs=prefix.logprobs() + lps,
+            policy_version=min(p.policy_version for p in parts),
+            resumed_at=done,
+            parts=parts,
         )
 
     async def abort(self, request_ids: list[str]) -> None:

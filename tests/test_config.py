@@ -103,3 +103,17 @@ def test_fleet_from_flags_or_environment_and_checked():
     assert load_config(environ={}).fleet.replicas == 1
     with pytest.raises(ConfigError, match=r"fleet\.replica must be below fleet\.replicas"):
         load_config(overrides={"fleet.replica": 3, "fleet.replicas": 3}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("granularity", "captured"),
+    [(None, True), ("token", True), ("sibling", False), ("group", False)],
+)
+def test_only_token_granularity_streams_partial_siblings(granularity, captured):
+    environ = {} if granularity is None else {"ROLLOUTD_RECOVERY__GRANULARITY": granularity}
+    assert load_config(environ=environ).controller().capture_partials is captured
+
+
+def test_stop_strings_reach_the_sampling_params():
+    config = load_config(environ={"ROLLOUTD_ENGINE__STOP": '["</s>", "Answer:"]'})
+    assert config.controller().sampling.stop == ("</s>", "Answer:")

@@ -145,6 +145,7 @@ class EngineConfig(_Section):
     max_tokens: int = owned(SamplingParams, "max_tokens", gt=0)
     temperature: float = owned(SamplingParams, "temperature", ge=0)
     top_p: float = owned(SamplingParams, "top_p", gt=0, le=1)
+    stop: tuple[str, ...] = owned(SamplingParams, "stop")
     synthetic: SyntheticSettings = SyntheticSettings()
     vllm: VLLMSettings = VLLMSettings()
 
@@ -202,8 +203,11 @@ class WeightsConfig(_Section):
 
 
 class RecoveryConfig(_Section):
-    granularity: Literal["sibling", "group"] = "sibling"
-    """Reuse staged siblings of unfinished groups (sibling) or re-run whole groups (group)."""
+    granularity: Literal["token", "sibling", "group"] = "token"
+    """What a restart keeps of unfinished groups: their finished siblings and the tokens the
+    snapshot held of the others, which continue from there (token); their finished siblings only
+    (sibling); nothing, every sibling is generated again (group). Only token streams generated
+    tokens into checkpoints."""
 
 
 class GrpcConfig(_Section):
@@ -297,6 +301,7 @@ class Config(_Section):
             sampling=_compose(SamplingParams, self.engine),
             replica=self.fleet.replica,
             replicas=self.fleet.replicas,
+            capture_partials=self.recovery.granularity == "token",
         )
 
     def checkpointer(self) -> CheckpointerConfig:

@@ -24,6 +24,7 @@ from rolloutd.domain.report import (
     RowKind,
     SizePart,
     SkippedSnapshot,
+    TokenDisposition,
     Trigger,
 )
 from rolloutd.domain.weights import PhaseTiming as WeightsTiming
@@ -101,6 +102,7 @@ def restore_report(*, start_ns: int = T0, failing: RestorePhase | None = None) -
             RecoveryState.UNFINISHED: 3,
         },
         siblings={Disposition.REUSED: 7, Disposition.RERUN: 5},
+        tokens={TokenDisposition.REUSED: 300, TokenDisposition.REGENERATED: 20},
         redispatch_s=0.004,
         skipped=[SkippedSnapshot(8, "checksum mismatch in segment-0008.arrow")],
         error=None if failing is None else timings[-1].error,

@@ -134,6 +134,8 @@ def test_scripted_run_values(metric_reader):
     assert value(m["rolloutd.restore.duration"], phase="redispatch").sum == pytest.approx(0.006)
     assert value(m["rolloutd.recovery.groups"], state="unfinished") == 3
     assert value(m["rolloutd.recovery.siblings"], disposition="reused") == 7
+    assert value(m["rolloutd.recovery.tokens"], disposition="reused") == 300
+    assert value(m["rolloutd.recovery.tokens"], disposition="regenerated") == 20
 
     assert value(m["rolloutd.generation.tokens"], engine="synthetic") == 4000
     assert value(m["rolloutd.prompt.tokens"], engine="synthetic") == 900

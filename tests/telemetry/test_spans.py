@@ -144,9 +144,19 @@ def test_restore_has_phase_children_recovery_counts_and_skipped_snapshot_events(
         "rolloutd.restore.groups.unfinished": 3,
         "rolloutd.restore.siblings.reused": 7,
         "rolloutd.restore.siblings.rerun": 5,
+        "rolloutd.restore.tokens.reused": 300,
+        "rolloutd.restore.tokens.regenerated": 20,
         "rolloutd.restore.redispatch_seconds": 0.004,
         "rolloutd.restore.skipped.count": 1,
     }
+    assert dict(spans["rolloutd.restore.redispatch"].attributes or {}) == {
+        RestoreAttr.PHASE: "redispatch",
+        "rolloutd.restore.siblings.reused": 7,
+        "rolloutd.restore.siblings.rerun": 5,
+        "rolloutd.restore.tokens.reused": 300,
+        "rolloutd.restore.tokens.regenerated": 20,
+    }
+    assert dict(spans["rolloutd.restore.buffer"].attributes or {}) == {RestoreAttr.PHASE: "buffer"}
     [event] = root.events
     assert event.name == SKIPPED_SNAPSHOT_EVENT
     assert dict(event.attributes or {}) == {

@@ -54,6 +54,8 @@ def sample_to_proto(s: Sample) -> pb.Sample:
         seed=s.seed,
         started_at=s.started_at,
         finished_at=s.finished_at,
+        resumed_at=s.resumed_at,
+        parts=[pb.SamplePart(start=p.start, policy_version=p.policy_version) for p in s.parts],
     )
 
 

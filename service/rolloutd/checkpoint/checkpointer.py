@@ -4,7 +4,8 @@
 2. ``exclusive_hold`` capture a consistent cut: the rows staged and removed since the last
                       snapshot, changed group metadata, sampler cursor, leases, acks, counters.
                       No I/O and no serialization: pointer work proportional to the delta only.
-3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment.
+3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment, and the partial
+                      tokens of siblings still generating as a file of this snapshot's own.
 4. ``sidecar_write``  write controller state as JSON.
 5. ``commit``         fsync and publish atomically; then retention.
 
@@ -19,10 +20,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from rolloutd.checkpoint import sidecar
+from rolloutd.checkpoint import partials, sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import Manifest, next_manifest
 from rolloutd.checkpoint.journal import Journal
@@ -88,6 +89,9 @@ class Checkpointer:
         self._lock = asyncio.Lock()
         self._groups: dict[int, bytes] = {}
         """Every live group's metadata as of the last completed snapshot, encoded for the sidecar."""
+        self._resumed: dict[int, partials.ResumedRow] = {}
+        """Live rows whose samples were resumed, as of the last completed snapshot: written whole
+        with each snapshot's partials, since segments do not hold where a sample was resumed."""
         self._finalized: Mapping[str, int] = {}
         """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
         first; captures hand over only what was finalized since."""
@@ -112,6 +116,7 @@ class Checkpointer:
             gid: sidecar.encode_group(m) for gid, m in state.buffer.groups.items() if m is not None
         }
         self._finalized = state.buffer.finalized_leases
+        self._resumed = partials.resumed_rows(state.buffer.new_rows)
 
     @property
     def sequence(self) -> int:
@@ -201,17 +206,21 @@ class Checkpointer:
             await hold.__aexit__(None, None, None)
         if (
             capture.buffer.empty
+            and not capture.partials
             and not force
             and acks_through == (self._parent.acks_through if self._parent else 0)
         ):
             report.outcome, report.reason = Outcome.SKIPPED, Reason.NO_CHANGES
             return
         try:
-            manifest, groups, finalized = await self._write(clock, capture, acks_through, report)
+            manifest, groups, finalized, resumed = await self._write(
+                clock, capture, acks_through, report
+            )
         except BaseException:
             self.controller.capture_failed(capture)
             raise
         self._parent, self._groups, self._finalized = manifest, groups, finalized
+        self._resumed = resumed
         report.outcome, report.reason, report.sequence = (
             Outcome.COMPLETED,
             Reason.COMPLETED,
@@ -235,7 +244,7 @@ class Checkpointer:
         capture: ControllerState,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, dict[int, bytes], Mapping[str, int]]:
+    ) -> tuple[Manifest, dict[int, bytes], Mapping[str, int], dict[int, partials.ResumedRow]]:
         delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
@@ -248,6 +257,15 @@ class Checkpointer:
             segment = (
                 await asyncio.to_thread(self.store.write_segment, sequence, new_rows)
                 if new_rows
+                else None
+            )
+            resumed = {k: v for k, v in self._resumed.items() if k not in removed}
+            resumed.update(partials.resumed_rows(new_rows))
+            partials_entry = (
+                await asyncio.to_thread(
+                    self.store.write_partials, sequence, capture.partials, resumed
+                )
+                if capture.partials or resumed
                 else None
             )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
@@ -274,13 +292,14 @@ class Checkpointer:
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
             )
+            manifest = replace(manifest, partials=partials_entry)
             chosen = plan_compaction(manifest, self.config.compact_segments)
             if chosen:
                 manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = self.controller.retained_from_step(capture)
             await asyncio.to_thread(self._retire, oldest_step)
-        return manifest, groups, finalized
+        return manifest, groups, finalized, resumed
 
     def _retire(self, oldest_step: int | None) -> None:
         """Retention (in a worker thread): the newest ``keep_latest``, the newest

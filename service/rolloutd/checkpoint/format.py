@@ -414,6 +414,8 @@ class Manifest:
     new_rows: int = 0
     removed_rows: int = 0
     format_version: int = FORMAT_VERSION
+    partials: FileEntry | None = None
+    """The snapshot's own partial siblings (checkpoint/partials.py), never inherited."""
 
     @property
     def live_rows(self) -> int:
@@ -425,19 +427,24 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return self.segment_bytes + self.sidecar.size
+        return self.segment_bytes + self.sidecar.size + self.partials_bytes
+
+    @property
+    def partials_bytes(self) -> int:
+        return self.partials.size if self.partials is not None else 0
 
     @property
     def written_bytes(self) -> int:
         """Bytes this snapshot wrote itself (new or compacted segments and its sidecar)."""
         new = (s.file.size for s in self.segments if s.written_by == self.sequence)
-        return sum(new) + self.sidecar.size
+        return sum(new) + self.sidecar.size + self.partials_bytes
 
     def files(self) -> tuple[FileEntry, ...]:
-        return (*(segment.file for segment in self.segments), self.sidecar)
+        extra = (self.partials,) if self.partials is not None else ()
+        return (*(segment.file for segment in self.segments), self.sidecar, *extra)
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format_version": self.format_version,
             "sequence": self.sequence,
             "parent": self.parent,
@@ -450,6 +457,9 @@ class Manifest:
             "segments": [segment.to_json() for segment in self.segments],
             "sidecar": self.sidecar.to_json(),
         }
+        if self.partials is not None:  # absent otherwise: older readers see the same manifest
+            body["partials"] = self.partials.to_json()
+        return body
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, with a CRC-32 of its own canonical form under ``checksum``."""
@@ -484,6 +494,7 @@ class Manifest:
                 new_rows=int(body["rows"]["new"]),
                 removed_rows=int(body["rows"]["removed"]),
                 format_version=int(body["format_version"]),
+                partials=FileEntry.from_json(body["partials"]) if "partials" in body else None,
             )
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise FormatError(f"manifest is not valid: {exc!r}") from exc

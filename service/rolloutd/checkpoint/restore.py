@@ -9,8 +9,10 @@
 5. ``recovery_ledger``  what was journaled after the snapshot is applied: acks (no acked group is
                         delivered again, no acked position admitted again), live lease grants,
                         accepted submissions and reserved group ids.
-6. ``redispatch``       unfinished groups: staged siblings reused, missing ones generated
-                        (granularity ``sibling``), or the whole group generated again (``group``).
+6. ``redispatch``       unfinished groups: staged siblings reused, missing ones continued from the
+                        partial tokens the snapshot held (granularity ``token``) or generated
+                        from their first token (``sibling``), or the whole group generated
+                        again (``group``).
 
 This module only orchestrates and times the phases: the sidecar decodes the state, the
 controller restores it (``Controller.restore``) and replays the journal (``Controller.replay``).
@@ -31,16 +33,19 @@ from typing import Any
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
-from rolloutd.checkpoint.store import SnapshotReader
+from rolloutd.checkpoint.partials import ResumedRow, with_resumed
+from rolloutd.checkpoint.store import CorruptSnapshot, SnapshotReader
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
 from rolloutd.domain.group import GroupState
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import (
     Disposition,
     PhaseClock,
     RecoveryState,
     RestorePhase,
     RestoreReport,
+    TokenDisposition,
 )
 from rolloutd.domain.state import ControllerState
 
@@ -48,6 +53,7 @@ log = logging.getLogger(__name__)
 
 
 class Granularity(enum.Enum):
+    TOKEN = "token"
     SIBLING = "sibling"
     GROUP = "group"
 
@@ -83,11 +89,12 @@ async def restore(
     report.ended_ns = time.time_ns()
     if manifest is not None:
         log.info(
-            "restored snapshot %d in %.2fs: groups %s, siblings %s, skipped %s",
+            "restored snapshot %d in %.2fs: groups %s, siblings %s, tokens %s, skipped %s",
             manifest.sequence,
             report.seconds,
             {k.value: v for k, v in report.groups.items()},
             {k.value: v for k, v in report.siblings.items()},
+            {k.value: v for k, v in report.tokens.items()},
             [(s.sequence, s.reason) for s in report.skipped],
         )
     checkpointer.observer.restored(report)
@@ -135,7 +142,9 @@ async def _run(
 
     with clock.phase(RestorePhase.BUFFER):
         rows = await asyncio.to_thread(snapshot.rows)
-        state = replace(state, buffer=replace(state.buffer, new_rows=rows))
+        siblings, resumed = await _partials(store, manifest)
+        rows = with_resumed(rows, resumed)
+        state = replace(state, buffer=replace(state.buffer, new_rows=rows), partials=siblings)
 
     with clock.phase(RestorePhase.REPLAY_METADATA):
         report.groups = _recovery_counts(state)
@@ -147,13 +156,23 @@ async def _run(
 
     with clock.phase(RestorePhase.REDISPATCH):
         started = time.perf_counter()
-        reused = rerun = 0
+        reused = rerun = tokens_reused = tokens_regenerated = 0
         for g in controller.generating_groups():
             staged = len(g.samples)
-            missing = await controller.resume_group(g, rerun_all=granularity is Granularity.GROUP)
-            rerun += len(missing)
-            reused += staged if granularity is Granularity.SIBLING else 0
+            done = await controller.resume_group(
+                g,
+                rerun_all=granularity is Granularity.GROUP,
+                from_tokens=granularity is Granularity.TOKEN,
+            )
+            rerun += len(done.rerun)
+            reused += staged if granularity is not Granularity.GROUP else 0
+            tokens_reused += done.reused_tokens
+            tokens_regenerated += done.regenerated_tokens
         report.siblings = {Disposition.REUSED: reused, Disposition.RERUN: rerun}
+        report.tokens = {
+            TokenDisposition.REUSED: tokens_reused,
+            TokenDisposition.REGENERATED: tokens_regenerated,
+        }
         report.redispatch_s = time.perf_counter() - started
 
     checkpointer.adopt(manifest, state)
@@ -169,6 +188,21 @@ def _advice(keys: list[str]) -> str:
             "see docs/operations.md, scaling)"
         )
     return " (start with --restore none to begin afresh, or restore with the old configuration)"
+
+
+async def _partials(
+    store: SnapshotReader, manifest: Manifest
+) -> tuple[tuple[PartialSibling, ...], dict[int, ResumedRow]]:
+    """The snapshot's partial siblings and resumed rows. A partials file that does not verify
+    costs only what it held: its siblings start again from their first token, resumed rows are
+    delivered without saying where they were resumed, and the restore goes on."""
+    try:
+        siblings = await asyncio.to_thread(store.read_partials, manifest)
+        resumed = await asyncio.to_thread(store.read_resumed, manifest)
+    except CorruptSnapshot as exc:
+        log.error("partial siblings of snapshot %d are lost: %s", manifest.sequence, exc)
+        return (), {}
+    return tuple(siblings), resumed
 
 
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:

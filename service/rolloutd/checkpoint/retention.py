@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
+    PARTIALS,
     SEGMENTS,
     SIDECARS,
     TMP,
@@ -165,7 +166,7 @@ def retire(
     if not blind and sequences:
         referenced = {entry.path for m in kept for entry in m.files()}
         doomed = []
-        for prefix in (SEGMENTS, SIDECARS):
+        for prefix in (SEGMENTS, SIDECARS, PARTIALS):
             for name in store.backend.listdir(prefix):
                 written = sequence_of(name)
                 path = f"{prefix}/{name}"

@@ -5,6 +5,7 @@ Layout under the root (a directory, ``file://`` URL or any fsspec URL such as ``
     manifests/<sequence>.json            a snapshot exists exactly when its manifest does
     segments/<sequence>-<token>.arrow    Arrow IPC file of sample rows, shared by later snapshots
     sidecars/<sequence>-<token>.json     controller state of one snapshot
+    partials/<sequence>-<token>.arrow    tokens of siblings still generating (partials.py)
     journal/                             acks, leases, submissions, id reservations (journal.py)
     trash/, tmp/                         retention (retention.py), files being written (backends.py)
 
@@ -37,9 +38,10 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from rolloutd.checkpoint import retention, segments
+from rolloutd.checkpoint import partials, retention, segments
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
+    PARTIALS,
     SEGMENTS,
     SIDECARS,
     CorruptSnapshot,
@@ -67,6 +69,7 @@ from rolloutd.checkpoint.format import (
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import SkippedSnapshot
 from rolloutd.domain.state import Journaled
 
@@ -111,6 +114,12 @@ class SnapshotWriter(Protocol):
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
+    def write_partials(
+        self,
+        sequence: int,
+        siblings: Sequence[PartialSibling],
+        resumed: Mapping[int, partials.ResumedRow],
+    ) -> FileEntry: ...
     def compact(self, manifest: Manifest, segments: Sequence[SegmentEntry]) -> Manifest: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
@@ -129,6 +138,8 @@ class SnapshotReader(Protocol):
     def verify_file(self, entry: FileEntry) -> builtins.list[str]: ...
     def resolve(self, spec: str | int = ...) -> Resolution: ...
     def acks_after(self, after: int) -> builtins.list[Journaled]: ...
+    def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]: ...
+    def read_resumed(self, manifest: Manifest) -> dict[int, partials.ResumedRow]: ...
 
 
 class SnapshotStore:
@@ -202,6 +213,37 @@ class SnapshotStore:
             sink.abort()
             raise
         return FileEntry(path, len(data), hasher.value)
+
+    def write_partials(
+        self,
+        sequence: int,
+        siblings: Sequence[PartialSibling],
+        resumed: Mapping[int, partials.ResumedRow],
+    ) -> FileEntry:
+        """Write the partial siblings and resumed rows of snapshot ``sequence``; not yet
+        published."""
+        path = f"{PARTIALS}/{file_name(sequence, '.arrow')}"
+        return partials.write(self.backend, path, siblings, resumed, self._checksum)
+
+    def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]:
+        """The partial siblings ``manifest`` lists, verified; none when it lists no file.
+        :class:`CorruptSnapshot` when the file does not verify or decode."""
+        return self._partials_file(manifest)[0]
+
+    def read_resumed(self, manifest: Manifest) -> dict[int, partials.ResumedRow]:
+        """Row id -> where its sample was resumed, for the live rows of ``manifest`` that were."""
+        return self._partials_file(manifest)[1]
+
+    def _partials_file(
+        self, manifest: Manifest
+    ) -> tuple[builtins.list[PartialSibling], dict[int, partials.ResumedRow]]:
+        entry = manifest.partials
+        if entry is None:
+            return [], {}
+        try:
+            return partials.read(self._read_verified(entry), entry)
+        except CorruptSnapshot as exc:
+            raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
 
     def publish(self, manifest: Manifest) -> None:
         """Make ``manifest`` the newest snapshot, atomically and durably.

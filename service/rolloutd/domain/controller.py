@@ -48,6 +48,7 @@ from rolloutd.domain.errors import (
 from rolloutd.domain.group import Group, GroupMeta, GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver, Observer
+from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.sampler import Admission, Sampler
 from rolloutd.domain.state import (
     AckJournal,
@@ -115,6 +116,23 @@ class ControllerConfig:
     """Replicas sharing one dataset (``--replicas``): each prompt is owned by one of them, so the
     fleet delivers each prompt once an epoch. A store restores only under the fleet size (and
     replica index) it was written with."""
+    capture_partials: bool = True
+    """Stream each sibling's tokens into a staging area that checkpoints capture, so a restart
+    continues unfinished siblings from their tokens (``recovery.granularity: token``)."""
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """What ``resume_group`` did with one unfinished group after a restore."""
+
+    rerun: list[int]
+    """Siblings generated (again or continued)."""
+    continued: list[int]
+    """Of those, the ones continued from their partial tokens."""
+    reused_tokens: int
+    """Partial tokens continued from."""
+    regenerated_tokens: int
+    """Partial tokens the snapshot held but that are generated again."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +200,12 @@ class Controller:
         self._siblings: dict[int, dict[int, asyncio.Task[None]]] = {}
         self._trace_headers: dict[int, Mapping[str, str]] = {}
         """Trace context of each group whose generation the observer was told about."""
+        self._staging: dict[tuple[int, int], list[TokenDelta]] = {}
+        """(group id, index) -> the deltas of a generating sibling so far, its restored prefix
+        first. Append-only while the sibling generates; removed in the mutation that stages the
+        sibling's sample or drops its group, so a capture never holds both."""
+        self._resumable: dict[tuple[int, int], PartialSibling] = {}
+        """Partial siblings a restore found, until ``resume_group`` continues or discards them."""
         self._changed = asyncio.Condition()
         self._loops: list[asyncio.Task[None]] = []
         self._admitting = False
@@ -290,8 +314,14 @@ class Controller:
     def _request_id(group_id: int, index: int) -> str:
         return f"g{group_id}-s{index}"
 
-    def dispatch(self, group: Group, indices: list[int]) -> None:
-        """Starts one engine request per missing sibling, each with its own seed."""
+    def dispatch(
+        self,
+        group: Group,
+        indices: list[int],
+        prefixes: Mapping[int, PartialSibling] | None = None,
+    ) -> None:
+        """Starts one engine request per missing sibling, each with its own seed; a sibling with
+        a prefix in ``prefixes`` continues from it."""
         if group.group_id not in self._trace_headers:
             p = self.config.sampling
             self._trace_headers[group.group_id] = self.observer.generation_started(
@@ -307,14 +337,21 @@ class Controller:
             )
         tasks = self._siblings.setdefault(group.group_id, {})
         for index in indices:
+            if self.config.capture_partials:
+                # Staged now, not when the task first runs, so that a checkpoint taken meanwhile
+                # still holds a restored prefix.
+                prefix = (prefixes or {}).get(index)
+                self._staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
             tasks[index] = self._watched(
                 asyncio.create_task(
-                    self._run_sibling(group, index),
+                    self._run_sibling(group, index, (prefixes or {}).get(index)),
                     name=f"rolloutd-{self._request_id(group.group_id, index)}",
                 )
             )
 
-    async def _run_sibling(self, group: Group, index: int) -> None:
+    async def _run_sibling(
+        self, group: Group, index: int, prefix: PartialSibling | None = None
+    ) -> None:
         request = GenerationRequest(
             request_id=self._request_id(group.group_id, index),
             group_id=group.group_id,
@@ -323,10 +360,17 @@ class Controller:
             seed=group.meta.sibling_seed(index),
             params=self.config.sampling,
             trace_headers=self._trace_headers.get(group.group_id, {}),
+            prefix=prefix,
         )
+        key = (group.group_id, index)
         for attempt in range(self.config.sibling_retries + 1):
+            on_delta = None
+            if self.config.capture_partials:
+                if attempt:  # a retry starts again from the prefix: a failed attempt's tokens go
+                    self._staging[key] = list(prefix.deltas) if prefix else []
+                on_delta = self._staging[key].append
             try:
-                sample = await self.engine.generate(request)
+                sample = await self.engine.generate(request, on_delta)
                 break
             except EngineError as exc:
                 log.warning(
@@ -344,6 +388,7 @@ class Controller:
                 return  # evicted while generating
             self.buffer.stage(group.group_id, sample)
             self._siblings[group.group_id].pop(index, None)
+            self._staging.pop(key, None)
         if group.complete:
             await self._commit(group)
 
@@ -387,6 +432,8 @@ class Controller:
     async def _cancel_siblings(self, group_id: int) -> None:
         current = asyncio.current_task()
         tasks = self._siblings.pop(group_id, {})
+        for index in tasks:
+            self._staging.pop((group_id, index), None)
         await self.engine.abort([self._request_id(group_id, i) for i in tasks])
         for task in tasks.values():
             if task is not current:
@@ -665,7 +712,8 @@ class Controller:
     def capture(self) -> ControllerState:
         """The changes since the last capture and the rest of the state, no I/O: pointer work
         proportional to the changed rows and groups, plus copies of the lease and ack tables and
-        of the sampler's queues (bounded by leases and acks outstanding, not by the buffer).
+        of the sampler's queues (bounded by leases and acks outstanding, not by the buffer), plus
+        one reference and one length per generating sibling (its partial tokens, whole).
         Call only while holding the barrier exclusively."""
         if not self.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
@@ -683,6 +731,11 @@ class Controller:
             lost_leases=tuple(
                 LostLease(lease_id, tuple(lost), tuple(lost.values()))
                 for lease_id, lost in self._lost_leased.items()
+            ),
+            partials=tuple(
+                PartialSibling(gid, index, chunks, len(chunks))
+                for (gid, index), chunks in self._staging.items()
+                if chunks
             ),
         )
 
@@ -732,6 +785,7 @@ class Controller:
                 for admission in self._lost_leased.pop(lease.lease_id, {}).values():
                     self.sampler.unskip(admission)
                 self.buffer.requeue(lease.lease_id)
+            self._resumable = {(p.group_id, p.index): p for p in state.partials}
         if state.weights_path and state.policy_version > self.engine.policy_version:
             await self.engine.update_weights(state.weights_path, state.policy_version)
         self.policy_version, self.weights_path = state.policy_version, state.weights_path
@@ -794,17 +848,28 @@ class Controller:
     def generating_groups(self) -> list[Group]:
         return [g for g in self.buffer.groups.values() if g.state is GroupState.GENERATING]
 
-    async def resume_group(self, group: Group, *, rerun_all: bool) -> list[int]:
-        """After a restore: generate a group's missing siblings (or all of them); returns them."""
+    async def resume_group(
+        self, group: Group, *, rerun_all: bool, from_tokens: bool = False
+    ) -> Resumption:
+        """After a restore: generate a group's missing siblings (or all of them). With
+        ``from_tokens`` a missing sibling whose partial tokens the snapshot held continues from
+        them; otherwise they are discarded and the sibling starts again."""
         if rerun_all and group.samples:
             async with self.barrier.mutation(MutationKind.RESTORE):
                 self.buffer.drop_samples(group.group_id)
         missing = group.missing
+        found = {
+            i: self._resumable.pop((group.group_id, i), None) for i in range(group.meta.group_size)
+        }
+        partials = {i: p for i, p in found.items() if p is not None}
+        prefixes = {i: p for i, p in partials.items() if from_tokens and i in missing}
         if not missing:
             await self._commit(group)
         else:
-            self.dispatch(group, missing)
-        return missing
+            self.dispatch(group, missing, prefixes)
+        held = sum(len(p) for p in partials.values())
+        reused = sum(len(p) for p in prefixes.values())
+        return Resumption(missing, sorted(prefixes), reused, held - reused)
 
     # --- introspection ---------------------------------------------------------------------
 

@@ -3,11 +3,12 @@ errors and its counters. ``engines/`` implements it; the controller and telemetr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
+from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.weights import WeightsTimeline
 
 
@@ -21,6 +22,9 @@ class SamplingParams:
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a completion (not included in its text); also when one spans the
+    boundary between the tokens a restored sibling resumed from and its continuation."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,14 @@ class GenerationRequest:
     seed: int
     params: SamplingParams
     trace_headers: Mapping[str, str] = field(default_factory=dict)
+    prefix: PartialSibling | None = None
+    """Tokens of this sibling generated before a restart. The engine continues from the prompt's
+    token ids followed by these, for the remaining ``max_tokens``, and returns the whole sample:
+    these tokens and logprobs first, exactly, then the continuation's."""
+
+
+DeltaSink = Callable[[TokenDelta], None]
+"""Receives each delta of a request as it is generated (see ``GenerationEngine.generate``)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,11 @@ class GenerationEngine(Protocol):
     """What the controller needs from an engine.
 
     ``generate`` returns a finished :class:`Sample` stamped with the policy version of the
-    weights that produced it; it raises ``asyncio.CancelledError`` when aborted.
+    weights that produced it; it raises ``asyncio.CancelledError`` when aborted. With
+    ``on_delta`` it also hands over the completion's tokens while they are generated: the deltas
+    of one call, in order, are exactly the tokens and logprobs of the returned sample after the
+    request's prefix, all handed over before ``generate`` returns. Without it the engine need not
+    stream at all.
     ``update_weights`` must not interleave with token generation: new samples started after it
     returns carry ``version``. It records its ``pause``, ``load`` and ``resume`` phases in
     ``timeline`` when one is given.
@@ -77,7 +93,9 @@ class GenerationEngine(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def generate(self, request: GenerationRequest) -> Sample: ...
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample: ...
 
     async def abort(self, request_ids: list[str]) -> None: ...
 

@@ -81,6 +81,14 @@ class Disposition(enum.Enum):
     RERUN = "rerun"
 
 
+class TokenDisposition(enum.Enum):
+    """What a restore did with the partial tokens a snapshot held: continued from them, or
+    threw them away to generate them again."""
+
+    REUSED = "reused"
+    REGENERATED = "regenerated"
+
+
 @dataclass
 class PhaseTiming:
     phase: CheckpointPhase | RestorePhase
@@ -151,6 +159,8 @@ class RestoreReport:
     phases: list[PhaseTiming] = field(default_factory=list)
     groups: dict[RecoveryState, int] = field(default_factory=dict)
     siblings: dict[Disposition, int] = field(default_factory=dict)
+    tokens: dict[TokenDisposition, int] = field(default_factory=dict)
+    """Partial tokens of unfinished siblings, by what the restore did with them."""
     redispatch_s: float = 0.0
     skipped: list[SkippedSnapshot] = field(default_factory=list)
     error: BaseException | None = None

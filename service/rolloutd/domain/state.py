@@ -20,6 +20,7 @@ from typing import Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease, remember_finalized
 from rolloutd.domain.group import Prompt
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
 
 
@@ -71,6 +72,9 @@ class ControllerState:
     finalized_through: int
     lost_acks: tuple[LostAck, ...] = ()
     lost_leases: tuple[LostLease, ...] = ()
+    partials: tuple[PartialSibling, ...] = ()
+    """Tokens of generating siblings so far (``ControllerConfig.capture_partials``). Written in
+    a snapshot file of their own (``checkpoint/partials.py``), not in rows or the sidecar."""
 
     def with_ledger(self, previous: Mapping[str, int]) -> ControllerState:
         """This capture with the whole ledger of finalized leases: ``previous`` (the ledger as

@@ -3,6 +3,11 @@
 Token ids are a pure function of (prompt, seed, policy version), so a re-run of a sibling after a
 restart reproduces it exactly. Time to finish is a latency drawn from a seeded distribution plus
 ``tokens / tokens_per_s``.
+
+With a delta sink the tokens are handed over in deltas of :data:`DELTA_TOKENS` spread over that
+time. A request with a prefix continues the same stream after the prefix's tokens (the prefix is
+taken as it is), so a sibling resumed on the same weights ends as it would have without a
+restart. Stop strings are not simulated.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ import time
 from array import array
 
 from rolloutd.config import SyntheticSettings
-from rolloutd.domain.engine import EngineCounters, EngineError, GenerationRequest
+from rolloutd.domain.engine import DeltaSink, EngineCounters, EngineError, GenerationRequest
 from rolloutd.domain.group import Sample
+from rolloutd.domain.partial import TokenDelta, join_parts
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 
 _VOCAB = 32_000
+
+DELTA_TOKENS = 16
+"""Tokens per streamed delta."""
 
 
 class SyntheticEngine:
@@ -53,7 +62,9 @@ class SyntheticEngine:
             requests_running=len(self._running),
         )
 
-    async def generate(self, request: GenerationRequest) -> Sample:
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample:
         await self._paused.wait()
         started = time.time()
         version = self._version
@@ -65,35 +76,76 @@ class SyntheticEngine:
         max_tokens = request.params.max_tokens
         length = rng.randint(min(cfg.min_tokens, max_tokens), max_tokens)
         prompt_ids = array("i", (b % _VOCAB for b in request.prompt.text.encode()[:512]))
-        token_ids = array("i", (rng.randrange(3, _VOCAB) for _ in range(length)))
-        logprobs = array("f", (-rng.expovariate(2.0) for _ in range(length)))
+        stream_ids = array("i", (rng.randrange(3, _VOCAB) for _ in range(length)))
+        stream_lps = array("f", (-rng.expovariate(2.0) for _ in range(length)))
+        prefix = request.prefix
+        done = len(prefix) if prefix is not None else 0
+        token_ids, logprobs = stream_ids[done:], stream_lps[done:]
+        new = len(token_ids)
         delay = cfg.latency_s * (
             math.exp(rng.gauss(0, cfg.latency_sigma)) if cfg.latency_sigma else 1
         )
         if cfg.tokens_per_s > 0:
-            delay += length / cfg.tokens_per_s
+            delay += new / cfg.tokens_per_s
         task = asyncio.current_task()
         assert task is not None
-        self._prompt_tokens += len(prompt_ids)
+        self._prompt_tokens += len(prompt_ids) + done
         try:
             self._running[request.request_id] = task  # type: ignore[assignment]
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await self._emit(token_ids, logprobs, version, delay, on_delta)
         finally:
             self._running.pop(request.request_id, None)
-        self._generation_tokens += length
+        self._generation_tokens += new
+        finish = "length" if max(length, done) >= max_tokens else "stop"
+        if prefix is None:
+            return Sample(
+                index=request.index,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                text=_text(token_ids),
+                finish_reason=finish,
+                policy_version=version,
+                prompt_token_ids=prompt_ids,
+                seed=request.seed,
+                started_at=started,
+                finished_at=time.time(),
+            )
+        whole = prefix.token_ids() + token_ids
+        parts = join_parts(prefix.parts(), done, version, new)
         return Sample(
             index=request.index,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            text=" ".join(f"t{t}" for t in token_ids),  # one word per token
-            finish_reason="length" if length == max_tokens else "stop",
-            policy_version=version,
+            token_ids=whole,
+            logprobs=prefix.logprobs() + logprobs,
+            text=_text(whole),
+            finish_reason=finish,
+            policy_version=min(p.policy_version for p in parts) if parts else version,
             prompt_token_ids=prompt_ids,
             seed=request.seed,
             started_at=started,
             finished_at=time.time(),
+            resumed_at=done,
+            parts=parts,
         )
+
+    @staticmethod
+    async def _emit(
+        token_ids: array[int],
+        logprobs: array[float],
+        version: int,
+        delay: float,
+        on_delta: DeltaSink | None,
+    ) -> None:
+        """Waits ``delay`` in all, handing the tokens to ``on_delta`` in deltas along the way."""
+        if on_delta is None or not token_ids:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return
+        steps = range(0, len(token_ids), DELTA_TOKENS)
+        for start in steps:
+            if delay > 0:
+                await asyncio.sleep(delay / len(steps))
+            end = start + DELTA_TOKENS
+            on_delta(TokenDelta(token_ids[start:end], logprobs[start:end], version))
 
     async def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -117,3 +169,7 @@ class SyntheticEngine:
         finally:
             with timeline.phase(WeightsPhase.RESUME):
                 self._paused.set()
+
+
+def _text(token_ids: array[int]) -> str:
+    return " ".join(f"t{t}" for t in token_ids)  # one word per token

@@ -13,6 +13,13 @@ What must hold, and how:
   version that produced it; ``update_weights`` sets that label while generation is paused, and a
   sample's ``policy_version`` is read from the labels of its own tokens. A request queued during
   an update therefore carries the new version even if it was submitted before the update began.
+- **Streaming and resume.** With a delta sink, requests run with ``RequestOutputKind.DELTA`` and
+  tokens and logprobs go to the sink every :data:`STREAM_TOKENS` tokens. A request with a prefix (a sibling
+  resumed after a restart) is a new request whose prompt is the prompt's token ids followed by
+  the prefix's, for the remaining ``max_tokens``; the sample joins the prefix and the
+  continuation. vLLM checks stop strings on the continuation's text only, so while the
+  continuation is shorter than the longest stop string the joined text is checked here, and a
+  stop string that spans the boundary ends the sample where an uninterrupted run would.
 - **Counters** are cumulative and come from a ``StatLoggerBase`` given to the engine, which sees
   every iteration's stats in the frontend process.
 - **No orphans.** vLLM 0.32 leaves its engine-core process running when the parent is killed with
@@ -55,6 +62,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 
 from rolloutd.config import EngineConfig
 from rolloutd.domain.engine import (
+    DeltaSink,
     EngineCounters,
     EngineDeadError,
     EngineError,
@@ -62,6 +70,7 @@ from rolloutd.domain.engine import (
     GenerationRequest,
 )
 from rolloutd.domain.group import Prompt, Sample
+from rolloutd.domain.partial import PartialSibling, TokenDelta, join_parts
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 from rolloutd.engines.vllm_start import GIB, explain_start_failure, output_to, plan_cpu_kv_cache
 
@@ -73,8 +82,28 @@ _WATCH_INTERVAL_S = 0.1
 _PROGRESS_EVERY_S = 15.0
 """How often a start that is still going says so."""
 
+STREAM_TOKENS = 16
+"""Tokens per streamed delta: one Python output per step and sibling cost the generator ~10% on
+CPU (the frontend shares the cores with the engine); a checkpoint then misses at most this many
+tokens of each sibling. A resumed request with stop strings streams every token, so that a stop
+string across the boundary ends the sample at the exact token."""
+
 _CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 """Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
+
+
+@dataclass
+class _Collected:
+    """A request's completion as its outputs arrive: whole outputs, or deltas to join."""
+
+    token_ids: array[int] = field(default_factory=lambda: array("i"))
+    logprobs: array[float] = field(default_factory=lambda: array("f"))
+    text: list[str] = field(default_factory=list)
+    versions: set[str] = field(default_factory=set)
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    stopped_at: str | None = None
+    """Text of prefix and continuation cut before a stop string that spans their boundary."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +245,7 @@ class VLLMEngine:
         self._dead: str | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._weights_lock = asyncio.Lock()
+        self._eos: frozenset[int] = frozenset()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -257,6 +287,7 @@ class VLLMEngine:
                 f"engine.model (--model): {self._model_path} cannot generate text (tasks: {tasks})"
             )
         await llm.update_weight_version(str(self._version))
+        self._eos = await asyncio.to_thread(_eos_ids, self._model_path, llm)
         logger.info(
             "vLLM engine started on %s in %.1f s (engine processes %s)",
             self._model_path,
@@ -349,7 +380,9 @@ class VLLMEngine:
     def counters(self) -> EngineCounters:
         return self._tally.counters()
 
-    async def generate(self, request: GenerationRequest) -> Sample:
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample:
         llm = self._live_engine()
         task = asyncio.current_task()
         assert task is not None
@@ -359,10 +392,37 @@ class VLLMEngine:
         started = time.time()
         try:
             engine_input = await self._render(llm, request.prompt)
-            final = await self._run(llm, engine_input, request)
+            prompt_ids = list(engine_input["prompt_token_ids"])  # type: ignore[typeddict-item]
+            prefix = request.prefix
+            if prefix is None:
+                got = await self._run(llm, engine_input, request, on_delta)
+            elif (reason := self._prefix_finish(request, prefix)) is not None:
+                got = _Collected(finish_reason=reason)
+            else:
+                (continued,) = await llm.renderer.render_cmpl_async(
+                    [{"prompt_token_ids": prompt_ids + list(prefix.token_ids())}]
+                )
+                got = await self._run(llm, continued, request, on_delta)
         finally:
             self._tasks.pop(request.request_id, None)
-        return self._sample(request, final, started)
+        got.prompt_token_ids = prompt_ids
+        return self._sample(request, got, started)
+
+    def _prefix_finish(self, request: GenerationRequest, prefix: PartialSibling) -> str | None:
+        """The finish reason when the prefix is already a whole completion (the snapshot caught
+        a sibling's last token before the sibling was staged); else None."""
+        ids = prefix.token_ids()
+        if ids and ids[-1] in self._eos:
+            return "stop"
+        if request.params.stop and any(s in self._decode(ids) for s in request.params.stop):
+            return "stop"
+        return "length" if len(ids) >= request.params.max_tokens else None
+
+    def _decode(self, token_ids: array[int]) -> str:
+        """The text of ``token_ids`` as vLLM's incremental detokenizer gives it: bytes of a
+        character the last tokens leave incomplete are held back, not shown as U+FFFD."""
+        tokenizer = self._live_engine().get_tokenizer()
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=True)).rstrip("\ufffd")
 
     async def abort(self, request_ids: list[str]) -> None:
         """Cancel the named requests; their ``generate`` calls raise ``CancelledError`` and vLLM
@@ -385,26 +445,54 @@ class VLLMEngine:
         return engine_input
 
     async def _run(
-        self, llm: AsyncLLM, engine_input: EngineInput, request: GenerationRequest
-    ) -> RequestOutput:
+        self,
+        llm: AsyncLLM,
+        engine_input: EngineInput,
+        request: GenerationRequest,
+        on_delta: DeltaSink | None,
+    ) -> _Collected:
         p = request.params
+        prefix = request.prefix
+        done = len(prefix) if prefix is not None else 0
+        boundary = _Boundary(self, prefix, p.stop) if prefix is not None and p.stop else None
+        stream = on_delta is not None or boundary is not None
         params = VLLMSamplingParams(
             n=1,
-            max_tokens=p.max_tokens,
+            max_tokens=p.max_tokens - done,
             temperature=p.temperature,
             top_p=p.top_p,
             seed=request.seed,
+            stop=list(p.stop) or None,
             logprobs=0,
             flat_logprobs=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            stream_interval=None if boundary is not None else STREAM_TOKENS,
         )
         headers = self._trace_headers(request.trace_headers)
+        got = _Collected()
         final: RequestOutput | None = None
         try:
             async for out in llm.generate(
                 engine_input, params, request.request_id, trace_headers=headers
             ):
                 final = out
+                self._collect(request.request_id, out, got)
+                if on_delta is not None and out.outputs[0].token_ids:
+                    start = len(got.token_ids) - len(out.outputs[0].token_ids)
+                    on_delta(
+                        TokenDelta(
+                            got.token_ids[start:],
+                            got.logprobs[start:],
+                            self._version_of(request.request_id, out.outputs[0]),
+                        )
+                    )
+                if boundary is not None and not out.finished:
+                    got.stopped_at = boundary.check(got.token_ids)
+                    if got.stopped_at is not None:
+                        got.finish_reason = "stop"
+                        return got  # leaving the loop aborts the request in vLLM
+                    if boundary.passed(got.text):
+                        boundary = None
         except VLLMEngineDeadError as exc:
             self._dead = "the vLLM engine core died"
             raise EngineDeadError(f"{self._dead} while generating {request.request_id}") from exc
@@ -412,7 +500,21 @@ class VLLMEngine:
             raise EngineError(f"request {request.request_id} failed: {exc!r}") from exc
         if final is None or not final.finished:
             raise EngineError(f"request {request.request_id} ended without a final output")
-        return final
+        if boundary is not None:  # finished within the window: the joined text may stop earlier
+            got.stopped_at = boundary.check(got.token_ids)
+            if got.stopped_at is not None:
+                got.finish_reason = "stop"
+        return got
+
+    def _collect(self, rid: str, out: RequestOutput, got: _Collected) -> None:
+        """Adds one output (a delta, or the whole final output) to ``got``."""
+        (completion,) = out.outputs
+        got.token_ids.extend(completion.token_ids)
+        got.logprobs.extend(_sampled_logprobs(rid, completion))
+        got.text.append(completion.text)
+        got.versions.update(span.version for span in completion.weight_versions or [])
+        if out.finished:
+            got.finish_reason = str(completion.finish_reason)
 
     def _trace_headers(self, headers: Mapping[str, str]) -> Mapping[str, str] | None:
         """vLLM only accepts trace headers with its tracing on; it would warn on every request."""
@@ -420,47 +522,66 @@ class VLLMEngine:
             return None
         return dict(headers)
 
-    def _sample(self, request: GenerationRequest, final: RequestOutput, started: float) -> Sample:
+    def _sample(self, request: GenerationRequest, got: _Collected, started: float) -> Sample:
         rid = request.request_id
-        (completion,) = final.outputs
-        if completion.finish_reason in ("abort", "error"):
+        if got.finish_reason in ("abort", "error"):
             raise EngineError(
-                f"request {rid} finished with '{completion.finish_reason}' "
+                f"request {rid} finished with '{got.finish_reason}' "
                 "(aborted by a weight update or failed in the engine); it may be retried"
             )
-        token_ids = array("i", completion.token_ids)
-        logprobs = _sampled_logprobs(rid, completion)
-        prompt_ids = final.prompt_token_ids
-        if prompt_ids is None:
-            raise EngineError(f"request {rid}: vLLM returned no prompt token ids")
+        prefix = request.prefix
+        version = self._version_of_labels(rid, got.versions)
+        if prefix is None:
+            return Sample(
+                index=request.index,
+                token_ids=got.token_ids,
+                logprobs=got.logprobs,
+                text="".join(got.text),
+                finish_reason=str(got.finish_reason),
+                policy_version=version,
+                prompt_token_ids=array("i", got.prompt_token_ids or ()),
+                seed=request.seed,
+                started_at=started,
+                finished_at=time.time(),
+            )
+        token_ids = prefix.token_ids() + got.token_ids
+        parts = join_parts(prefix.parts(), len(prefix), version, len(got.token_ids))
+        text = got.stopped_at
+        if text is None:
+            text = self._decode(token_ids)
+            cut = [text.find(stop) for stop in request.params.stop if stop in text]
+            text = text[: min(cut)] if cut else text
         return Sample(
             index=request.index,
             token_ids=token_ids,
-            logprobs=logprobs,
-            text=completion.text,
-            finish_reason=str(completion.finish_reason),
-            policy_version=self._version_of(rid, completion),
-            prompt_token_ids=array("i", prompt_ids),
+            logprobs=prefix.logprobs() + got.logprobs,
+            text=text,
+            finish_reason=str(got.finish_reason),
+            policy_version=min(p.policy_version for p in parts) if parts else version,
+            prompt_token_ids=array("i", got.prompt_token_ids or ()),
             seed=request.seed,
             started_at=started,
             finished_at=time.time(),
+            resumed_at=len(prefix),
+            parts=parts,
         )
 
     def _version_of(self, rid: str, completion: CompletionOutput) -> int:
-        """The version label vLLM attached to this sample's tokens.
+        return self._version_of_labels(rid, {s.version for s in completion.weight_versions or []})
+
+    def _version_of_labels(self, rid: str, versions: set[str]) -> int:
+        """The version label vLLM attached to this request's tokens.
 
         Weights change only while generation is paused and paused requests are either finished
-        (wait) or aborted (abort) first, so one sample's tokens carry one label.
+        (wait) or aborted (abort) first, so one request's tokens carry one label.
         """
-        spans = completion.weight_versions or []
-        versions = {span.version for span in spans}
         if not versions:
             # No token was generated, so no weights were used; the current version is as good as
             # any and keeps such samples from looking stale.
             return self._version
         if len(versions) > 1:
             raise EngineError(f"request {rid} straddles weight versions {sorted(versions)}")
-        return int(versions.pop())
+        return int(next(iter(versions)))
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -535,6 +656,48 @@ def _sampled_logprobs(rid: str, completion: CompletionOutput) -> array[float]:
             f"{len(completion.token_ids)} tokens, or for other tokens"
         )
     return array("f", flat.logprobs)
+
+
+class _Boundary:
+    """Checks a resumed request's joined text for a stop string ending past the prefix, while the
+    continuation is too short for vLLM's own check to have seen the whole stop string."""
+
+    def __init__(self, engine: VLLMEngine, prefix: PartialSibling, stops: tuple[str, ...]):
+        self._engine = engine
+        self._prefix = prefix.token_ids()
+        self._stops = stops
+        self._prefix_chars = len(engine._decode(self._prefix))
+        self._window = max(map(len, stops))
+
+    def check(self, continuation: array[int]) -> str | None:
+        """The joined text cut before the first stop string that ends after the prefix, if any."""
+        text = self._engine._decode(self._prefix + continuation)
+        found = [
+            at
+            for stop in self._stops
+            if (at := text.find(stop, max(0, self._prefix_chars - len(stop) + 1))) >= 0
+        ]
+        return text[: min(found)] if found else None
+
+    def passed(self, continuation_text: list[str]) -> bool:
+        """Whether the continuation alone is long enough to hold any stop string whole."""
+        return sum(map(len, continuation_text)) >= self._window
+
+
+def _eos_ids(path: Path, llm: AsyncLLM) -> frozenset[int]:
+    """Tokens that end a completion: the tokenizer's end-of-sequence token and those of the
+    model's generation config."""
+    ids = set()
+    eos = llm.get_tokenizer().eos_token_id
+    if eos is not None:
+        ids.add(int(eos))
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return frozenset(ids)
+    found = config.get("eos_token_id")
+    ids.update([found] if isinstance(found, int) else found or [])
+    return frozenset(ids)
 
 
 def _read_model_config(path: Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from rolloutd.domain.report import (
     RestorePhase,
     RowKind,
     SizePart,
+    TokenDisposition,
     Trigger,
 )
 from rolloutd.domain.weights import WeightsOutcome, WeightsPhase, WeightsSource
@@ -206,6 +207,11 @@ RECOVERY_SIBLINGS = Instrument(
     "rolloutd.recovery.siblings", Kind.COUNTER, "{sample}",
     "Siblings of unfinished groups at restore: reused from the snapshot or generated again.",
     Area.RECOVERY, attributes={"disposition": _values(Disposition)},
+)  # fmt: skip
+RECOVERY_TOKENS = Instrument(
+    "rolloutd.recovery.tokens", Kind.COUNTER, "{token}",
+    "Partial tokens of unfinished siblings at restore: continued from, or generated again.",
+    Area.RECOVERY, attributes={"disposition": _values(TokenDisposition)},
 )  # fmt: skip
 CHECKPOINT_ROWS = Instrument(
     "rolloutd.checkpoint.rows", Kind.GAUGE, "{row}",

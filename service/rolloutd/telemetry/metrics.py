@@ -107,6 +107,7 @@ class MetricsObserver:
         self._restore_duration = self._histogram(cat.RESTORE_DURATION)
         self._recovery_groups = self._counter(cat.RECOVERY_GROUPS)
         self._recovery_siblings = self._counter(cat.RECOVERY_SIBLINGS)
+        self._recovery_tokens = self._counter(cat.RECOVERY_TOKENS)
         self._checkpoint_rows = self._gauge(cat.CHECKPOINT_ROWS)
         self._checkpoint_size = self._gauge(cat.CHECKPOINT_SIZE)
         self._evicted_groups = self._counter(cat.EVICTED_GROUPS)
@@ -136,6 +137,7 @@ class MetricsObserver:
         self._restore_phase = _Series(cat.RESTORE_DURATION)
         self._recovery_state = _Series(cat.RECOVERY_GROUPS)
         self._disposition = _Series(cat.RECOVERY_SIBLINGS)
+        self._token_disposition = _Series(cat.RECOVERY_TOKENS)
         self._row_kind = _Series(cat.CHECKPOINT_ROWS)
         self._size_part = _Series(cat.CHECKPOINT_SIZE)
         self._group_state = _Series(cat.BUFFER_GROUPS)
@@ -190,6 +192,7 @@ class MetricsObserver:
             (self._checkpoint_attempts, cat.CHECKPOINT_ATTEMPTS),
             (self._recovery_groups, cat.RECOVERY_GROUPS),
             (self._recovery_siblings, cat.RECOVERY_SIBLINGS),
+            (self._recovery_tokens, cat.RECOVERY_TOKENS),
             (self._evicted_groups, cat.EVICTED_GROUPS),
             (self._weights_bytes, cat.WEIGHTS_BYTES),
             (self._weights_updates, cat.WEIGHTS_UPDATES),
@@ -262,6 +265,8 @@ class MetricsObserver:
             self._recovery_groups.add(groups, self._recovery_state(state))
         for disposition, siblings in report.siblings.items():
             self._recovery_siblings.add(siblings, self._disposition(disposition))
+        for token_disposition, tokens in report.tokens.items():
+            self._recovery_tokens.add(tokens, self._token_disposition(token_disposition))
 
     def weights_updated(self, report: WeightsReport) -> None:
         for phase in report.phases:

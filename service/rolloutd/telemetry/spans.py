@@ -17,9 +17,11 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd.domain.report import (
+    CheckpointPhase,
     CheckpointReport,
     Outcome,
     PhaseTiming,
+    RestorePhase,
     RestoreReport,
 )
 
@@ -54,6 +56,8 @@ class RestoreAttr:
     """Prefix: ``rolloutd.restore.groups.<committed|leased|acked|unfinished>``."""
     SIBLINGS = "rolloutd.restore.siblings"
     """Prefix: ``rolloutd.restore.siblings.<reused|rerun>``."""
+    TOKENS = "rolloutd.restore.tokens"
+    """Prefix: ``rolloutd.restore.tokens.<reused|regenerated>`` (partial tokens)."""
     REDISPATCH_SECONDS = "rolloutd.restore.redispatch_seconds"
     SKIPPED_COUNT = "rolloutd.restore.skipped.count"
     SKIPPED_SEQUENCE = "rolloutd.restore.skipped.sequence"
@@ -97,8 +101,17 @@ def restore_attributes(report: RestoreReport) -> dict[str, AttributeValue]:
         attributes[RestoreAttr.TAG] = report.tag
     for state, groups in report.groups.items():
         attributes[f"{RestoreAttr.GROUPS}.{state.value}"] = groups
+    attributes.update(redispatch_attributes(report))
+    return attributes
+
+
+def redispatch_attributes(report: RestoreReport) -> dict[str, AttributeValue]:
+    """What redispatch did with unfinished groups: on the restore span and its redispatch span."""
+    attributes: dict[str, AttributeValue] = {}
     for disposition, siblings in report.siblings.items():
         attributes[f"{RestoreAttr.SIBLINGS}.{disposition.value}"] = siblings
+    for token_disposition, tokens in report.tokens.items():
+        attributes[f"{RestoreAttr.TOKENS}.{token_disposition.value}"] = tokens
     return attributes
 
 
@@ -141,7 +154,15 @@ def record_restore(tracer: Tracer, report: RestoreReport, context: Context | Non
             },
             timestamp=skip_time,
         )
-    _record_phases(tracer, root, report.phases, RESTORE_SPAN, RestoreAttr.PHASE, context)
+    _record_phases(
+        tracer,
+        root,
+        report.phases,
+        RESTORE_SPAN,
+        RestoreAttr.PHASE,
+        context,
+        {RestorePhase.REDISPATCH: redispatch_attributes(report)},
+    )
     if restore_outcome(report) is Outcome.FAILED:
         error = report.error or next(p.error for p in report.phases if p.error is not None)
         root.set_status(Status(StatusCode.ERROR, _describe(error)))
@@ -157,10 +178,14 @@ def _record_phases(
     prefix: str,
     phase_attr: str,
     context: Context | None,
+    extra: Mapping[CheckpointPhase | RestorePhase, Mapping[str, AttributeValue]] | None = None,
 ) -> None:
     parent = trace.set_span_in_context(root, context)
     for timing in phases:
-        attributes: Mapping[str, AttributeValue] = {phase_attr: timing.phase.value}
+        attributes: Mapping[str, AttributeValue] = {
+            phase_attr: timing.phase.value,
+            **(extra or {}).get(timing.phase, {}),
+        }
         span = tracer.start_span(
             f"{prefix}.{timing.phase.value}",
             context=parent,

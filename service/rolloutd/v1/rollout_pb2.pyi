@@ -87,7 +87,7 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at")
+    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class Sample(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -108,7 +110,17 @@ class Sample(_message.Message):
     seed: int
     started_at: float
     finished_at: float
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    resumed_at: int
+    parts: _containers.RepeatedCompositeFieldContainer[SamplePart]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ...) -> None: ...
+
+class SamplePart(_message.Message):
+    __slots__ = ("start", "policy_version")
+    START_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    policy_version: int
+    def __init__(self, start: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at", "metadata_json")

@@ -1,0 +1,505 @@
+"""Token-level recovery: what a SIGKILL mid-generation costs with ``recovery.granularity: token``.
+
+The real ``rolloutd serve`` runs vLLM on the tiny model on CPU, greedy (temperature 0, float32),
+with a ``max_tokens`` long enough that siblings are mid-way when the process is killed:
+
+1. **Crash run** (granularity ``token``, checkpoints every 2 s). Once a snapshot holds partial
+   siblings at least 60% of ``max_tokens`` long, the process is SIGKILLed 1 s after that
+   snapshot's commit (the middle of the checkpoint interval). Meanwhile ``GetStatus`` is polled
+   every 50 ms for the engine's cumulative generation tokens, so the tokens generated between the
+   snapshot's cut and the kill (``lost_after_snapshot``: lost whatever the granularity) are known
+   from the counter.
+2. The store is copied; one copy is restored with granularity ``token``, the other with
+   ``sibling``. Each restore logs what it did with the partial tokens the snapshot held.
+   - ``token_reuse_fraction``: partial tokens of unfinished siblings the token restore continued
+     from, over those the snapshot held.
+   - ``regenerated_vs_sibling_mode``: tokens generated again after the restart, token over
+     sibling mode, each ``lost_after_snapshot`` plus the partial tokens that restore discarded.
+   - ``greedy_resume_identical``: the token restore delivers each resumed sibling; the same
+     prompts, submitted again to that service, are generated without a crash; every resumed
+     sibling must equal its uninterrupted twin token for token (and start with exactly the
+     snapshot's tokens).
+3. **Throughput** (``checkpoint_on_vs_off``): committed tokens/s while a trainer fetches and acks,
+   over a fixed window after warm-up, with partial capture and checkpoints every 2 s, versus
+   granularity ``sibling`` and no checkpoints. The cost of streaming alone (granularity
+   ``token``, no checkpoints) is measured in the full run. Runs alternate between settings.
+
+``--quick``: two throughput runs per setting over 15 s windows (three over 45 s in the full run,
+which also measures streaming alone). The 2 cores are shared with other work: single windows vary
+by ±25% here, so read the per-run figures in the Markdown next to the ratio.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import grpc
+
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.engines.tiny_model import ensure_tiny_model
+from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+
+NAME = "recovery"
+LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=")
+RESTORED = re.compile(r"restored snapshot (\d+) .* tokens (\{.*?\})")
+MAX_TOKENS = 1920
+KILL_AFTER_S = 1.0
+"""The SIGKILL lands this long after a snapshot: the middle of the 2 s checkpoint interval."""
+TARGETS = {
+    "token_reuse_fraction": 0.99,
+    "regenerated_vs_sibling_mode": 0.2,
+    "checkpoint_on_vs_off_quick": 0.97,
+    "checkpoint_on_vs_off": 0.99,
+}
+
+
+class Service:
+    """``rolloutd serve`` with vLLM on the tiny model, its log in a file."""
+
+    def __init__(
+        self,
+        work: Path,
+        label: str,
+        store: Path,
+        *,
+        granularity: str,
+        interval_s: float,
+        max_tokens: int,
+        restore: str = "none",
+    ) -> None:
+        self.log_path = work / f"serve-{label}.log"
+        self._log = self.log_path.open("w")
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OTEL_SDK_DISABLED": "true",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "ROLLOUTD_ENGINE__CACHE_DIR": str(work / "cache"),
+            "ROLLOUTD_ENGINE__VLLM__DTYPE": "float32",
+            "ROLLOUTD_ENGINE__VLLM__KV_CACHE_MEMORY_GIB": "1",
+            "ROLLOUTD_ENGINE__VLLM__MAX_MODEL_LEN": "2048",
+            "ROLLOUTD_ENGINE__VLLM__LOG_PATH": str(work / f"vllm-{label}.log"),
+            "ROLLOUTD_ENGINE__TEMPERATURE": "0",
+            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "16",
+            "ROLLOUTD_RECOVERY__GRANULARITY": granularity,
+        }
+        args = [
+            "--engine", "vllm", "--dataset", str(work / "prompts.jsonl"), "--group-size", "2",
+            "--max-tokens", str(max_tokens), "--grpc-port", "0", "--http-port", "0",
+            "--checkpoint-dir", str(store), "--checkpoint-interval", str(interval_s),
+            "--restore", restore,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+            start_new_session=True,
+        )
+        self.address = ""
+
+    def wait_listening(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (m := LISTENING.search(self.log_path.read_text())) is not None:
+                self.address = f"127.0.0.1:{m['grpc']}"
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        common.fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
+
+    def restored(self) -> dict[str, int]:
+        m = RESTORED.search(self.log_path.read_text())
+        if m is None:
+            common.fail(f"no restore line in {self.log_path}")
+        tokens: dict[str, int] = ast.literal_eval(m[2])
+        return tokens
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+            self._log.close()
+
+
+def write_prompts(path: Path, n: int) -> None:
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": f"Question {i}: what is {i} plus {3 * i}?"}) + "\n"
+            for i in range(n)
+        )
+    )
+
+
+class StatusPoller:
+    """Polls GetStatus for the engine's cumulative generation tokens, (wall time, tokens)."""
+
+    def __init__(self, address: str, every_s: float = 0.05) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stub = pb_grpc.RolloutServiceStub(grpc.insecure_channel(address))
+        self._every = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            time.sleep(self._every)
+
+    def poll(self) -> None:
+        status = self._stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        self.samples.append((time.time(), status.counters.generation_tokens))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> float:
+        """Tokens at wall time ``t``, interpolated between the polls around it."""
+        before = [s for s in self.samples if s[0] <= t]
+        after = [s for s in self.samples if s[0] > t]
+        if not before or not after:
+            raise ValueError(f"no polls around {t}")
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+
+def crash(work: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
+    """The crash run: returns the snapshot's figures and the tokens lost after it."""
+    store_dir = work / "crash-store"
+    service = Service(
+        work, "crash", store_dir, granularity="token", interval_s=2.0, max_tokens=max_tokens
+    )
+    service.wait_listening()
+    common.progress(f"crash run: service up at {service.address}; waiting for partial siblings")
+    poller = StatusPoller(service.address)
+    store = SnapshotStore(str(store_dir))
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                common.fail("no snapshot with partial siblings mid-way within 600 s")
+            snapshot = store.resolve("latest").snapshot
+            if snapshot is not None:
+                partials = store.read_partials(snapshot.manifest)
+                if any(min_prefix <= len(p) < max_tokens for p in partials):
+                    break
+            time.sleep(0.05)
+        # Kill in the middle of the checkpoint interval: 1 s after that snapshot's commit.
+        time.sleep(max(0.0, snapshot.manifest.created_at + KILL_AFTER_S - time.time()))
+        poller.stop()
+        poller.poll()
+        service.kill()
+    finally:
+        if service.proc.poll() is None:
+            service.kill()
+    killed_at, tokens_at_kill = poller.samples[-1]
+    snapshot = store.resolve("latest").snapshot
+    assert snapshot is not None
+    manifest = snapshot.manifest
+    # The cut is taken just before the snapshot's files are written; created_at is its commit.
+    lost = tokens_at_kill - poller.at(manifest.created_at)
+    groups = {g["group_id"]: g for g in snapshot.sidecar["groups"]}
+    staged = {(gid, s.index) for _, gid, s in snapshot.rows()}
+    held = [
+        p
+        for p in store.read_partials(manifest)
+        if groups[p.group_id]["state"] == "generating" and (p.group_id, p.index) not in staged
+    ]
+    common.progress(
+        f"killed {killed_at - manifest.created_at:.2f} s after snapshot {manifest.sequence}: "
+        f"{len(held)} partial siblings, {sum(map(len, held))} tokens held, "
+        f"{lost:.0f} tokens generated after the cut"
+    )
+    return {
+        "store": store_dir,
+        "sequence": manifest.sequence,
+        "held": held,
+        "groups": groups,
+        "lost_after_snapshot": lost,
+        "kill_after_snapshot_s": killed_at - manifest.created_at,
+    }
+
+
+def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """Restores a copy with granularity token and compares resumed siblings with uninterrupted
+    ones (the same prompts submitted again)."""
+    store_dir = work / "token-store"
+    shutil.copytree(crashed["store"], store_dir)
+    service = Service(
+        work,
+        "restore-token",
+        store_dir,
+        granularity="token",
+        interval_s=0,
+        max_tokens=max_tokens,
+        restore="latest",
+    )
+    service.wait_listening()
+    tokens = service.restored()
+    common.progress(f"token restore: {tokens}; fetching resumed siblings and their twins")
+    held, groups = crashed["held"], crashed["groups"]
+    prompts = {
+        groups[p.group_id]["prompt"]["id"]: groups[p.group_id]["prompt"]["text"] for p in held
+    }
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            stub.SubmitPrompts(
+                pb.SubmitPromptsRequest(
+                    prompts=[pb.Prompt(prompt_id=f"ref-{i}", text=t) for i, t in prompts.items()]
+                ),
+                timeout=30,
+            )
+            seen: dict[int, pb.Group] = {}
+            twins: dict[str, pb.Group] = {}
+            wanted = {p.group_id for p in held}
+            while not (wanted <= set(seen) and len(twins) == len(prompts)):
+                r = stub.FetchGroups(
+                    pb.FetchGroupsRequest(max_groups=16, wait_ms=60_000), timeout=300
+                )
+                seen.update({g.group_id: g for g in r.groups})
+                twins.update({g.prompt_id: g for g in r.groups if g.prompt_id.startswith("ref-")})
+                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
+    finally:
+        service.stop()
+    identical = prefix_exact = 0
+    for p in held:
+        [s] = [s for s in seen[p.group_id].samples if s.index == p.index]
+        twin = twins[f"ref-{groups[p.group_id]['prompt']['id']}"].samples[p.index]
+        n = len(p)
+        prefix_exact += (
+            s.resumed_at == n
+            and list(s.token_ids[:n]) == p.token_ids().tolist()
+            and list(s.logprobs[:n]) == p.logprobs().tolist()
+        )
+        identical += list(s.token_ids) == list(twin.token_ids)
+    return {"tokens": tokens, "identical": identical, "prefix_exact": prefix_exact}
+
+
+def restore_sibling(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[str, int]:
+    store_dir = work / "sibling-store"
+    shutil.copytree(crashed["store"], store_dir)
+    service = Service(
+        work,
+        "restore-sibling",
+        store_dir,
+        granularity="sibling",
+        interval_s=0,
+        max_tokens=max_tokens,
+        restore="latest",
+    )
+    service.wait_listening()
+    tokens = service.restored()
+    service.stop()
+    common.progress(f"sibling restore: {tokens}")
+    return tokens
+
+
+def throughput(
+    work: Path, label: str, granularity: str, interval_s: float, max_tokens: int, window_s: float
+) -> float:
+    """Committed tokens/s over ``window_s`` after a warm-up, with a trainer fetching and acking."""
+    service = Service(
+        work,
+        label,
+        work / f"{label}-store",
+        granularity=granularity,
+        interval_s=interval_s,
+        max_tokens=max_tokens,
+    )
+    service.wait_listening()
+    stop = threading.Event()
+
+    def trainer() -> None:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            while not stop.is_set():
+                r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=16, wait_ms=500), timeout=30)
+                if r.lease_id:
+                    stub.AckGroups(
+                        pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30
+                    )
+
+    consumer = threading.Thread(target=trainer, daemon=True)
+    consumer.start()
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+
+            def committed() -> tuple[float, int]:
+                status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+                return time.monotonic(), status.counters.committed_tokens
+
+            time.sleep(window_s / 4)  # warm-up
+            t0, c0 = committed()
+            time.sleep(window_s)
+            t1, c1 = committed()
+    finally:
+        stop.set()
+        consumer.join()
+        service.stop()
+    rate = (c1 - c0) / (t1 - t0)
+    common.progress(f"{label}: {rate:.0f} committed tokens/s over {t1 - t0:.0f} s")
+    return rate
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    started = time.time()
+    quick = args.quick
+    # The tiny model has 2048 positions; with 32 siblings at once each takes several seconds, and
+    # the kill lands when they are well into them, as it would for minutes-long rollouts.
+    max_tokens = MAX_TOKENS
+    min_prefix = int(max_tokens * 0.6)
+    window_s = 15.0 if quick else 45.0
+    with tempfile.TemporaryDirectory(prefix="rolloutd-recovery-") as tmp:
+        work = Path(tmp)
+        write_prompts(work / "prompts.jsonl", 256)
+        ensure_tiny_model(work / "cache")
+        crashed = crash(work, max_tokens, min_prefix)
+        token = restore_token(work, crashed, max_tokens)
+        sibling = restore_sibling(work, crashed, max_tokens)
+        settings = [("off", "sibling", 0.0), ("on", "token", 2.0)]
+        if not quick:
+            settings.insert(1, ("streaming", "token", 0.0))
+        rounds = 2 if quick else 3
+        rates: dict[str, list[float]] = {label: [] for label, _, _ in settings}
+        for r in range(rounds):
+            for label, granularity, interval in settings:
+                rates[label].append(
+                    throughput(
+                        work, f"{label}-{r}", granularity, interval, max_tokens // 2, window_s
+                    )
+                )
+    held = sum(map(len, crashed["held"]))
+    lost = crashed["lost_after_snapshot"]
+    reused = token["tokens"]["reused"]
+    reuse_fraction = reused / held if held else float("nan")
+    regenerated_token = lost + token["tokens"]["regenerated"]
+    regenerated_sibling = lost + sibling["regenerated"]
+    vs_sibling = regenerated_token / regenerated_sibling
+    n_held = len(crashed["held"])
+    identical = token["identical"] == n_held and token["prefix_exact"] == n_held
+    rate = {label: common.median(v) for label, v in rates.items()}
+    on_vs_off = rate["on"] / rate["off"]
+    target_on = TARGETS["checkpoint_on_vs_off_quick" if quick else "checkpoint_on_vs_off"]
+    headline = [
+        common.headline(
+            "token_reuse_fraction", reuse_fraction, "", f">= {TARGETS['token_reuse_fraction']}",
+            reuse_fraction >= TARGETS["token_reuse_fraction"],
+            f"{reused} of {held} partial tokens held by the snapshot",
+        ),
+        common.headline(
+            "regenerated_vs_sibling_mode", vs_sibling, "",
+            f"<= {TARGETS['regenerated_vs_sibling_mode']}",
+            vs_sibling <= TARGETS["regenerated_vs_sibling_mode"],
+            f"{regenerated_token:.0f} vs {regenerated_sibling:.0f} tokens "
+            f"({lost:.0f} generated after the cut, lost in both)",
+        ),
+        common.headline(
+            "greedy_resume_identical", float(identical), "", "true", identical,
+            f"{token['identical']} of {n_held} resumed siblings equal their twin; "
+            f"{token['prefix_exact']} start with exactly the snapshot's tokens and logprobs",
+        ),
+        common.headline(
+            "checkpoint_on_vs_off", on_vs_off, "", f">= {target_on}", on_vs_off >= target_on,
+            f"{rate['on']:.0f} vs {rate['off']:.0f} committed tokens/s",
+        ),
+    ]  # fmt: skip
+    result = {
+        "benchmark": NAME,
+        "quick": quick,
+        "headline": headline,
+        "token_reuse_fraction": reuse_fraction,
+        "regenerated_vs_sibling_mode": vs_sibling,
+        "greedy_resume_identical": identical,
+        "checkpoint_on_vs_off": on_vs_off,
+        "crash": {
+            "max_tokens": max_tokens,
+            "snapshot": crashed["sequence"],
+            "partial_siblings": n_held,
+            "partial_tokens_held": held,
+            "lost_after_snapshot": lost,
+            "kill_after_snapshot_s": crashed["kill_after_snapshot_s"],
+            "token_restore": token["tokens"],
+            "sibling_restore": sibling,
+        },
+        "throughput_tokens_per_s": rates,
+        "streaming_vs_off": rate["streaming"] / rate["off"] if "streaming" in rate else None,
+        "conditions": common.conditions(started),
+    }
+    common.publish(result, args.json, NAME, markdown(result))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    crash = result["crash"]
+    rows = [
+        (label, *(f"{r:.0f}" for r in v)) for label, v in result["throughput_tokens_per_s"].items()
+    ]
+    width = max(len(r) for r in rows)
+    return (
+        f"# Token-level recovery{' (quick)' if result['quick'] else ''}\n\n"
+        + common.headline_table(result["headline"])
+        + "\n\n## Crash\n\n"
+        + common.markdown_table(
+            [
+                "max_tokens",
+                "partial siblings",
+                "tokens held",
+                "lost after the cut",
+                "killed after snapshot (s)",
+                "token restore",
+                "sibling restore",
+            ],
+            [
+                (
+                    crash["max_tokens"],
+                    crash["partial_siblings"],
+                    crash["partial_tokens_held"],
+                    f"{crash['lost_after_snapshot']:.0f}",
+                    f"{crash['kill_after_snapshot_s']:.2f}",
+                    crash["token_restore"],
+                    crash["sibling_restore"],
+                )
+            ],
+        )
+        + "\n\n## Committed tokens/s\n\n"
+        + common.markdown_table(
+            ["setting", *(f"run {i + 1}" for i in range(width - 1))],
+            [r + ("",) * (width - len(r)) for r in rows],
+        )
+        + "\n\noff: granularity sibling, no checkpoints; streaming: granularity token, no "
+        "checkpoints; on: granularity token, checkpoints every 2 s.\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
