@@ -11,7 +11,7 @@ from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.group import GroupState, KeptSamples, Prompt
 from rolloutd.domain.report import (
     CheckpointPhase,
     Disposition,
@@ -167,6 +167,30 @@ async def test_restore_brings_back_every_state(nodes):
     ).already_acked  # idempotent across restarts
     rewound = await b.controller.rewind(6)
     assert rewound.redelivered_groups == 1
+
+
+async def test_restored_rows_stay_in_the_snapshot_buffers_until_delivered(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    before = {g.group_id: g.ordered_samples() for g in a.controller.buffer.groups.values()}
+    await a.checkpoint()
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    groups = b.controller.buffer.groups
+    assert all(isinstance(g.samples, KeptSamples) for g in groups.values())
+    lease, delivered = await b.controller.fetch(2, 100, "t")
+    assert {g.group_id: g.ordered_samples() for g in delivered} == {
+        g.group_id: before[g.group_id] for g in delivered
+    }
+    with pytest.raises(TypeError, match="read-only"):
+        delivered[0].samples[5] = before[delivered[0].group_id][0]
+    await b.controller.ack(lease.lease_id, 1)
+    await b.controller.finalize(1)  # removing kept rows reports their row ids
+    report = await b.checkpoint()
+    assert report.rows[RowKind.REMOVED] == 4 and report.rows[RowKind.LIVE] == 8
 
 
 async def test_granularity_group_reruns_whole_groups(nodes):

@@ -7,11 +7,12 @@ backend's sink; reading checks the schema and that the rows are those the manife
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
@@ -26,6 +27,7 @@ from rolloutd.checkpoint.format import (
     SegmentEntry,
     batch_to_rows,
 )
+from rolloutd.domain.group import KeptSamples, Sample
 
 
 class SegmentWriter:
@@ -105,6 +107,95 @@ def open_reader(buffer: pa.Buffer, segment: SegmentEntry) -> pa.ipc.RecordBatchF
     return reader
 
 
+class KeptRows:
+    """The live rows of a snapshot left in its verified record batches, indexed by group.
+
+    Built by one vectorised pass over the ``row_id``, ``group_id`` and ``index`` columns (no
+    Python object per row): rows are ordered by (group, sibling index) and each group gets one
+    :class:`KeptGroup` view over its slice of that order. A :class:`Sample` is built from the
+    buffers when it is read, so the buffers (memory-mapped locally) must stay alive as long as a
+    view does; the views hold them.
+    """
+
+    def __init__(
+        self, batches: Sequence[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]]
+    ) -> None:
+        self._batches = [batch for batch, _ in batches]
+        parts: list[tuple[np.ndarray, ...]] = []
+        for n, (batch, keep) in enumerate(batches):
+            at = np.arange(batch.num_rows) if keep is None else np.flatnonzero(keep)
+            parts.append(
+                (
+                    np.full(at.size, n, dtype=np.int64),
+                    at,
+                    batch.column("group_id").to_numpy()[at],
+                    batch.column("index").to_numpy()[at],
+                    batch.column("row_id").to_numpy()[at],
+                )
+            )
+        empty = np.zeros(0, dtype=np.int64)
+        cols = [np.concatenate(c) if parts else empty for c in zip(*parts, strict=True)] or [
+            empty
+        ] * 5
+        batch_no, at, group_id, index, row_id = cols
+        order = np.lexsort((index, group_id))
+        self._batch_no, self._at = batch_no[order], at[order]
+        self._index, self._row_id = index[order], row_id[order]
+        group_id = group_id[order]
+        starts = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]]) if order.size else empty
+        self._group_ids = group_id[starts].tolist()
+        self._bounds = np.r_[starts, order.size].tolist()
+
+    def __len__(self) -> int:
+        return int(self._at.size)
+
+    def groups(self) -> dict[int, KeptSamples]:
+        """One view per group that has live rows, by group id."""
+        bounds = self._bounds
+        return {
+            gid: KeptGroup(self, bounds[i], bounds[i + 1]) for i, gid in enumerate(self._group_ids)
+        }
+
+    def indices(self, start: int, stop: int) -> list[int]:
+        return self._index[start:stop].tolist()  # type: ignore[no-any-return]
+
+    def row_ids(self, start: int, stop: int) -> dict[int, int]:
+        return dict(zip(self.indices(start, stop), self._row_id[start:stop].tolist(), strict=True))
+
+    def sample(self, k: int) -> Sample:
+        """The ``k``-th row in (group, index) order, as a fresh :class:`Sample`."""
+        batch = self._batches[int(self._batch_no[k])]
+        return batch_to_rows(batch.slice(int(self._at[k]), 1))[0][2]
+
+
+class KeptGroup(KeptSamples):
+    """One group's rows of :class:`KeptRows`: positions ``[start, stop)`` of its order."""
+
+    __slots__ = ("_rows", "_start", "_stop")
+
+    def __init__(self, rows: KeptRows, start: int, stop: int) -> None:
+        self._rows, self._start, self._stop = rows, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows.indices(self._start, self._stop))
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._rows.indices(self._start, self._stop)
+
+    def __getitem__(self, index: int) -> Sample:
+        indices = self._rows.indices(self._start, self._stop)
+        try:
+            return self._rows.sample(self._start + indices.index(index))
+        except ValueError:
+            raise KeyError(index) from None
+
+    def row_ids(self) -> dict[int, int]:
+        return self._rows.row_ids(self._start, self._stop)
+
+
 @dataclass
 class Snapshot:
     """A published snapshot whose every file verified, holding the verified bytes.
@@ -132,6 +223,10 @@ class Snapshot:
         for batch, keep in self._batches():
             rows.extend(batch_to_rows(batch, keep))
         return rows
+
+    def kept_rows(self) -> KeptRows:
+        """Live rows left in the verified buffers, indexed by group (what a restore keeps)."""
+        return KeptRows(list(self._batches()))
 
     def table(self) -> pa.Table:
         """Live rows as one Arrow table of :data:`SAMPLE_SCHEMA`."""

@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
-from rolloutd.domain.group import Group, GroupMeta, GroupState, Position, Sample
+from rolloutd.domain.group import Group, GroupMeta, GroupState, KeptSamples, Position, Sample
 
 ACKED_LEASES_REMEMBERED = 65_536
 """Finalized leases remembered so that a late retry of their ack still succeeds."""
@@ -67,6 +67,9 @@ class BufferState:
     acks: Mapping[str, AckRecord]
     finalized_leases: Mapping[str, int]
     next_row_id: int
+    kept_rows: Mapping[int, KeptSamples] = field(default_factory=dict)
+    """In a state to restore from: group id -> the rows a snapshot kept in its buffers (besides
+    ``new_rows``, which a restore leaves empty). Never part of a capture."""
 
     @property
     def empty(self) -> bool:
@@ -264,8 +267,12 @@ class RolloutBuffer:
     def remove(self, group_id: int) -> Group:
         """Removes a group and its rows (finalized or evicted)."""
         g = self.groups.pop(group_id)
-        for index in g.samples:
-            self._forget_row(self._row_ids.pop((group_id, index)))
+        if isinstance(g.samples, KeptSamples):
+            for row_id in g.samples.row_ids().values():
+                self._forget_row(row_id)
+        else:
+            for index in g.samples:
+                self._forget_row(self._row_ids.pop((group_id, index)))
         if g.state is GroupState.COMMITTED:
             self._ready.remove(group_id)
         if group_id in self._uncaptured_groups:
@@ -323,7 +330,9 @@ class RolloutBuffer:
         remember_finalized(self._finalized_new, newer)
 
     def load(self, state: BufferState) -> None:
-        """Rebuilds the buffer from a whole state; nothing is marked as changed."""
+        """Rebuilds the buffer from a whole state; nothing is marked as changed. Finished
+        groups keep the rows of ``state.kept_rows`` as they are (no object per row); a
+        generating group's become plain samples, since its missing siblings are staged next."""
         if self.groups:
             raise InvariantError("restore into a non-empty buffer")
         for meta in state.groups.values():
@@ -333,6 +342,13 @@ class RolloutBuffer:
         for row_id, gid, sample in state.new_rows:
             self.groups[gid].samples[sample.index] = sample
             self._row_ids[(gid, sample.index)] = row_id
+        for gid, kept in state.kept_rows.items():
+            g = self.groups[gid]
+            if g.state is GroupState.GENERATING:  # staged into again: its rows become objects
+                g.samples = dict(kept)
+                self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
+            else:
+                g.samples = kept
         self.leases, self.acks = dict(state.leases), dict(state.acks)
         self.finalized_leases = OrderedDict(state.finalized_leases)
         self._next_row_id = state.next_row_id
