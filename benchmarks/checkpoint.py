@@ -356,10 +356,13 @@ class Series:
     lag: LoopLag | None = None
     reports: list[CheckpointReport] = field(default_factory=list)
     compacted: list[bool] = field(default_factory=list)
+    manifest_bytes: list[int] = field(default_factory=list)
 
     def add(self, report: CheckpointReport, node: Node) -> None:
         self.reports.append(report)
         self.compacted.append(node.compacted(report))
+        assert report.sequence is not None
+        self.manifest_bytes.append(len(node.store.load(report.sequence).to_json()))
 
     def holds_s(self) -> list[float]:
         return [phase_s(r, CheckpointPhase.EXCLUSIVE_HOLD) for r in self.reports]
@@ -394,6 +397,7 @@ class Series:
                 part.value: common.summary([r.size_bytes[part] for r in self.reports])
                 for part in SizePart
             },
+            "manifest_bytes": common.summary(self.manifest_bytes),
             "compactions": sum(self.compacted),
             "segment_bytes_p50_without_compaction": common.median(plain),
             "segment_bytes_mean_with_compaction": sum(segments) / len(segments),
@@ -646,6 +650,9 @@ async def bytes_vs_delta(node: Node, plan: Plan, factory: SampleFactory) -> list
         new_rows = figures["new_rows"]
         segment_bytes = figures["segment_bytes_p50_without_compaction"]
         sidecar_bytes = figures["bytes"]["sidecar"]["p50"]
+        group_bytes = figures["bytes"]["groups"]["p50"]
+        manifest_bytes = figures["manifest_bytes"]["p50"]
+        other_bytes = group_bytes + sidecar_bytes + manifest_bytes
         point = {
             "delta_rows": groups * plan.group_size,
             "checkpoints": len(series.reports),
@@ -654,17 +661,20 @@ async def bytes_vs_delta(node: Node, plan: Plan, factory: SampleFactory) -> list
             "removed_rows": figures["removed_rows"],
             "segment_bytes": segment_bytes,
             "segment_bytes_mean_with_compaction": figures["segment_bytes_mean_with_compaction"],
+            "group_bytes": group_bytes,
             "sidecar_bytes": sidecar_bytes,
-            "total_bytes": segment_bytes + sidecar_bytes,
+            "manifest_bytes": manifest_bytes,
+            "total_bytes": segment_bytes + other_bytes,
             "segment_bytes_per_row": segment_bytes / new_rows,
-            "total_bytes_per_row": (segment_bytes + sidecar_bytes) / new_rows,
+            "total_bytes_per_row": (segment_bytes + other_bytes) / new_rows,
             "hold_ms_p50": figures["hold_ms"]["p50"],
             "duration_ms_p50": figures["duration_ms"]["p50"],
         }
         points.append(point)
         common.progress(
             f"delta {point['delta_rows']:,} rows: segments {point['segment_bytes'] / 1e6:,.2f} MB, "
-            f"sidecar {point['sidecar_bytes'] / 1e6:,.2f} MB, hold {point['hold_ms_p50']:.3f} ms; "
+            f"groups {group_bytes / 1e3:,.1f} kB, sidecar {sidecar_bytes / 1e3:,.1f} kB, "
+            f"manifest {manifest_bytes / 1e3:,.1f} kB, hold {point['hold_ms_p50']:.3f} ms; "
             f"RSS {common.rss_gib():.1f} GiB"
         )
     return points
@@ -781,7 +791,7 @@ def assemble(
             "x",
             "~1 (proportional)",
             tot_prop <= 1.25,
-            "segments plus the sidecar of controller state",
+            "segments, group segments, sidecar and manifest",
         ),
         common.headline(
             "save_vs_disk",
@@ -915,7 +925,9 @@ def markdown(result: dict[str, Any]) -> str:
                 "delta rows",
                 "segment bytes",
                 "per row",
+                "group bytes",
                 "sidecar bytes",
+                "manifest bytes",
                 "all bytes",
                 "all per row",
                 "checkpoints (compacting)",
@@ -927,7 +939,9 @@ def markdown(result: dict[str, Any]) -> str:
                     p["delta_rows"],
                     p["segment_bytes"],
                     p["segment_bytes_per_row"],
+                    p["group_bytes"],
                     p["sidecar_bytes"],
+                    p["manifest_bytes"],
                     p["total_bytes"],
                     p["total_bytes_per_row"],
                     f"{p['checkpoints']} ({p['compactions']})",
@@ -1002,7 +1016,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     points = top["bytes_vs_delta"]
     delta = [p["delta_rows"] for p in points]
     ax3.plot(delta, [p["segment_bytes"] / 1e6 for p in points], "o-", label="segments")
-    ax3.plot(delta, [p["total_bytes"] / 1e6 for p in points], "s-", label="segments + sidecar")
+    ax3.plot(
+        delta,
+        [p["total_bytes"] / 1e6 for p in points],
+        "s-",
+        label="all (segments, groups, sidecar, manifest)",
+    )
     per_row = points[-1]["segment_bytes"] / 1e6 / delta[-1]
     ax3.plot(delta, [d * per_row for d in delta], ":", color="grey", label="proportional")
     ax3.set(xscale="log", yscale="log", xlabel="delta rows", ylabel="MB written")

@@ -135,7 +135,8 @@ async def _run(
             )
 
     with clock.phase(RestorePhase.DATALOADER):
-        state = sidecar.decode(snapshot.sidecar)  # cursor, submitted and re-admitted prompts
+        # cursor, submitted and re-admitted prompts; groups from the group segments
+        state = sidecar.decode(snapshot.sidecar, snapshot.group_json())
 
     with clock.phase(RestorePhase.BUFFER):
         kept = await asyncio.to_thread(snapshot.kept_rows)

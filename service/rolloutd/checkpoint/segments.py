@@ -25,6 +25,7 @@ from rolloutd.checkpoint.format import (
     Manifest,
     Row,
     SegmentEntry,
+    SegmentKind,
     batch_to_rows,
 )
 from rolloutd.domain.group import KeptSamples, Sample
@@ -74,12 +75,13 @@ def write_file(
     batches: Iterator[pa.RecordBatch],
     fault: FaultPoint,
     checksum: ChecksumAlgorithm,
+    kind: SegmentKind = SegmentKind.SAMPLES,
 ) -> FileEntry:
     """Write ``batches`` as the Arrow IPC file ``path``; whole and durable when this returns."""
     sink = backend.sink(path)
     out = SegmentWriter(sink, checksum)
     try:
-        with pa.ipc.new_file(pa.PythonFile(out, mode="w"), SAMPLE_SCHEMA) as writer:
+        with pa.ipc.new_file(pa.PythonFile(out, mode="w"), kind.schema) as writer:
             for i, batch in enumerate(batches):
                 writer.write_batch(batch)
                 if i == 0:
@@ -91,16 +93,18 @@ def write_file(
     return out.entry(path)
 
 
-def open_reader(buffer: pa.Buffer, segment: SegmentEntry) -> pa.ipc.RecordBatchFileReader:
+def open_reader(
+    buffer: pa.Buffer, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES
+) -> pa.ipc.RecordBatchFileReader:
     """A reader of a segment's (checksum-verified) bytes, after checking schema and row ids."""
     path = segment.file.path
     try:
         reader = pa.ipc.open_file(buffer)
-        ids = [reader.get_batch(i).column("row_id") for i in range(reader.num_record_batches)]
+        ids = [reader.get_batch(i).column(kind.id_column) for i in range(reader.num_record_batches)]
     except (pa.ArrowInvalid, KeyError) as exc:
         raise CorruptSnapshot(-1, [f"{path}: not a readable segment: {exc}"]) from exc
-    if reader.schema.remove_metadata() != SAMPLE_SCHEMA.remove_metadata():
-        raise CorruptSnapshot(-1, [f"{path}: schema differs from the sample schema"])
+    if reader.schema.remove_metadata() != kind.schema.remove_metadata():
+        raise CorruptSnapshot(-1, [f"{path}: schema differs from the {kind.value} schema"])
     row_ids = np.concatenate([a.to_numpy() for a in ids]) if ids else np.zeros(0, np.int64)
     if row_ids.size != segment.rows or not segment.row_ids.mask(row_ids).all():
         raise CorruptSnapshot(-1, [f"{path}: rows disagree with the manifest"])
@@ -207,15 +211,29 @@ class Snapshot:
     manifest: Manifest
     sidecar: dict[str, Any]
     _segments: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(repr=False)
+    _groups: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(
+        default_factory=list, repr=False
+    )
 
-    def _batches(self) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
-        for segment, reader in self._segments:
+    def _batches(
+        self, kind: SegmentKind = SegmentKind.SAMPLES
+    ) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
+        readers = self._segments if kind is SegmentKind.SAMPLES else self._groups
+        for segment, reader in readers:
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
                 keep = None
                 if segment.removed:
-                    keep = ~segment.removed.mask(batch.column("row_id").to_numpy())
+                    keep = ~segment.removed.mask(batch.column(kind.id_column).to_numpy())
                 yield batch, keep
+
+    def group_json(self) -> list[str]:
+        """The JSON metadata of every live group (format 2), segment by segment."""
+        metas: list[str] = []
+        for batch, keep in self._batches(SegmentKind.GROUPS):
+            column = batch.column("meta")
+            metas.extend((column if keep is None else column.filter(pa.array(keep))).to_pylist())
+        return metas
 
     def rows(self) -> list[Row]:
         """Live rows as ``(row_id, group_id, Sample)``, segment by segment in file order."""

@@ -59,7 +59,9 @@ from rolloutd.checkpoint.format import (
     Row,
     RowIdSet,
     SegmentEntry,
+    SegmentKind,
     checksum_algorithm,
+    groups_to_batches,
     rows_to_batches,
 )
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
@@ -108,8 +110,13 @@ class SnapshotWriter(Protocol):
     def sequences(self) -> builtins.list[int]: ...
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
+    def write_groups(
+        self, sequence: int, groups: Sequence[tuple[int, str, bytes]]
+    ) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
-    def compact(self, manifest: Manifest, segments: Sequence[SegmentEntry]) -> Manifest: ...
+    def compact(
+        self, manifest: Manifest, segments: Sequence[SegmentEntry], kind: SegmentKind = ...
+    ) -> Manifest: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
 
@@ -171,12 +178,31 @@ class SnapshotStore:
         )
         return SegmentEntry(entry, len(rows), row_ids, RowIdSet(), sequence)
 
+    def write_groups(self, sequence: int, groups: Sequence[tuple[int, str, bytes]]) -> SegmentEntry:
+        """Write ``(group_id, state, meta JSON)`` of changed groups as a new group segment of
+        snapshot ``sequence``; like :meth:`write_segment`, durable and unpublished on return."""
+        ids = np.fromiter((g[0] for g in groups), dtype=np.int64, count=len(groups))
+        group_ids = RowIdSet.from_ids(ids)
+        if not groups or len(group_ids) != len(groups):
+            raise ValueError("a group segment needs at least one group, each once")
+        entry = self.write_batches(
+            file_name(sequence, ".groups.arrow"),
+            groups_to_batches(groups),
+            FaultPoint.SIDECAR_WRITE_MID,
+            SegmentKind.GROUPS,
+        )
+        return SegmentEntry(entry, len(groups), group_ids, RowIdSet(), sequence)
+
     def write_batches(
-        self, name: str, batches: Iterator[pa.RecordBatch], fault: FaultPoint
+        self,
+        name: str,
+        batches: Iterator[pa.RecordBatch],
+        fault: FaultPoint,
+        kind: SegmentKind = SegmentKind.SAMPLES,
     ) -> FileEntry:
         """Write an Arrow IPC segment file ``segments/<name>``, whole and durable on return."""
         path = f"{SEGMENTS}/{name}"
-        return segments.write_file(self.backend, path, batches, fault, self._checksum)
+        return segments.write_file(self.backend, path, batches, fault, self._checksum, kind)
 
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry:
         """Write an already encoded JSON object as the sidecar of snapshot ``sequence``."""
@@ -286,9 +312,11 @@ class SnapshotStore:
             raise CorruptSnapshot(-1, [problem])
         return buffer
 
-    def open_segment(self, segment: SegmentEntry) -> pa.ipc.RecordBatchFileReader:
+    def open_segment(
+        self, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES
+    ) -> pa.ipc.RecordBatchFileReader:
         """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ."""
-        return segments.open_reader(self._read_verified(segment.file), segment)
+        return segments.open_reader(self._read_verified(segment.file), segment, kind)
 
     def open(self, manifest: Manifest) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails."""
@@ -296,11 +324,21 @@ class SnapshotStore:
         if problems:
             raise CorruptSnapshot(manifest.sequence, problems)
         try:
-            segments = [(s, self.open_segment(s)) for s in manifest.segments]
+            segments = []
+            for n, s in enumerate(manifest.segments, 1):
+                segments.append((s, self.open_segment(s)))
+                log.info(
+                    "snapshot %d: segment %d/%d verified (%.1f MB)",
+                    manifest.sequence,
+                    n,
+                    len(manifest.segments),
+                    s.file.size / 1e6,
+                )
+            groups = [(s, self.open_segment(s, SegmentKind.GROUPS)) for s in manifest.groups]
             sidecar = self._parse_sidecar(self._read_verified(manifest.sidecar), manifest.sidecar)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
-        return Snapshot(manifest, sidecar, segments)
+        return Snapshot(manifest, sidecar, segments, groups)
 
     @staticmethod
     def _parse_sidecar(buffer: pa.Buffer, entry: FileEntry) -> dict[str, Any]:
@@ -355,10 +393,13 @@ class SnapshotStore:
     # --- retention and the journal (retention.py, journal.py) ---------------------------------
 
     def compact(
-        self, manifest: Manifest, segments: Sequence[SegmentEntry] | None = None
+        self,
+        manifest: Manifest,
+        segments: Sequence[SegmentEntry] | None = None,
+        kind: SegmentKind = SegmentKind.SAMPLES,
     ) -> Manifest:
         """See :func:`retention.compact`."""
-        return retention.compact(self, manifest, segments)
+        return retention.compact(self, manifest, segments, kind)
 
     def retire(
         self, keep_latest: int, keep: Callable[[Manifest], bool] | None = None
