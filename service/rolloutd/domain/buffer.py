@@ -109,6 +109,8 @@ class RolloutBuffer:
     _uncaptured_groups: set[int] = field(default_factory=set)
     """Groups added since the last capture; their removal leaves nothing to report."""
     _finalized_new: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    _acked_groups: int = 0
+    """Groups listed by ``acks``, kept as a count: admission asks for it before every group."""
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -120,7 +122,7 @@ class RolloutBuffer:
 
     @property
     def acked_groups(self) -> int:
-        return sum(len(r.group_ids) for r in self.acks.values())
+        return self._acked_groups
 
     @property
     def ready_count(self) -> int:
@@ -224,6 +226,7 @@ class RolloutBuffer:
             )
         self.leases.pop(record.lease_id, None)
         self.acks[record.lease_id] = replace(record, group_ids=present)
+        self._acked_groups += len(present)
         return [gid for gid in record.group_ids if gid not in self.groups]
 
     def expired_leases(self, now: float) -> list[Lease]:
@@ -243,6 +246,7 @@ class RolloutBuffer:
         dropped: list[Group] = []
         for record in done:
             del self.acks[record.lease_id]
+            self._acked_groups -= len(record.group_ids)
             dropped.extend(self.remove(gid) for gid in record.group_ids)
         ledger = {r.lease_id: r.trainer_step for r in done}
         remember_finalized(self.finalized_leases, ledger)
@@ -257,6 +261,7 @@ class RolloutBuffer:
         groups: list[Group] = []
         for record in undone:
             del self.acks[record.lease_id]
+            self._acked_groups -= len(record.group_ids)
             for gid in record.group_ids:
                 g = self.groups[gid]
                 self._change(g, state=GroupState.COMMITTED, lease_id=None, ack_step=None)
@@ -350,6 +355,7 @@ class RolloutBuffer:
             else:
                 g.samples = kept
         self.leases, self.acks = dict(state.leases), dict(state.acks)
+        self._acked_groups = sum(len(r.group_ids) for r in self.acks.values())
         self.finalized_leases = OrderedDict(state.finalized_leases)
         self._next_row_id = state.next_row_id
         ready = sorted(
