@@ -14,9 +14,12 @@ real ``SnapshotStore`` in a temporary directory on this disk (real fsync and ren
 2. Bytes written per checkpoint against the delta at the largest size (about 100, 1k, 10k rows).
 3. Save throughput: a full first snapshot (segment bytes / ``buffer_save`` + ``commit``) and
    restore throughput (a fresh controller restored from it, bytes read / restore time), each
-   rep followed by this disk's raw sequential write (``os.write`` of 8 MiB chunks + ``fsync``) and
-   raw read of the same number of bytes. Both reads start cold: every file is dropped from the page
-   cache with ``posix_fadvise(DONTNEED)`` first (the host may still cache a virtual disk).
+   rep followed by this disk's raw sequential write (``os.write`` of 8 MiB chunks + ``fsync``) of
+   as many bytes, and a raw read (``os.read``, 8 MiB chunks) of the snapshot's own files: the same
+   bytes. Both reads start cold: every file is dropped from the page cache with
+   ``posix_fadvise(DONTNEED)`` first. The host may still cache the virtual disk, favouring the
+   second read of the same bytes, so repetitions alternate which read goes first (restore first
+   in a quick run's single repetition).
 4. Naive baseline: the whole buffer pickled and written (``pickle.dump`` + ``fsync`` + rename)
    while holding the same barrier exclusively, which is what a trainer-side checkpoint of an
    in-memory replay buffer does.
@@ -452,17 +455,19 @@ def raw_write(path: Path, size: int, payload: bytes) -> float:
     return time.perf_counter() - started
 
 
-def raw_read(path: Path) -> float:
-    """Seconds to read ``path`` sequentially in 8 MiB chunks, from a cold page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        started = time.perf_counter()
-        while os.read(fd, CHUNK):
-            pass
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
+def raw_read(paths: Sequence[Path], root: Path) -> float:
+    """Seconds to read ``paths`` one after the other in 8 MiB chunks, from a cold page cache
+    (everything under ``root`` is dropped from it first)."""
+    drop_cache(root)
+    started = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.read(fd, CHUNK):
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
 
 
 def naive_checkpoint(node: Node, path: Path) -> tuple[float, float, int]:
@@ -493,10 +498,17 @@ async def naive_hold(node: Node, path: Path) -> dict[str, float]:
 
 
 async def full_snapshot_rep(
-    root: Path, plan: Plan, prompts: Sequence[Prompt], samples: Sequence[Sample], payload: bytes
+    root: Path,
+    plan: Plan,
+    prompts: Sequence[Prompt],
+    samples: Sequence[Sample],
+    payload: bytes,
+    raw_read_first: bool,
 ) -> dict[str, Any]:
-    """A full first snapshot of ``samples``, raw write of as many bytes, a cold restore of the
-    snapshot into a fresh controller, and a cold raw read of the raw file."""
+    """A full first snapshot of ``samples`` and a raw write of as many bytes; then a cold
+    restore of the snapshot into a fresh controller and a cold raw read of the snapshot's own
+    files (the same bytes), in the order ``raw_read_first`` says: whichever reads second may
+    find them in the virtual disk's host cache, so repetitions alternate."""
     store_dir = root / "store"
     node = Node(store_dir, plan, prompts)
     await node.admit(samples)
@@ -506,8 +518,12 @@ async def full_snapshot_rep(
     del node
     raw_path = root / "raw.bin"
     write_s = raw_write(raw_path, segment_bytes, payload)
+    raw_path.unlink()
+    files = [p for d in ("segments", "sidecars") for p in sorted((store_dir / d).iterdir())]
+    snapshot_bytes = sum(p.stat().st_size for p in files)
 
     release_memory()
+    read_s = raw_read(files, root) if raw_read_first else 0.0
     drop_cache(store_dir)
     fresh = Node(store_dir, plan, prompts)
     restored = await restore(
@@ -519,13 +535,10 @@ async def full_snapshot_rep(
         Granularity.SIBLING,
     )
     restored_rows = fresh.rows
-    manifest_bytes = sum(p.stat().st_size for p in (store_dir / "segments").iterdir()) + sum(
-        p.stat().st_size for p in (store_dir / "sidecars").iterdir()
-    )
     del fresh
     release_memory()
-    read_s = raw_read(raw_path)
-    raw_path.unlink()
+    if not raw_read_first:
+        read_s = raw_read(files, root)
     shutil.rmtree(store_dir)
     if restored_rows != len(samples):
         raise RuntimeError(f"restored {restored_rows} rows, expected {len(samples)}")
@@ -538,12 +551,13 @@ async def full_snapshot_rep(
         "save_mb_s": segment_bytes / save_s / 1e6,
         "raw_write_s": write_s,
         "raw_write_mb_s": segment_bytes / write_s / 1e6,
-        "restore_bytes": manifest_bytes,
+        "restore_bytes": snapshot_bytes,
         "restore_s": restored.seconds,
         "restore_phase_s": {p.phase.value: p.seconds for p in restored.phases},
-        "restore_mb_s": manifest_bytes / restored.seconds / 1e6,
+        "restore_mb_s": snapshot_bytes / restored.seconds / 1e6,
+        "raw_read_first": raw_read_first,
         "raw_read_s": read_s,
-        "raw_read_mb_s": segment_bytes / read_s / 1e6,
+        "raw_read_mb_s": snapshot_bytes / read_s / 1e6,
     }
 
 
@@ -571,7 +585,7 @@ async def measure_size(
             f"{rows:,} rows: full snapshot, raw write, restore, raw read "
             f"({rep + 1}/{plan.throughput_reps})"
         )
-        reps.append(await full_snapshot_rep(root, plan, prompts, samples, payload))
+        reps.append(await full_snapshot_rep(root, plan, prompts, samples, payload, rep % 2 == 1))
         last = reps[-1]
         common.progress(
             f"{rows:,} rows: save {last['save_mb_s']:,.0f} MB/s (raw write "
