@@ -470,6 +470,18 @@ def raw_read(paths: Sequence[Path], root: Path) -> float:
     return time.perf_counter() - started
 
 
+def full_collection_s() -> float:
+    """Seconds one full garbage collection takes now: the longest pause the collector can
+    impose with what is buffered (a restore freezes what it built, so it is not scanned)."""
+    started = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - started
+
+
+def payload_bytes(samples: Sequence[Sample]) -> float:
+    return row_bytes(samples) * len(samples)
+
+
 def naive_checkpoint(node: Node, path: Path) -> tuple[float, float, int]:
     """Pickle the whole buffer to ``path`` (fsync, rename); returns (pickle+write s, fsync s, bytes).
 
@@ -515,6 +527,7 @@ async def full_snapshot_rep(
     report = await node.checkpoint()
     segment_bytes = report.size_bytes[SizePart.SEGMENTS]
     save_s = phase_s(report, CheckpointPhase.BUFFER_SAVE) + phase_s(report, CheckpointPhase.COMMIT)
+    live_gc_s = full_collection_s()
     del node
     raw_path = root / "raw.bin"
     write_s = raw_write(raw_path, segment_bytes, payload)
@@ -526,6 +539,7 @@ async def full_snapshot_rep(
     read_s = raw_read(files, root) if raw_read_first else 0.0
     drop_cache(store_dir)
     fresh = Node(store_dir, plan, prompts)
+    rss_before = common.rss_gib()
     restored = await restore(
         fresh.controller,
         fresh.store,
@@ -535,7 +549,10 @@ async def full_snapshot_rep(
         Granularity.SIBLING,
     )
     restored_rows = fresh.rows
+    rss_restored = (common.rss_gib() - rss_before) * (1 << 30)
+    restored_gc_s = full_collection_s()
     del fresh
+    gc.unfreeze()  # restore froze what it built; the next repetition starts as a process would
     release_memory()
     if not raw_read_first:
         read_s = raw_read(files, root)
@@ -555,6 +572,9 @@ async def full_snapshot_rep(
         "restore_s": restored.seconds,
         "restore_phase_s": {p.phase.value: p.seconds for p in restored.phases},
         "restore_mb_s": snapshot_bytes / restored.seconds / 1e6,
+        "rss_per_payload_byte_restored": rss_restored / payload_bytes(samples),
+        "full_gc_ms_live": live_gc_s * 1e3,
+        "full_gc_ms_restored": restored_gc_s * 1e3,
         "raw_read_first": raw_read_first,
         "raw_read_s": read_s,
         "raw_read_mb_s": snapshot_bytes / read_s / 1e6,
@@ -596,6 +616,14 @@ async def measure_size(
     for key in ("save", "raw_write", "restore", "raw_read"):
         out[f"{key}_mb_s_median"] = common.median([r[f"{key}_mb_s"] for r in reps])
         out[f"{key}_s_median"] = common.median([r[f"{key}_s"] for r in reps])
+    for key in ("rss_per_payload_byte_restored", "full_gc_ms_live", "full_gc_ms_restored"):
+        out[key] = common.median([r[key] for r in reps])
+    common.progress(
+        f"{rows:,} rows: restored buffer {out['rss_per_payload_byte_restored']:.2f} bytes of RSS "
+        f"per payload byte; a full collection takes {out['full_gc_ms_live']:,.1f} ms with "
+        f"{len(base):,} samples as objects in the process, {out['full_gc_ms_restored']:,.2f} ms "
+        "once the restore froze what it built"
+    )
 
     node = Node(root / "store", plan, prompts)
     await node.admit(samples)
@@ -824,6 +852,23 @@ def assemble(
             "restore vs raw read, both from a cold page cache",
         ),
         common.headline(
+            "RSS per payload byte, restored buffer",
+            large["rss_per_payload_byte_restored"],
+            "",
+            "<= 1.5",
+            large["rss_per_payload_byte_restored"] <= 1.5,
+            f"{int(top):,} rows kept in the snapshot's verified buffers",
+        ),
+        common.headline(
+            "full GC pause, restored buffer",
+            large["full_gc_ms_restored"],
+            "ms",
+            "",
+            None,
+            f"{int(top):,} rows, after gc.freeze(); {large['full_gc_ms_live']:,.0f} ms with "
+            "the benchmark's samples as objects, unfrozen",
+        ),
+        common.headline(
             "naive_hold_ratio",
             naive_ratio,
             "x",
@@ -855,6 +900,9 @@ def assemble(
         "naive_hold_ratio": naive_ratio,
         "save_vs_disk": save_vs_disk,
         "restore_vs_disk": restore_vs_disk,
+        "rss_per_payload_byte_restored": large["rss_per_payload_byte_restored"],
+        "full_gc_ms_live": large["full_gc_ms_live"],
+        "full_gc_ms_restored": large["full_gc_ms_restored"],
         "bytes_proportionality_segments": seg_prop,
         "bytes_proportionality_total": tot_prop,
         "aged_ledger_hold_p99_ms": aged,
