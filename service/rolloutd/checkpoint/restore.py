@@ -69,6 +69,10 @@ async def restore(
     """Restores into a fresh controller (before ``controller.start()``); raises RestoreRefused."""
     clock = PhaseClock()
     report = RestoreReport(started_ns=time.time_ns(), ended_ns=0, phases=clock.phases)
+    # A restore only builds objects that live on (a group's metadata, its view of the kept
+    # rows): collections during it would scan them again and again and free nothing.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         manifest = await _run(
             controller, store, checkpointer, spec, fingerprint, granularity, clock, report
@@ -78,6 +82,9 @@ async def restore(
         report.ended_ns = time.time_ns()
         checkpointer.observer.restored(report)
         raise
+    finally:
+        if collecting:
+            gc.enable()
     report.ended_ns = time.time_ns()
     # What a restore built lives as long as the service: moved out of the collector's view, so
     # full collections scan only what changes afterwards and stay short with a full buffer.
