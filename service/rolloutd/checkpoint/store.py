@@ -96,9 +96,9 @@ LATEST = "latest"
 
 _VERIFY_THREADS = min(os.cpu_count() or 1, 4)
 _VERIFY_PART = 64 << 20
-"""A file is checksummed in parts of at least this size, each on its own thread: a restore
-verifies every byte it reads, and one core checksumming a cold memory-mapped file (faulting its
-pages in as it goes) ran at half the disk's sequential read here."""
+"""At restore, a file is checksummed in parts of at least this size, each on its own thread: a
+restore verifies every byte it reads, and one core checksumming a cold memory-mapped file
+(faulting its pages in as it goes) ran slower than the disk's sequential read here."""
 
 
 @functools.cache
@@ -317,11 +317,11 @@ class SnapshotStore:
         )
         return [problem] if problem else []
 
-    def _read_verified(self, entry: FileEntry) -> pa.Buffer:
+    def _read_verified(self, entry: FileEntry, threads: int = 1) -> pa.Buffer:
         buffer = self.backend.read(entry.path)
         if buffer.size != entry.size:
             raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
-        parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
+        parts = min(threads, -(-buffer.size // _VERIFY_PART))
         value = checksum_parts(
             memoryview(buffer).cast("B"),  # type: ignore[arg-type]
             checksum_algorithm(entry.checksum),
@@ -334,10 +334,12 @@ class SnapshotStore:
         return buffer
 
     def open_segment(
-        self, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES
+        self, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES, *, threads: int = 1
     ) -> pa.ipc.RecordBatchFileReader:
-        """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ."""
-        return segments.open_reader(self._read_verified(segment.file), segment, kind)
+        """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ.
+        ``threads`` checksum it at once: a restore, which has the machine to itself, uses
+        several; compaction, which runs beside the service's event loop, one."""
+        return segments.open_reader(self._read_verified(segment.file, threads), segment, kind)
 
     def open(self, manifest: Manifest) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails."""
@@ -347,7 +349,7 @@ class SnapshotStore:
         try:
             segments = []
             for n, s in enumerate(manifest.segments, 1):
-                segments.append((s, self.open_segment(s)))
+                segments.append((s, self.open_segment(s, threads=_VERIFY_THREADS)))
                 log.info(
                     "snapshot %d: segment %d/%d verified (%.1f MB)",
                     manifest.sequence,
