@@ -14,9 +14,12 @@ real ``SnapshotStore`` in a temporary directory on this disk (real fsync and ren
 2. Bytes written per checkpoint against the delta at the largest size (about 100, 1k, 10k rows).
 3. Save throughput: a full first snapshot (segment bytes / ``buffer_save`` + ``commit``) and
    restore throughput (a fresh controller restored from it, bytes read / restore time), each
-   rep followed by this disk's raw sequential write (``os.write`` of 8 MiB chunks + ``fsync``) and
-   raw read of the same number of bytes. Both reads start cold: every file is dropped from the page
-   cache with ``posix_fadvise(DONTNEED)`` first (the host may still cache a virtual disk).
+   rep followed by this disk's raw sequential write (``os.write`` of 8 MiB chunks + ``fsync``) of
+   as many bytes, and a raw read (``os.read``, 8 MiB chunks) of the snapshot's own files: the same
+   bytes. Both reads start cold: every file is dropped from the page cache with
+   ``posix_fadvise(DONTNEED)`` first. The host may still cache the virtual disk, favouring the
+   second read of the same bytes, so repetitions alternate which read goes first (restore first
+   in a quick run's single repetition).
 4. Naive baseline: the whole buffer pickled and written (``pickle.dump`` + ``fsync`` + rename)
    while holding the same barrier exclusively, which is what a trainer-side checkpoint of an
    in-memory replay buffer does.
@@ -356,10 +359,13 @@ class Series:
     lag: LoopLag | None = None
     reports: list[CheckpointReport] = field(default_factory=list)
     compacted: list[bool] = field(default_factory=list)
+    manifest_bytes: list[int] = field(default_factory=list)
 
     def add(self, report: CheckpointReport, node: Node) -> None:
         self.reports.append(report)
         self.compacted.append(node.compacted(report))
+        assert report.sequence is not None
+        self.manifest_bytes.append(len(node.store.load(report.sequence).to_json()))
 
     def holds_s(self) -> list[float]:
         return [phase_s(r, CheckpointPhase.EXCLUSIVE_HOLD) for r in self.reports]
@@ -394,6 +400,7 @@ class Series:
                 part.value: common.summary([r.size_bytes[part] for r in self.reports])
                 for part in SizePart
             },
+            "manifest_bytes": common.summary(self.manifest_bytes),
             "compactions": sum(self.compacted),
             "segment_bytes_p50_without_compaction": common.median(plain),
             "segment_bytes_mean_with_compaction": sum(segments) / len(segments),
@@ -448,17 +455,31 @@ def raw_write(path: Path, size: int, payload: bytes) -> float:
     return time.perf_counter() - started
 
 
-def raw_read(path: Path) -> float:
-    """Seconds to read ``path`` sequentially in 8 MiB chunks, from a cold page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        started = time.perf_counter()
-        while os.read(fd, CHUNK):
-            pass
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
+def raw_read(paths: Sequence[Path], root: Path) -> float:
+    """Seconds to read ``paths`` one after the other in 8 MiB chunks, from a cold page cache
+    (everything under ``root`` is dropped from it first)."""
+    drop_cache(root)
+    started = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.read(fd, CHUNK):
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
+
+
+def full_collection_s() -> float:
+    """Seconds one full garbage collection takes now: the longest pause the collector can
+    impose with what is buffered (a restore freezes what it built, so it is not scanned)."""
+    started = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - started
+
+
+def payload_bytes(samples: Sequence[Sample]) -> float:
+    return row_bytes(samples) * len(samples)
 
 
 def naive_checkpoint(node: Node, path: Path) -> tuple[float, float, int]:
@@ -489,23 +510,36 @@ async def naive_hold(node: Node, path: Path) -> dict[str, float]:
 
 
 async def full_snapshot_rep(
-    root: Path, plan: Plan, prompts: Sequence[Prompt], samples: Sequence[Sample], payload: bytes
+    root: Path,
+    plan: Plan,
+    prompts: Sequence[Prompt],
+    samples: Sequence[Sample],
+    payload: bytes,
+    raw_read_first: bool,
 ) -> dict[str, Any]:
-    """A full first snapshot of ``samples``, raw write of as many bytes, a cold restore of the
-    snapshot into a fresh controller, and a cold raw read of the raw file."""
+    """A full first snapshot of ``samples`` and a raw write of as many bytes; then a cold
+    restore of the snapshot into a fresh controller and a cold raw read of the snapshot's own
+    files (the same bytes), in the order ``raw_read_first`` says: whichever reads second may
+    find them in the virtual disk's host cache, so repetitions alternate."""
     store_dir = root / "store"
     node = Node(store_dir, plan, prompts)
     await node.admit(samples)
     report = await node.checkpoint()
     segment_bytes = report.size_bytes[SizePart.SEGMENTS]
     save_s = phase_s(report, CheckpointPhase.BUFFER_SAVE) + phase_s(report, CheckpointPhase.COMMIT)
+    live_gc_s = full_collection_s()
     del node
     raw_path = root / "raw.bin"
     write_s = raw_write(raw_path, segment_bytes, payload)
+    raw_path.unlink()
+    files = [p for d in ("segments", "sidecars") for p in sorted((store_dir / d).iterdir())]
+    snapshot_bytes = sum(p.stat().st_size for p in files)
 
     release_memory()
+    read_s = raw_read(files, root) if raw_read_first else 0.0
     drop_cache(store_dir)
     fresh = Node(store_dir, plan, prompts)
+    rss_before = common.rss_gib()
     restored = await restore(
         fresh.controller,
         fresh.store,
@@ -515,13 +549,13 @@ async def full_snapshot_rep(
         Granularity.SIBLING,
     )
     restored_rows = fresh.rows
-    manifest_bytes = sum(p.stat().st_size for p in (store_dir / "segments").iterdir()) + sum(
-        p.stat().st_size for p in (store_dir / "sidecars").iterdir()
-    )
+    rss_restored = (common.rss_gib() - rss_before) * (1 << 30)
+    restored_gc_s = full_collection_s()
     del fresh
+    gc.unfreeze()  # restore froze what it built; the next repetition starts as a process would
     release_memory()
-    read_s = raw_read(raw_path)
-    raw_path.unlink()
+    if not raw_read_first:
+        read_s = raw_read(files, root)
     shutil.rmtree(store_dir)
     if restored_rows != len(samples):
         raise RuntimeError(f"restored {restored_rows} rows, expected {len(samples)}")
@@ -534,12 +568,16 @@ async def full_snapshot_rep(
         "save_mb_s": segment_bytes / save_s / 1e6,
         "raw_write_s": write_s,
         "raw_write_mb_s": segment_bytes / write_s / 1e6,
-        "restore_bytes": manifest_bytes,
+        "restore_bytes": snapshot_bytes,
         "restore_s": restored.seconds,
         "restore_phase_s": {p.phase.value: p.seconds for p in restored.phases},
-        "restore_mb_s": manifest_bytes / restored.seconds / 1e6,
+        "restore_mb_s": snapshot_bytes / restored.seconds / 1e6,
+        "rss_per_payload_byte_restored": rss_restored / payload_bytes(samples),
+        "full_gc_ms_live": live_gc_s * 1e3,
+        "full_gc_ms_restored": restored_gc_s * 1e3,
+        "raw_read_first": raw_read_first,
         "raw_read_s": read_s,
-        "raw_read_mb_s": segment_bytes / read_s / 1e6,
+        "raw_read_mb_s": snapshot_bytes / read_s / 1e6,
     }
 
 
@@ -567,7 +605,7 @@ async def measure_size(
             f"{rows:,} rows: full snapshot, raw write, restore, raw read "
             f"({rep + 1}/{plan.throughput_reps})"
         )
-        reps.append(await full_snapshot_rep(root, plan, prompts, samples, payload))
+        reps.append(await full_snapshot_rep(root, plan, prompts, samples, payload, rep % 2 == 1))
         last = reps[-1]
         common.progress(
             f"{rows:,} rows: save {last['save_mb_s']:,.0f} MB/s (raw write "
@@ -578,6 +616,14 @@ async def measure_size(
     for key in ("save", "raw_write", "restore", "raw_read"):
         out[f"{key}_mb_s_median"] = common.median([r[f"{key}_mb_s"] for r in reps])
         out[f"{key}_s_median"] = common.median([r[f"{key}_s"] for r in reps])
+    for key in ("rss_per_payload_byte_restored", "full_gc_ms_live", "full_gc_ms_restored"):
+        out[key] = common.median([r[key] for r in reps])
+    common.progress(
+        f"{rows:,} rows: restored buffer {out['rss_per_payload_byte_restored']:.2f} bytes of RSS "
+        f"per payload byte; a full collection takes {out['full_gc_ms_live']:,.1f} ms with "
+        f"{len(base):,} samples as objects in the process, {out['full_gc_ms_restored']:,.2f} ms "
+        "once the restore froze what it built"
+    )
 
     node = Node(root / "store", plan, prompts)
     await node.admit(samples)
@@ -646,6 +692,9 @@ async def bytes_vs_delta(node: Node, plan: Plan, factory: SampleFactory) -> list
         new_rows = figures["new_rows"]
         segment_bytes = figures["segment_bytes_p50_without_compaction"]
         sidecar_bytes = figures["bytes"]["sidecar"]["p50"]
+        group_bytes = figures["bytes"]["groups"]["p50"]
+        manifest_bytes = figures["manifest_bytes"]["p50"]
+        other_bytes = group_bytes + sidecar_bytes + manifest_bytes
         point = {
             "delta_rows": groups * plan.group_size,
             "checkpoints": len(series.reports),
@@ -654,17 +703,20 @@ async def bytes_vs_delta(node: Node, plan: Plan, factory: SampleFactory) -> list
             "removed_rows": figures["removed_rows"],
             "segment_bytes": segment_bytes,
             "segment_bytes_mean_with_compaction": figures["segment_bytes_mean_with_compaction"],
+            "group_bytes": group_bytes,
             "sidecar_bytes": sidecar_bytes,
-            "total_bytes": segment_bytes + sidecar_bytes,
+            "manifest_bytes": manifest_bytes,
+            "total_bytes": segment_bytes + other_bytes,
             "segment_bytes_per_row": segment_bytes / new_rows,
-            "total_bytes_per_row": (segment_bytes + sidecar_bytes) / new_rows,
+            "total_bytes_per_row": (segment_bytes + other_bytes) / new_rows,
             "hold_ms_p50": figures["hold_ms"]["p50"],
             "duration_ms_p50": figures["duration_ms"]["p50"],
         }
         points.append(point)
         common.progress(
             f"delta {point['delta_rows']:,} rows: segments {point['segment_bytes'] / 1e6:,.2f} MB, "
-            f"sidecar {point['sidecar_bytes'] / 1e6:,.2f} MB, hold {point['hold_ms_p50']:.3f} ms; "
+            f"groups {group_bytes / 1e3:,.1f} kB, sidecar {sidecar_bytes / 1e3:,.1f} kB, "
+            f"manifest {manifest_bytes / 1e3:,.1f} kB, hold {point['hold_ms_p50']:.3f} ms; "
             f"RSS {common.rss_gib():.1f} GiB"
         )
     return points
@@ -781,7 +833,7 @@ def assemble(
             "x",
             "~1 (proportional)",
             tot_prop <= 1.25,
-            "segments plus the sidecar of controller state",
+            "segments, group segments, sidecar and manifest",
         ),
         common.headline(
             "save_vs_disk",
@@ -798,6 +850,23 @@ def assemble(
             ">= 0.70",
             restore_vs_disk >= 0.7,
             "restore vs raw read, both from a cold page cache",
+        ),
+        common.headline(
+            "RSS per payload byte, restored buffer",
+            large["rss_per_payload_byte_restored"],
+            "",
+            "<= 1.5",
+            large["rss_per_payload_byte_restored"] <= 1.5,
+            f"{int(top):,} rows kept in the snapshot's verified buffers",
+        ),
+        common.headline(
+            "full GC pause, restored buffer",
+            large["full_gc_ms_restored"],
+            "ms",
+            "",
+            None,
+            f"{int(top):,} rows, after gc.freeze(); {large['full_gc_ms_live']:,.0f} ms with "
+            "the benchmark's samples as objects, unfrozen",
         ),
         common.headline(
             "naive_hold_ratio",
@@ -831,6 +900,9 @@ def assemble(
         "naive_hold_ratio": naive_ratio,
         "save_vs_disk": save_vs_disk,
         "restore_vs_disk": restore_vs_disk,
+        "rss_per_payload_byte_restored": large["rss_per_payload_byte_restored"],
+        "full_gc_ms_live": large["full_gc_ms_live"],
+        "full_gc_ms_restored": large["full_gc_ms_restored"],
         "bytes_proportionality_segments": seg_prop,
         "bytes_proportionality_total": tot_prop,
         "aged_ledger_hold_p99_ms": aged,
@@ -915,7 +987,9 @@ def markdown(result: dict[str, Any]) -> str:
                 "delta rows",
                 "segment bytes",
                 "per row",
+                "group bytes",
                 "sidecar bytes",
+                "manifest bytes",
                 "all bytes",
                 "all per row",
                 "checkpoints (compacting)",
@@ -927,7 +1001,9 @@ def markdown(result: dict[str, Any]) -> str:
                     p["delta_rows"],
                     p["segment_bytes"],
                     p["segment_bytes_per_row"],
+                    p["group_bytes"],
                     p["sidecar_bytes"],
+                    p["manifest_bytes"],
                     p["total_bytes"],
                     p["total_bytes_per_row"],
                     f"{p['checkpoints']} ({p['compactions']})",
@@ -1002,7 +1078,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     points = top["bytes_vs_delta"]
     delta = [p["delta_rows"] for p in points]
     ax3.plot(delta, [p["segment_bytes"] / 1e6 for p in points], "o-", label="segments")
-    ax3.plot(delta, [p["total_bytes"] / 1e6 for p in points], "s-", label="segments + sidecar")
+    ax3.plot(
+        delta,
+        [p["total_bytes"] / 1e6 for p in points],
+        "s-",
+        label="all (segments, groups, sidecar, manifest)",
+    )
     per_row = points[-1]["segment_bytes"] / 1e6 / delta[-1]
     ax3.plot(delta, [d * per_row for d in delta], ":", color="grey", label="proportional")
     ax3.set(xscale="log", yscale="log", xlabel="delta rows", ylabel="MB written")

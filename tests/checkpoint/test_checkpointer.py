@@ -11,7 +11,7 @@ from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.group import GroupState, KeptSamples, Prompt
 from rolloutd.domain.report import (
     CheckpointPhase,
     Disposition,
@@ -19,6 +19,7 @@ from rolloutd.domain.report import (
     Reason,
     RecoveryState,
     RowKind,
+    SizePart,
     Trigger,
 )
 from rolloutd.domain.sampler import Sampler
@@ -167,6 +168,54 @@ async def test_restore_brings_back_every_state(nodes):
     ).already_acked  # idempotent across restarts
     rewound = await b.controller.rewind(6)
     assert rewound.redelivered_groups == 1
+
+
+async def test_restored_rows_stay_in_the_snapshot_buffers_until_delivered(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    before = {g.group_id: g.ordered_samples() for g in a.controller.buffer.groups.values()}
+    await a.checkpoint()
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    groups = b.controller.buffer.groups
+    assert all(isinstance(g.samples, KeptSamples) for g in groups.values())
+    lease, delivered = await b.controller.fetch(2, 100, "t")
+    assert {g.group_id: g.ordered_samples() for g in delivered} == {
+        g.group_id: before[g.group_id] for g in delivered
+    }
+    with pytest.raises(TypeError, match="read-only"):
+        delivered[0].samples[5] = before[delivered[0].group_id][0]
+    await b.controller.ack(lease.lease_id, 1)
+    await b.controller.finalize(1)  # removing kept rows reports their row ids
+    report = await b.checkpoint()
+    assert report.rows[RowKind.REMOVED] == 4 and report.rows[RowKind.LIVE] == 8
+
+
+async def test_changed_groups_go_to_a_group_segment_and_supersede_their_old_row(nodes):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    first = a.store.load((await a.checkpoint()).sequence)
+    assert [g.live_rows for g in first.groups] == [len(a.controller.buffer.groups)]
+    lease, (leased,) = await a.controller.fetch(1, 100, "t")
+    await a.controller.ack(lease.lease_id, 3)
+    report = await a.checkpoint()
+    second = a.store.load(report.sequence)
+    old, new = second.groups
+    assert new.rows == 1 and new.row_ids.mask([leased.group_id]).all()
+    assert old.removed.mask([leased.group_id]).all()  # live in exactly one group segment
+    assert second.sidecar.size < first.sidecar.size + 200  # no group in the sidecar
+    assert 0 < report.size_bytes[SizePart.GROUPS] < second.groups[0].file.size
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    restored = b.controller.buffer.groups
+    assert len(restored) == sum(g.live_rows for g in second.groups)
+    assert restored[leased.group_id].meta.ack_step == 3
 
 
 async def test_granularity_group_reruns_whole_groups(nodes):

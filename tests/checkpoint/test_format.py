@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zlib
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +22,8 @@ from rolloutd.checkpoint.format import (
     RowIdSet,
     SegmentEntry,
     checksum_of,
+    checksum_parts,
+    crc32_combine,
     fingerprint_diff,
     next_manifest,
     rows_to_batches,
@@ -188,3 +192,18 @@ def test_samples_share_no_memory_with_the_table():
     back = table_to_rows(rows_to_table(rows))
     back[0][2].token_ids[0] = 9
     assert rows[0][2].token_ids[0] == 1
+
+
+def test_a_checksum_in_parts_is_the_checksum_of_the_whole():
+    data = memoryview(os.urandom(100_003))
+    with ThreadPoolExecutor(3) as pool:
+        for parts in (1, 2, 3, 7):
+            assert checksum_parts(data, ChecksumAlgorithm.CRC32, parts, pool) == checksum_of(data)
+        sha = checksum_parts(data, ChecksumAlgorithm.SHA256, 3, pool)
+        assert sha == checksum_of(data, ChecksumAlgorithm.SHA256)
+        flipped = bytearray(data)
+        flipped[-1] ^= 1  # a bit flipped in the last part changes the combined value
+        assert checksum_parts(memoryview(flipped), ChecksumAlgorithm.CRC32, 3, pool) != (
+            checksum_of(data)
+        )
+    assert crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cde"), 3) == zlib.crc32(b"abcde")

@@ -7,7 +7,7 @@ from rolloutd.domain.sampler import Admission, Sampler
 from tests.fakes import GatedEngine, settle
 
 
-async def test_the_spliced_sidecar_is_the_json_of_the_whole_state():
+async def test_the_sidecar_holds_no_groups_and_format_1_groups_still_decode():
     prompts = [
         Prompt(f"p{i}", f"q {i}", metadata={"answer": i, "note": 'quotes " and \\\\'})
         for i in range(6)
@@ -23,14 +23,15 @@ async def test_the_spliced_sidecar_is_the_json_of_the_whole_state():
         capture = c.capture()
     await c.stop()
     metas = [m for m in capture.buffer.groups.values() if isinstance(m, GroupMeta)]
-    data = sidecar.encode(capture, [sidecar.encode_group(m) for m in metas])
-    parsed = json.loads(data)
-    assert parsed["groups"] == [sidecar.to_json(m) for m in metas]
-    assert {k: v for k, v in parsed.items() if k != "groups"} == json.loads(
-        json.dumps(sidecar.head(capture))
-    )
-    empty = json.loads(sidecar.encode(capture, []))
-    assert empty["groups"] == []
+    parsed = json.loads(sidecar.encode(capture))
+    assert "groups" not in parsed
+    assert parsed == json.loads(json.dumps(sidecar.head(capture)))
+    encoded = [sidecar.encode_group(m) for m in metas]
+    assert [json.loads(g) for g in encoded] == [sidecar.to_json(m) for m in metas]
+    # a sidecar of manifest format 1 held every group itself
+    old = {**parsed, "groups": [json.loads(g) for g in encoded]}
+    assert sidecar.decode(old).buffer.groups == sidecar.decode(parsed, encoded).buffer.groups
+    assert sidecar.decode(parsed).buffer.groups == {}
 
 
 async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
@@ -50,7 +51,9 @@ async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
         capture = c.capture()
     await c.stop()
     metas = [m for m in capture.buffer.groups.values() if m is not None]
-    decoded = sidecar.decode(json.loads(sidecar.encode(capture, map(sidecar.encode_group, metas))))
+    decoded = sidecar.decode(
+        json.loads(sidecar.encode(capture)), [sidecar.encode_group(m) for m in metas]
+    )
     assert decoded.buffer.groups == {m.group_id: m for m in metas}
     assert (
         decoded.buffer.leases == capture.buffer.leases and lease.lease_id in decoded.buffer.leases

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from dataclasses import replace
 
 from rolloutd.domain.buffer import AckRecord, RolloutBuffer
 from rolloutd.domain.group import Group, GroupMeta, Prompt, Sample
@@ -39,3 +40,34 @@ def test_a_failed_capture_is_handed_over_again_in_order():
     buf.restore_uncaptured(failed)
     assert list(buf.capture().finalized_leases) == ["a", "b"]
     assert not buf.capture().finalized_leases
+
+
+def _acked(buf: RolloutBuffer, group_ids: list[int], lease_id: str, step: int) -> None:
+    """Groups of one sibling each, committed, leased together and acked at ``step``."""
+    for gid in group_ids:
+        buf.add(Group(GroupMeta(gid, Prompt(f"p{gid}", "q"), None, 1, 0, 0.0, gid)))
+        sample = Sample(
+            0, array("i", [1]), array("f", [0.0]), "x", "stop", 0, array("i"), 0, 0.0, 0.0
+        )
+        buf.stage(gid, sample)
+        buf.commit(gid, 0.0)
+    buf.lease(lease_id, len(group_ids), "t", 0.0, 60.0)
+    buf.ack(AckRecord(lease_id, tuple(group_ids), step, 0.0))
+
+
+def test_acked_groups_follow_acks_finalize_rewind_and_load():
+    buf = RolloutBuffer()
+    _acked(buf, [1, 2], "a", 1)
+    _acked(buf, [3], "b", 2)
+    _acked(buf, [4, 5, 6], "c", 3)
+    assert buf.acked_groups == 6
+    assert buf.ack(AckRecord("a", (1, 2), 1, 0.0)) is None  # a repeated ack counts once
+    assert buf.acked_groups == 6
+    buf.finalize(1)
+    assert buf.acked_groups == 4
+    buf.rewind(2)  # lease c's groups are available again
+    assert buf.acked_groups == 1
+    whole = buf.capture()
+    loaded = RolloutBuffer()
+    loaded.load(replace(whole, groups={gid: g.meta for gid, g in buf.groups.items()}))
+    assert loaded.acked_groups == 1 == sum(len(r.group_ids) for r in loaded.acks.values())

@@ -144,6 +144,23 @@ async def test_fetch_returns_none_after_waiting_when_nothing_is_ready(running):
     assert await c.fetch(1, 30, "t") is None
 
 
+async def test_each_ready_group_reaches_a_waiting_fetch_and_drain_releases_the_rest(running):
+    engine = GatedEngine()
+    c = running(engine)
+    await settle(lambda: len(engine.requests) == 12)
+    waiting = [asyncio.create_task(c.fetch(1, 5_000, f"t{i}")) for i in range(4)]
+    await asyncio.sleep(0.02)
+    engine.release(3)  # one group commits: one fetch gets it, the others keep waiting
+    await settle(lambda: sum(t.done() for t in waiting) == 1)
+    engine.release(6)  # two more
+    await settle(lambda: sum(t.done() for t in waiting) == 3)
+    leased = [t.result()[1][0].group_id for t in waiting if t.done()]
+    assert len(set(leased)) == 3
+    await c.begin_drain()
+    await settle(lambda: all(t.done() for t in waiting))
+    assert [t.result() for t in waiting if t.result() is None] == [None]
+
+
 async def test_update_weights_requires_a_newer_version(running):
     c = running(GatedEngine())
     with pytest.raises(InvalidArgument, match="greater than"):

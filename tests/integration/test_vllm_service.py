@@ -134,7 +134,7 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
                 staged = Counter(gid for _, gid, _ in snapshot.rows())
                 partial = [
                     g
-                    for g in snapshot.sidecar["groups"]
+                    for g in map(json.loads, snapshot.group_json())
                     if g["state"] == "generating" and 0 < staged[g["group_id"]] < 4
                 ]
                 if partial:
@@ -147,7 +147,8 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
     assert snapshot is not None
     rows = {(gid, s.index): s for _, gid, s in snapshot.rows()}
     staged = Counter(gid for gid, _ in rows)
-    unfinished = [g["group_id"] for g in snapshot.sidecar["groups"] if g["state"] == "generating"]
+    groups = map(json.loads, snapshot.group_json())
+    unfinished = [g["group_id"] for g in groups if g["state"] == "generating"]
     expected = {
         "reused": sum(staged[g] for g in unfinished),
         "rerun": sum(4 - staged[g] for g in unfinished),

@@ -164,7 +164,9 @@ async def test_a_trainer_checkpoint_call_is_one_trace_down_to_the_phases(
     assert attrs[f"{CheckpointAttr.ROWS}.removed"] >= 0
     assert 0 < attrs[f"{CheckpointAttr.BYTES}.sidecar"] < attrs[f"{CheckpointAttr.BYTES}.total"]
     assert attrs[f"{CheckpointAttr.BYTES}.total"] == (
-        attrs[f"{CheckpointAttr.BYTES}.segments"] + attrs[f"{CheckpointAttr.BYTES}.sidecar"]
+        attrs[f"{CheckpointAttr.BYTES}.segments"]
+        + attrs[f"{CheckpointAttr.BYTES}.groups"]
+        + attrs[f"{CheckpointAttr.BYTES}.sidecar"]
     )
 
 

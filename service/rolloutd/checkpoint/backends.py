@@ -41,6 +41,8 @@ _WRITEBACK_CHUNK = 64 << 20
 """Locally, writeback of each this many bytes starts while later ones are still encoded."""
 _HINT_WRITEBACK = sys.platform.startswith("linux")
 """``posix_fadvise(DONTNEED)`` starts writeback on Linux; elsewhere it may not exist."""
+_HINT_READAHEAD = _HINT_WRITEBACK
+"""``posix_fadvise(WILLNEED)`` reads a file ahead on Linux."""
 
 
 class StoreError(OSError):
@@ -214,10 +216,22 @@ class LocalBackend:
         self.sync_dirs([os.path.dirname(path)])
 
     def read(self, path: str) -> pa.Buffer:
-        """The whole file, memory-mapped: verification and decoding read the page cache directly."""
-        if os.path.getsize(self._path(path)) == 0:
+        """The whole file, memory-mapped: verification and decoding read the page cache directly.
+
+        The kernel is asked to read the whole file ahead first: faulting a cold mapping in reads
+        the disk in small requests (a 1.6 GB segment verified at 130 MB/s where a sequential
+        read of it ran at 770 MB/s), while read-ahead of the whole file issues large ones.
+        """
+        full = self._path(path)
+        if os.path.getsize(full) == 0:
             return pa.py_buffer(b"")
-        with pa.memory_map(self._path(path), "r") as mapped:
+        if _HINT_READAHEAD:
+            fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        with pa.memory_map(full, "r") as mapped:
             return mapped.read_buffer()
 
     def chunks(self, path: str) -> Iterator[memoryview]:

@@ -6,7 +6,8 @@
                       No I/O and no serialization: pointer work proportional to the delta only.
 3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment, and the partial
                       tokens of siblings still generating as a file of this snapshot's own.
-4. ``sidecar_write``  write controller state as JSON.
+4. ``sidecar_write``  write the metadata of changed groups as a group segment, and controller
+                      state (all but rows and groups) as a small JSON sidecar.
 5. ``commit``         fsync and publish atomically; then retention.
 
 A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
@@ -25,12 +26,13 @@ from typing import Any
 
 from rolloutd.checkpoint import partials, sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import Manifest, next_manifest
+from rolloutd.checkpoint.format import Manifest, SegmentKind, next_manifest
 from rolloutd.checkpoint.journal import Journal
 from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
 from rolloutd.checkpoint.store import SnapshotWriter
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.group import GroupMeta
 from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.report import (
     CheckpointPhase,
@@ -87,11 +89,12 @@ class Checkpointer:
         self.fingerprint = dict(fingerprint)
         self.observer: Observer = observer or NullObserver()
         self._lock = asyncio.Lock()
-        self._groups: dict[int, bytes] = {}
-        """Every live group's metadata as of the last completed snapshot, encoded for the sidecar."""
         self._resumed: dict[int, partials.ResumedRow] = {}
         """Live rows whose samples were resumed, as of the last completed snapshot: written whole
         with each snapshot's partials, since segments do not hold where a sample was resumed."""
+        self._carried: dict[int, GroupMeta] = {}
+        """Groups restored from a format-1 snapshot (whose sidecar held them): written into the
+        next snapshot's group segment, since no group segment holds them yet."""
         self._finalized: Mapping[str, int] = {}
         """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
         first; captures hand over only what was finalized since."""
@@ -109,14 +112,19 @@ class Checkpointer:
         """When the store was last known to hold everything: a completed attempt, or a periodic
         one skipped because nothing changed since (an idle service is not stale)."""
 
-    def adopt(self, manifest: Manifest, state: ControllerState) -> None:
-        """Continue incrementally from a restored snapshot (``state`` is its whole state)."""
+    def adopt(
+        self,
+        manifest: Manifest,
+        state: ControllerState,
+        resumed: Mapping[int, partials.ResumedRow],
+    ) -> None:
+        """Continue incrementally from a restored snapshot (``state`` is its whole state,
+        ``resumed`` the resume records of its live rows)."""
         self._parent = manifest
-        self._groups = {
-            gid: sidecar.encode_group(m) for gid, m in state.buffer.groups.items() if m is not None
-        }
+        if manifest.format_version < 2:
+            self._carried = {g: m for g, m in state.buffer.groups.items() if m is not None}
         self._finalized = state.buffer.finalized_leases
-        self._resumed = partials.resumed_rows(state.buffer.new_rows)
+        self._resumed = dict(resumed)
 
     @property
     def sequence(self) -> int:
@@ -213,13 +221,11 @@ class Checkpointer:
             report.outcome, report.reason = Outcome.SKIPPED, Reason.NO_CHANGES
             return
         try:
-            manifest, groups, finalized, resumed = await self._write(
-                clock, capture, acks_through, report
-            )
+            manifest, finalized, resumed = await self._write(clock, capture, acks_through, report)
         except BaseException:
             self.controller.capture_failed(capture)
             raise
-        self._parent, self._groups, self._finalized = manifest, groups, finalized
+        self._parent, self._finalized, self._carried = manifest, finalized, {}
         self._resumed = resumed
         report.outcome, report.reason, report.sequence = (
             Outcome.COMPLETED,
@@ -231,9 +237,9 @@ class Checkpointer:
             RowKind.REMOVED: manifest.removed_rows,
             RowKind.LIVE: manifest.live_rows,
         }
-        written_segments = manifest.written_bytes - manifest.sidecar.size
         report.size_bytes = {
-            SizePart.SEGMENTS: written_segments,
+            SizePart.SEGMENTS: manifest.written_segment_bytes,
+            SizePart.GROUPS: manifest.written_group_bytes,
             SizePart.SIDECAR: manifest.sidecar.size,
             SizePart.TOTAL: manifest.written_bytes,
         }
@@ -244,7 +250,7 @@ class Checkpointer:
         capture: ControllerState,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, dict[int, bytes], Mapping[str, int], dict[int, partials.ResumedRow]]:
+    ) -> tuple[Manifest, Mapping[str, int], dict[int, partials.ResumedRow]]:
         delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
@@ -269,15 +275,18 @@ class Checkpointer:
                 else None
             )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
-            groups = dict(self._groups)
-            for gid, meta in delta.groups.items():
-                if meta is None:
-                    groups.pop(gid, None)
-                else:
-                    groups[gid] = sidecar.encode_group(meta)
+            changed = {**self._carried, **delta.groups}
+            rows = [
+                (gid, meta.state.value, sidecar.encode_group(meta))
+                for gid, meta in sorted(changed.items())
+                if meta is not None
+            ]
+            groups = (
+                await asyncio.to_thread(self.store.write_groups, sequence, rows) if rows else None
+            )
             whole = capture.with_ledger(self._finalized)
             finalized = whole.buffer.finalized_leases
-            data = sidecar.encode(whole, groups.values())
+            data = sidecar.encode(whole)
             entry = await asyncio.to_thread(self.store.write_sidecar_json, sequence, data)
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = next_manifest(
@@ -287,19 +296,22 @@ class Checkpointer:
                 sidecar=entry,
                 new_segment=segment,
                 removed=list(removed),
+                new_groups=groups,
+                changed_groups=list(changed),
                 acks_through=acks_through,
                 tag=report.tag,
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
             )
             manifest = replace(manifest, partials=partials_entry)
-            chosen = plan_compaction(manifest, self.config.compact_segments)
-            if chosen:
-                manifest = await asyncio.to_thread(self.store.compact, manifest, chosen)
+            for kind in SegmentKind:
+                chosen = plan_compaction(manifest, self.config.compact_segments, kind)
+                if chosen:
+                    manifest = await asyncio.to_thread(self.store.compact, manifest, chosen, kind)
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = self.controller.retained_from_step(capture)
             await asyncio.to_thread(self._retire, oldest_step)
-        return manifest, groups, finalized, resumed
+        return manifest, finalized, resumed
 
     def _retire(self, oldest_step: int | None) -> None:
         """Retention (in a worker thread): the newest ``keep_latest``, the newest

@@ -25,6 +25,7 @@ import json
 import zlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,8 +35,9 @@ import pyarrow as pa
 
 from rolloutd.domain.group import Sample
 
-FORMAT_VERSION = 1
-"""Version of the manifest and segment layout; readers refuse a newer one."""
+FORMAT_VERSION = 2
+"""Version of the manifest and segment layout; readers refuse a newer one. Format 2 keeps
+group metadata in group segments (format 1 kept every group in the sidecar; still read)."""
 
 Row = tuple[int, int, Sample]
 """One buffered sample as the checkpointer hands it over: ``(row_id, group_id, sample)``."""
@@ -64,6 +66,35 @@ SAMPLE_SCHEMA = pa.schema(
     metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
 )
 """One row per finished sibling. ``row_id`` is unique in a store; times are wall-clock seconds."""
+
+GROUP_SCHEMA = pa.schema(
+    [
+        pa.field("group_id", pa.int64(), nullable=False),
+        pa.field("state", pa.string(), nullable=False),
+        pa.field("meta", pa.string(), nullable=False),
+    ],
+    metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
+)
+"""One row per group whose metadata changed: ``meta`` is the JSON of its ``GroupMeta`` (the
+sidecar's codec, derived from the declaration); ``state`` repeats its state for readers that
+only want to count. ``group_id`` is the row id: a later snapshot that changes or drops a group
+lists it as removed from the segment that held it, so each group is live in one segment."""
+
+
+class SegmentKind(enum.Enum):
+    """What a segment holds: sample rows (by ``row_id``) or group metadata (by ``group_id``)."""
+
+    SAMPLES = "samples"
+    GROUPS = "groups"
+
+    @property
+    def schema(self) -> pa.Schema:
+        return SAMPLE_SCHEMA if self is SegmentKind.SAMPLES else GROUP_SCHEMA
+
+    @property
+    def id_column(self) -> str:
+        return "row_id" if self is SegmentKind.SAMPLES else "group_id"
+
 
 BATCH_ROWS = 4096
 """Most rows in one record batch."""
@@ -148,6 +179,18 @@ def rows_to_batches(
     bounds = _batch_bounds(rows, batch_rows, batch_values)
     for start, stop in itertools.pairwise(bounds):
         yield _encode_batch(rows[start:stop])
+
+
+def groups_to_batches(
+    groups: Sequence[tuple[int, str, bytes]], *, batch_rows: int = BATCH_ROWS
+) -> Iterator[pa.RecordBatch]:
+    """Record batches of :data:`GROUP_SCHEMA` from ``(group_id, state, meta JSON)``."""
+    for start in range(0, len(groups), batch_rows):
+        chunk = groups[start : start + batch_rows]
+        ids = np.fromiter((g[0] for g in chunk), dtype=np.int64, count=len(chunk))
+        states = pa.array([g[1] for g in chunk], type=pa.string())
+        metas = pa.array([g[2] for g in chunk], type=pa.string())
+        yield pa.RecordBatch.from_arrays([pa.array(ids), states, metas], schema=GROUP_SCHEMA)
 
 
 def rows_to_table(rows: Sequence[Row], **batching: int) -> pa.Table:
@@ -324,6 +367,61 @@ def checksum_algorithm(checksum: str) -> ChecksumAlgorithm:
     return algorithm
 
 
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, i = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, row) for row in matrix]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)`` (zlib's
+    ``crc32_combine``, which Python's zlib does not expose): appending ``len2`` zero bytes to
+    ``a`` is a linear map over GF(2), applied by repeated squaring in O(log len2)."""
+    if len2 == 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # the next power of two, in bytes
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def checksum_parts(
+    view: memoryview, algorithm: ChecksumAlgorithm, parts: int, pool: Executor
+) -> str:
+    """The checksum of ``view``; CRC-32 is computed over ``parts`` slices at once on ``pool``
+    (zlib releases the GIL) and combined, so verifying a large file is not one core's work."""
+    if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
+        return checksum_of(view, algorithm)
+    step = -(-len(view) // parts)
+    slices = [view[i : i + step] for i in range(0, len(view), step)]
+    crcs = list(pool.map(zlib.crc32, slices))
+    crc = crcs[0]
+    for piece, value in zip(slices[1:], crcs[1:], strict=True):
+        crc = crc32_combine(crc, value, len(piece))
+    return f"{algorithm.value}:{crc:08x}"
+
+
 def checksum_of(
     data: bytes | bytearray | memoryview, algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32
 ) -> str:
@@ -416,6 +514,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     partials: FileEntry | None = None
     """The snapshot's own partial siblings (checkpoint/partials.py), never inherited."""
+    groups: tuple[SegmentEntry, ...] = ()
+    """Group segments (format 2; a format-1 sidecar holds every group itself)."""
 
     @property
     def live_rows(self) -> int:
@@ -427,7 +527,12 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return self.segment_bytes + self.sidecar.size + self.partials_bytes
+        return (
+            self.segment_bytes
+            + sum(g.file.size for g in self.groups)
+            + self.sidecar.size
+            + self.partials_bytes
+        )
 
     @property
     def partials_bytes(self) -> int:
@@ -435,13 +540,30 @@ class Manifest:
 
     @property
     def written_bytes(self) -> int:
-        """Bytes this snapshot wrote itself (new or compacted segments and its sidecar)."""
-        new = (s.file.size for s in self.segments if s.written_by == self.sequence)
-        return sum(new) + self.sidecar.size + self.partials_bytes
+        """Bytes this snapshot wrote itself (new or compacted segments of both kinds, its
+        sidecar and its partials file)."""
+        return (
+            self.written_segment_bytes
+            + self.written_group_bytes
+            + self.sidecar.size
+            + self.partials_bytes
+        )
+
+    @property
+    def written_segment_bytes(self) -> int:
+        return sum(s.file.size for s in self.segments if s.written_by == self.sequence)
+
+    @property
+    def written_group_bytes(self) -> int:
+        return sum(s.file.size for s in self.groups if s.written_by == self.sequence)
 
     def files(self) -> tuple[FileEntry, ...]:
-        extra = (self.partials,) if self.partials is not None else ()
-        return (*(segment.file for segment in self.segments), self.sidecar, *extra)
+        return (
+            *(segment.file for segment in self.segments),
+            *(segment.file for segment in self.groups),
+            self.sidecar,
+            *((self.partials,) if self.partials is not None else ()),
+        )
 
     def _body(self) -> dict[str, Any]:
         body = {
@@ -455,6 +577,7 @@ class Manifest:
             "acks_through": self.acks_through,
             "rows": {"new": self.new_rows, "removed": self.removed_rows, "live": self.live_rows},
             "segments": [segment.to_json() for segment in self.segments],
+            "groups": [segment.to_json() for segment in self.groups],
             "sidecar": self.sidecar.to_json(),
         }
         if self.partials is not None:  # absent otherwise: older readers see the same manifest
@@ -495,6 +618,7 @@ class Manifest:
                 removed_rows=int(body["rows"]["removed"]),
                 format_version=int(body["format_version"]),
                 partials=FileEntry.from_json(body["partials"]) if "partials" in body else None,
+                groups=tuple(SegmentEntry.from_json(s) for s in body.get("groups", ())),
             )
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise FormatError(f"manifest is not valid: {exc!r}") from exc
@@ -507,6 +631,25 @@ def _canonical(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _without(
+    segments: Sequence[SegmentEntry], removed: npt.ArrayLike
+) -> tuple[list[SegmentEntry], int]:
+    """``segments`` with ``removed`` ids marked removed (ids none holds are ignored) and the
+    segments left without a live row dropped; and how many live rows were removed."""
+    removed_ids = np.unique(np.asarray(removed, dtype=np.int64))
+    count = 0
+    updated: list[SegmentEntry] = []
+    for segment in segments:
+        hit = removed_ids[segment.row_ids.mask(removed_ids)]
+        if hit.size:
+            gone = segment.removed.union(RowIdSet.from_ids(hit))
+            count += len(gone) - len(segment.removed)
+            segment = replace(segment, removed=gone)
+        if segment.live_rows > 0:
+            updated.append(segment)
+    return updated, count
+
+
 def next_manifest(
     parent: Manifest | None,
     *,
@@ -515,6 +658,8 @@ def next_manifest(
     sidecar: FileEntry,
     new_segment: SegmentEntry | None = None,
     removed: npt.ArrayLike = (),
+    new_groups: SegmentEntry | None = None,
+    changed_groups: npt.ArrayLike = (),
     acks_through: int = 0,
     tag: str = "",
     trainer_step: int | None = None,
@@ -525,6 +670,8 @@ def next_manifest(
     ``removed`` holds the ids of rows removed since ``parent``; ids that no listed segment holds
     (rows staged and removed between two snapshots, or removed before) are ignored. Segments left
     without a live row are dropped. ``parent=None`` makes a full snapshot of ``new_segment`` alone.
+    Group segments go the same way: ``changed_groups`` (changed or dropped since ``parent``) are
+    removed from the segments that held them, then ``new_groups`` (their new metadata) is added.
     """
     if parent is not None and sequence <= parent.sequence:
         raise ValueError(f"sequence {sequence} is not after its parent {parent.sequence}")
@@ -538,17 +685,15 @@ def next_manifest(
         if held:
             raise ValueError(f"new segment repeats row ids of {held[0].file.path}")
         segments.append(new_segment)
-    removed_ids = np.unique(np.asarray(removed, dtype=np.int64))
-    removed_rows = 0
-    updated: list[SegmentEntry] = []
-    for segment in segments:
-        hit = removed_ids[segment.row_ids.mask(removed_ids)]
-        if hit.size:
-            gone = segment.removed.union(RowIdSet.from_ids(hit))
-            removed_rows += len(gone) - len(segment.removed)
-            segment = replace(segment, removed=gone)
-        if segment.live_rows > 0:
-            updated.append(segment)
+    updated, removed_rows = _without(segments, removed)
+    groups, _ = _without(parent.groups if parent is not None else (), changed_groups)
+    if new_groups is not None:
+        if new_groups.written_by != sequence:
+            raise ValueError(f"new groups were written for {new_groups.written_by}, not {sequence}")
+        stale = RowIdSet.from_ids(np.asarray(changed_groups, dtype=np.int64))
+        if not stale.mask(new_groups.row_ids.ids()).all():
+            raise ValueError("new group segment holds groups not listed as changed")
+        groups.append(new_groups)
     return Manifest(
         sequence=sequence,
         parent=parent.sequence if parent is not None else None,
@@ -561,6 +706,7 @@ def next_manifest(
         fingerprint=dict(fingerprint or {}),
         new_rows=new_segment.rows if new_segment is not None else 0,
         removed_rows=removed_rows,
+        groups=tuple(groups),
     )
 
 

@@ -66,17 +66,6 @@ def resumed_rows(rows: Iterable[Row]) -> dict[int, ResumedRow]:
     }
 
 
-def with_resumed(rows: Sequence[Row], resumed: Mapping[int, ResumedRow]) -> list[Row]:
-    """``rows`` with the resume records of ``resumed`` put back into their samples."""
-    out = []
-    for row_id, group_id, sample in rows:
-        record = resumed.get(row_id)
-        if record is not None:
-            sample = replace(sample, resumed_at=record.resumed_at, parts=record.parts)
-        out.append((row_id, group_id, sample))
-    return out
-
-
 def to_batch(
     partials: Sequence[PartialSibling], resumed: Mapping[int, ResumedRow]
 ) -> pa.RecordBatch:

@@ -32,7 +32,7 @@ from rolloutd.checkpoint.backends import (
     sequence_of,
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import Manifest, RowIdSet, SegmentEntry
+from rolloutd.checkpoint.format import Manifest, RowIdSet, SegmentEntry, SegmentKind
 
 if TYPE_CHECKING:
     from rolloutd.checkpoint.store import SnapshotStore
@@ -62,13 +62,16 @@ def keep_tagged(min_trainer_step: int | None = None) -> Callable[[Manifest], boo
     return keep
 
 
-def plan_compaction(manifest: Manifest, max_segments: int) -> tuple[SegmentEntry, ...]:
+def plan_compaction(
+    manifest: Manifest, max_segments: int, kind: SegmentKind = SegmentKind.SAMPLES
+) -> tuple[SegmentEntry, ...]:
     """Segments to merge so that at most ``max_segments // 2`` remain; empty when within bounds.
 
     The smallest by live bytes are chosen, so one compaction rewrites the least data and the
-    large, mostly live segments are left alone (size-tiered compaction).
+    large, mostly live segments are left alone (size-tiered compaction). Sample and group
+    segments are planned separately (``kind``).
     """
-    segments = manifest.segments
+    segments = _listed(manifest, kind)
     if len(segments) <= max_segments:
         return ()
     count = len(segments) - max(max_segments // 2, 1) + 1
@@ -76,20 +79,29 @@ def plan_compaction(manifest: Manifest, max_segments: int) -> tuple[SegmentEntry
     return tuple(ranked[:count])
 
 
+def _listed(manifest: Manifest, kind: SegmentKind) -> tuple[SegmentEntry, ...]:
+    return manifest.segments if kind is SegmentKind.SAMPLES else manifest.groups
+
+
 def compact(
-    store: SnapshotStore, manifest: Manifest, segments: Sequence[SegmentEntry] | None = None
+    store: SnapshotStore,
+    manifest: Manifest,
+    segments: Sequence[SegmentEntry] | None = None,
+    kind: SegmentKind = SegmentKind.SAMPLES,
 ) -> Manifest:
-    """``manifest`` with ``segments`` (default: all) merged into one without removed rows.
+    """``manifest`` with ``segments`` (default: all of ``kind``) merged into one without
+    removed rows.
 
     The merged segment is written for ``manifest.sequence``; the returned manifest is not
     published. Sources are read back from the store and verified (:class:`CorruptSnapshot`
     when one does not), one at a time, so memory stays bounded by the largest segment.
     """
-    listed = manifest.segments if segments is None else segments
+    present = _listed(manifest, kind)
+    listed = present if segments is None else segments
     paths = {s.file.path for s in listed}
-    if not paths <= {s.file.path for s in manifest.segments}:
+    if not paths <= {s.file.path for s in present}:
         raise ValueError("can only compact segments the manifest lists")
-    chosen = [s for s in manifest.segments if s.file.path in paths]  # keeps row order
+    chosen = [s for s in present if s.file.path in paths]  # keeps row order
     if not chosen:
         return manifest
     kept_ids: list[np.ndarray] = []
@@ -97,12 +109,12 @@ def compact(
     def live_batches() -> Iterator[pa.RecordBatch]:
         for segment in chosen:
             try:
-                reader = store.open_segment(segment)
+                reader = store.open_segment(segment, kind)
             except CorruptSnapshot as exc:
                 raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
-                ids = batch.column("row_id").to_numpy()
+                ids = batch.column(kind.id_column).to_numpy()
                 if segment.removed:
                     keep = ~segment.removed.mask(ids)
                     batch, ids = batch.filter(pa.array(keep)), ids[keep]
@@ -110,16 +122,19 @@ def compact(
                     kept_ids.append(ids)
                     yield batch
 
-    name = file_name(manifest.sequence, ".arrow")
-    entry = store.write_batches(name, live_batches(), FaultPoint.COMPACT_MID)
+    suffix = ".arrow" if kind is SegmentKind.SAMPLES else ".groups.arrow"
+    name = file_name(manifest.sequence, suffix)
+    entry = store.write_batches(name, live_batches(), FaultPoint.COMPACT_MID, kind)
     ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, np.int64)
     merged = SegmentEntry(
         entry, int(ids.size), RowIdSet.from_ids(ids), RowIdSet(), manifest.sequence
     )
-    at = min(i for i, s in enumerate(manifest.segments) if s.file.path in paths)
-    rest = [s for s in manifest.segments if s.file.path not in paths]
-    new = rest[:at] + ([merged] if merged.rows else []) + rest[at:]
-    return replace(manifest, segments=tuple(new))
+    at = min(i for i, s in enumerate(present) if s.file.path in paths)
+    rest = [s for s in present if s.file.path not in paths]
+    new = tuple(rest[:at] + ([merged] if merged.rows else []) + rest[at:])
+    if kind is SegmentKind.SAMPLES:
+        return replace(manifest, segments=new)
+    return replace(manifest, groups=new)
 
 
 def retire(

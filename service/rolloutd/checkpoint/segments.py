@@ -7,11 +7,12 @@ backend's sink; reading checks the schema and that the rows are those the manife
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
@@ -24,8 +25,10 @@ from rolloutd.checkpoint.format import (
     Manifest,
     Row,
     SegmentEntry,
+    SegmentKind,
     batch_to_rows,
 )
+from rolloutd.domain.group import KeptSamples, Sample, SamplePart
 
 
 class SegmentWriter:
@@ -72,12 +75,13 @@ def write_file(
     batches: Iterator[pa.RecordBatch],
     fault: FaultPoint,
     checksum: ChecksumAlgorithm,
+    kind: SegmentKind = SegmentKind.SAMPLES,
 ) -> FileEntry:
     """Write ``batches`` as the Arrow IPC file ``path``; whole and durable when this returns."""
     sink = backend.sink(path)
     out = SegmentWriter(sink, checksum)
     try:
-        with pa.ipc.new_file(pa.PythonFile(out, mode="w"), SAMPLE_SCHEMA) as writer:
+        with pa.ipc.new_file(pa.PythonFile(out, mode="w"), kind.schema) as writer:
             for i, batch in enumerate(batches):
                 writer.write_batch(batch)
                 if i == 0:
@@ -89,20 +93,120 @@ def write_file(
     return out.entry(path)
 
 
-def open_reader(buffer: pa.Buffer, segment: SegmentEntry) -> pa.ipc.RecordBatchFileReader:
+def open_reader(
+    buffer: pa.Buffer, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES
+) -> pa.ipc.RecordBatchFileReader:
     """A reader of a segment's (checksum-verified) bytes, after checking schema and row ids."""
     path = segment.file.path
     try:
         reader = pa.ipc.open_file(buffer)
-        ids = [reader.get_batch(i).column("row_id") for i in range(reader.num_record_batches)]
+        ids = [reader.get_batch(i).column(kind.id_column) for i in range(reader.num_record_batches)]
     except (pa.ArrowInvalid, KeyError) as exc:
         raise CorruptSnapshot(-1, [f"{path}: not a readable segment: {exc}"]) from exc
-    if reader.schema.remove_metadata() != SAMPLE_SCHEMA.remove_metadata():
-        raise CorruptSnapshot(-1, [f"{path}: schema differs from the sample schema"])
+    if reader.schema.remove_metadata() != kind.schema.remove_metadata():
+        raise CorruptSnapshot(-1, [f"{path}: schema differs from the {kind.value} schema"])
     row_ids = np.concatenate([a.to_numpy() for a in ids]) if ids else np.zeros(0, np.int64)
     if row_ids.size != segment.rows or not segment.row_ids.mask(row_ids).all():
         raise CorruptSnapshot(-1, [f"{path}: rows disagree with the manifest"])
     return reader
+
+
+class KeptRows:
+    """The live rows of a snapshot left in its verified record batches, indexed by group.
+
+    Built by one vectorised pass over the ``row_id``, ``group_id`` and ``index`` columns (no
+    Python object per row): rows are ordered by (group, sibling index) and each group gets one
+    :class:`KeptGroup` view over its slice of that order. A :class:`Sample` is built from the
+    buffers when it is read, so the buffers (memory-mapped locally) must stay alive as long as a
+    view does; the views hold them.
+    """
+
+    def __init__(
+        self,
+        batches: Sequence[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]],
+        resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None,
+    ) -> None:
+        self._batches = [batch for batch, _ in batches]
+        self.resumed = dict(resumed or {})
+        """Row id -> (resumed_at, parts) of the rows whose samples were resumed: row segments do
+        not hold where a sample was resumed, the snapshot's partials file does."""
+        parts: list[tuple[np.ndarray, ...]] = []
+        for n, (batch, keep) in enumerate(batches):
+            at = np.arange(batch.num_rows) if keep is None else np.flatnonzero(keep)
+            parts.append(
+                (
+                    np.full(at.size, n, dtype=np.int64),
+                    at,
+                    batch.column("group_id").to_numpy()[at],
+                    batch.column("index").to_numpy()[at],
+                    batch.column("row_id").to_numpy()[at],
+                )
+            )
+        empty = np.zeros(0, dtype=np.int64)
+        cols = [np.concatenate(c) if parts else empty for c in zip(*parts, strict=True)] or [
+            empty
+        ] * 5
+        batch_no, at, group_id, index, row_id = cols
+        order = np.lexsort((index, group_id))
+        self._batch_no, self._at = batch_no[order], at[order]
+        self._index, self._row_id = index[order], row_id[order]
+        group_id = group_id[order]
+        starts = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]]) if order.size else empty
+        self._group_ids = group_id[starts].tolist()
+        self._bounds = np.r_[starts, order.size].tolist()
+
+    def __len__(self) -> int:
+        return int(self._at.size)
+
+    def groups(self) -> dict[int, KeptSamples]:
+        """One view per group that has live rows, by group id."""
+        bounds = self._bounds
+        return {
+            gid: KeptGroup(self, bounds[i], bounds[i + 1]) for i, gid in enumerate(self._group_ids)
+        }
+
+    def indices(self, start: int, stop: int) -> list[int]:
+        return self._index[start:stop].tolist()  # type: ignore[no-any-return]
+
+    def row_ids(self, start: int, stop: int) -> dict[int, int]:
+        return dict(zip(self.indices(start, stop), self._row_id[start:stop].tolist(), strict=True))
+
+    def sample(self, k: int) -> Sample:
+        """The ``k``-th row in (group, index) order, as a fresh :class:`Sample`."""
+        batch = self._batches[int(self._batch_no[k])]
+        sample = batch_to_rows(batch.slice(int(self._at[k]), 1))[0][2]
+        record = self.resumed.get(int(self._row_id[k]))
+        if record is not None:
+            sample = replace(sample, resumed_at=record[0], parts=record[1])
+        return sample
+
+
+class KeptGroup(KeptSamples):
+    """One group's rows of :class:`KeptRows`: positions ``[start, stop)`` of its order."""
+
+    __slots__ = ("_rows", "_start", "_stop")
+
+    def __init__(self, rows: KeptRows, start: int, stop: int) -> None:
+        self._rows, self._start, self._stop = rows, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows.indices(self._start, self._stop))
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._rows.indices(self._start, self._stop)
+
+    def __getitem__(self, index: int) -> Sample:
+        indices = self._rows.indices(self._start, self._stop)
+        try:
+            return self._rows.sample(self._start + indices.index(index))
+        except ValueError:
+            raise KeyError(index) from None
+
+    def row_ids(self) -> dict[int, int]:
+        return self._rows.row_ids(self._start, self._stop)
 
 
 @dataclass
@@ -116,15 +220,29 @@ class Snapshot:
     manifest: Manifest
     sidecar: dict[str, Any]
     _segments: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(repr=False)
+    _groups: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(
+        default_factory=list, repr=False
+    )
 
-    def _batches(self) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
-        for segment, reader in self._segments:
+    def _batches(
+        self, kind: SegmentKind = SegmentKind.SAMPLES
+    ) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
+        readers = self._segments if kind is SegmentKind.SAMPLES else self._groups
+        for segment, reader in readers:
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
                 keep = None
                 if segment.removed:
-                    keep = ~segment.removed.mask(batch.column("row_id").to_numpy())
+                    keep = ~segment.removed.mask(batch.column(kind.id_column).to_numpy())
                 yield batch, keep
+
+    def group_json(self) -> list[str]:
+        """The JSON metadata of every live group (format 2), segment by segment."""
+        metas: list[str] = []
+        for batch, keep in self._batches(SegmentKind.GROUPS):
+            column = batch.column("meta")
+            metas.extend((column if keep is None else column.filter(pa.array(keep))).to_pylist())
+        return metas
 
     def rows(self) -> list[Row]:
         """Live rows as ``(row_id, group_id, Sample)``, segment by segment in file order."""
@@ -132,6 +250,13 @@ class Snapshot:
         for batch, keep in self._batches():
             rows.extend(batch_to_rows(batch, keep))
         return rows
+
+    def kept_rows(
+        self, resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None
+    ) -> KeptRows:
+        """Live rows left in the verified buffers, indexed by group (what a restore keeps), with
+        the resume records of ``resumed`` (row id -> (resumed_at, parts)) put back when read."""
+        return KeptRows(list(self._batches()), resumed)
 
     def table(self) -> pa.Table:
         """Live rows as one Arrow table of :data:`SAMPLE_SCHEMA`."""

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,7 +65,10 @@ from rolloutd.checkpoint.format import (
     Row,
     RowIdSet,
     SegmentEntry,
+    SegmentKind,
     checksum_algorithm,
+    checksum_parts,
+    groups_to_batches,
     rows_to_batches,
 )
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
@@ -94,6 +99,17 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 """The spec :meth:`SnapshotStore.resolve` takes for the newest snapshot that verifies."""
 
+_VERIFY_THREADS = min(os.cpu_count() or 1, 4)
+_VERIFY_PART = 64 << 20
+"""At restore, a file is checksummed in parts of at least this size, each on its own thread: a
+restore verifies every byte it reads, and one core checksumming a cold memory-mapped file
+(faulting its pages in as it goes) ran slower than the disk's sequential read here."""
+
+
+@functools.cache
+def _verifiers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="rolloutd-verify")
+
 
 class SnapshotNotFound(LookupError):
     """No published snapshot matches the requested sequence or tag."""
@@ -113,6 +129,9 @@ class SnapshotWriter(Protocol):
     def sequences(self) -> builtins.list[int]: ...
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
+    def write_groups(
+        self, sequence: int, groups: Sequence[tuple[int, str, bytes]]
+    ) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
     def write_partials(
         self,
@@ -120,7 +139,9 @@ class SnapshotWriter(Protocol):
         siblings: Sequence[PartialSibling],
         resumed: Mapping[int, partials.ResumedRow],
     ) -> FileEntry: ...
-    def compact(self, manifest: Manifest, segments: Sequence[SegmentEntry]) -> Manifest: ...
+    def compact(
+        self, manifest: Manifest, segments: Sequence[SegmentEntry], kind: SegmentKind = ...
+    ) -> Manifest: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
 
@@ -190,12 +211,31 @@ class SnapshotStore:
         )
         return SegmentEntry(entry, len(rows), row_ids, RowIdSet(), sequence)
 
+    def write_groups(self, sequence: int, groups: Sequence[tuple[int, str, bytes]]) -> SegmentEntry:
+        """Write ``(group_id, state, meta JSON)`` of changed groups as a new group segment of
+        snapshot ``sequence``; like :meth:`write_segment`, durable and unpublished on return."""
+        ids = np.fromiter((g[0] for g in groups), dtype=np.int64, count=len(groups))
+        group_ids = RowIdSet.from_ids(ids)
+        if not groups or len(group_ids) != len(groups):
+            raise ValueError("a group segment needs at least one group, each once")
+        entry = self.write_batches(
+            file_name(sequence, ".groups.arrow"),
+            groups_to_batches(groups),
+            FaultPoint.SIDECAR_WRITE_MID,
+            SegmentKind.GROUPS,
+        )
+        return SegmentEntry(entry, len(groups), group_ids, RowIdSet(), sequence)
+
     def write_batches(
-        self, name: str, batches: Iterator[pa.RecordBatch], fault: FaultPoint
+        self,
+        name: str,
+        batches: Iterator[pa.RecordBatch],
+        fault: FaultPoint,
+        kind: SegmentKind = SegmentKind.SAMPLES,
     ) -> FileEntry:
         """Write an Arrow IPC segment file ``segments/<name>``, whole and durable on return."""
         path = f"{SEGMENTS}/{name}"
-        return segments.write_file(self.backend, path, batches, fault, self._checksum)
+        return segments.write_file(self.backend, path, batches, fault, self._checksum, kind)
 
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry:
         """Write an already encoded JSON object as the sidecar of snapshot ``sequence``."""
@@ -329,18 +369,29 @@ class SnapshotStore:
         )
         return [problem] if problem else []
 
-    def _read_verified(self, entry: FileEntry) -> pa.Buffer:
+    def _read_verified(self, entry: FileEntry, threads: int = 1) -> pa.Buffer:
         buffer = self.backend.read(entry.path)
         if buffer.size != entry.size:
             raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
-        problem = self._checksum_problem(entry, [memoryview(buffer).cast("B")])
-        if problem:
+        parts = min(threads, -(-buffer.size // _VERIFY_PART))
+        value = checksum_parts(
+            memoryview(buffer).cast("B"),  # type: ignore[arg-type]
+            checksum_algorithm(entry.checksum),
+            parts,
+            _verifiers(),
+        )
+        if value != entry.checksum:
+            problem = f"{entry.path}: checksum {value}, manifest says {entry.checksum}"
             raise CorruptSnapshot(-1, [problem])
         return buffer
 
-    def open_segment(self, segment: SegmentEntry) -> pa.ipc.RecordBatchFileReader:
-        """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ."""
-        return segments.open_reader(self._read_verified(segment.file), segment)
+    def open_segment(
+        self, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES, *, threads: int = 1
+    ) -> pa.ipc.RecordBatchFileReader:
+        """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ.
+        ``threads`` checksum it at once: a restore, which has the machine to itself, uses
+        several; compaction, which runs beside the service's event loop, one."""
+        return segments.open_reader(self._read_verified(segment.file, threads), segment, kind)
 
     def open(self, manifest: Manifest) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails."""
@@ -348,11 +399,21 @@ class SnapshotStore:
         if problems:
             raise CorruptSnapshot(manifest.sequence, problems)
         try:
-            segments = [(s, self.open_segment(s)) for s in manifest.segments]
+            segments = []
+            for n, s in enumerate(manifest.segments, 1):
+                segments.append((s, self.open_segment(s, threads=_VERIFY_THREADS)))
+                log.info(
+                    "snapshot %d: segment %d/%d verified (%.1f MB)",
+                    manifest.sequence,
+                    n,
+                    len(manifest.segments),
+                    s.file.size / 1e6,
+                )
+            groups = [(s, self.open_segment(s, SegmentKind.GROUPS)) for s in manifest.groups]
             sidecar = self._parse_sidecar(self._read_verified(manifest.sidecar), manifest.sidecar)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
-        return Snapshot(manifest, sidecar, segments)
+        return Snapshot(manifest, sidecar, segments, groups)
 
     @staticmethod
     def _parse_sidecar(buffer: pa.Buffer, entry: FileEntry) -> dict[str, Any]:
@@ -407,10 +468,13 @@ class SnapshotStore:
     # --- retention and the journal (retention.py, journal.py) ---------------------------------
 
     def compact(
-        self, manifest: Manifest, segments: Sequence[SegmentEntry] | None = None
+        self,
+        manifest: Manifest,
+        segments: Sequence[SegmentEntry] | None = None,
+        kind: SegmentKind = SegmentKind.SAMPLES,
     ) -> Manifest:
         """See :func:`retention.compact`."""
-        return retention.compact(self, manifest, segments)
+        return retention.compact(self, manifest, segments, kind)
 
     def retire(
         self, keep_latest: int, keep: Callable[[Manifest], bool] | None = None

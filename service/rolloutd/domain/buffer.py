@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
-from rolloutd.domain.group import Group, GroupMeta, GroupState, Position, Sample
+from rolloutd.domain.group import Group, GroupMeta, GroupState, KeptSamples, Position, Sample
 
 ACKED_LEASES_REMEMBERED = 65_536
 """Finalized leases remembered so that a late retry of their ack still succeeds."""
@@ -67,6 +67,9 @@ class BufferState:
     acks: Mapping[str, AckRecord]
     finalized_leases: Mapping[str, int]
     next_row_id: int
+    kept_rows: Mapping[int, KeptSamples] = field(default_factory=dict)
+    """In a state to restore from: group id -> the rows a snapshot kept in its buffers (besides
+    ``new_rows``, which a restore leaves empty). Never part of a capture."""
 
     @property
     def empty(self) -> bool:
@@ -106,6 +109,8 @@ class RolloutBuffer:
     _uncaptured_groups: set[int] = field(default_factory=set)
     """Groups added since the last capture; their removal leaves nothing to report."""
     _finalized_new: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    _acked_groups: int = 0
+    """Groups listed by ``acks``, kept as a count: admission asks for it before every group."""
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -117,7 +122,7 @@ class RolloutBuffer:
 
     @property
     def acked_groups(self) -> int:
-        return sum(len(r.group_ids) for r in self.acks.values())
+        return self._acked_groups
 
     @property
     def ready_count(self) -> int:
@@ -228,6 +233,7 @@ class RolloutBuffer:
             )
         self.leases.pop(record.lease_id, None)
         self.acks[record.lease_id] = replace(record, group_ids=present)
+        self._acked_groups += len(present)
         return [gid for gid in record.group_ids if gid not in self.groups]
 
     def expired_leases(self, now: float) -> list[Lease]:
@@ -247,6 +253,7 @@ class RolloutBuffer:
         dropped: list[Group] = []
         for record in done:
             del self.acks[record.lease_id]
+            self._acked_groups -= len(record.group_ids)
             dropped.extend(self.remove(gid) for gid in record.group_ids)
         ledger = {r.lease_id: r.trainer_step for r in done}
         remember_finalized(self.finalized_leases, ledger)
@@ -261,6 +268,7 @@ class RolloutBuffer:
         groups: list[Group] = []
         for record in undone:
             del self.acks[record.lease_id]
+            self._acked_groups -= len(record.group_ids)
             for gid in record.group_ids:
                 g = self.groups[gid]
                 self._change(g, state=GroupState.COMMITTED, lease_id=None, ack_step=None)
@@ -271,8 +279,12 @@ class RolloutBuffer:
     def remove(self, group_id: int) -> Group:
         """Removes a group and its rows (finalized or evicted)."""
         g = self.groups.pop(group_id)
-        for index in g.samples:
-            self._forget_row(self._row_ids.pop((group_id, index)))
+        if isinstance(g.samples, KeptSamples):
+            for row_id in g.samples.row_ids().values():
+                self._forget_row(row_id)
+        else:
+            for index in g.samples:
+                self._forget_row(self._row_ids.pop((group_id, index)))
         if g.state is GroupState.COMMITTED:
             self._ready.remove(group_id)
         if group_id in self._uncaptured_groups:
@@ -330,7 +342,9 @@ class RolloutBuffer:
         remember_finalized(self._finalized_new, newer)
 
     def load(self, state: BufferState) -> None:
-        """Rebuilds the buffer from a whole state; nothing is marked as changed."""
+        """Rebuilds the buffer from a whole state; nothing is marked as changed. Finished
+        groups keep the rows of ``state.kept_rows`` as they are (no object per row); a
+        generating group's become plain samples, since its missing siblings are staged next."""
         if self.groups:
             raise InvariantError("restore into a non-empty buffer")
         for meta in state.groups.values():
@@ -340,7 +354,15 @@ class RolloutBuffer:
         for row_id, gid, sample in state.new_rows:
             self.groups[gid].samples[sample.index] = sample
             self._row_ids[(gid, sample.index)] = row_id
+        for gid, kept in state.kept_rows.items():
+            g = self.groups[gid]
+            if g.state is GroupState.GENERATING:  # staged into again: its rows become objects
+                g.samples = dict(kept)
+                self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
+            else:
+                g.samples = kept
         self.leases, self.acks = dict(state.leases), dict(state.acks)
+        self._acked_groups = sum(len(r.group_ids) for r in self.acks.values())
         self.finalized_leases = OrderedDict(state.finalized_leases)
         self._next_row_id = state.next_row_id
         ready = sorted(

@@ -207,6 +207,10 @@ class Controller:
         self._resumable: dict[tuple[int, int], PartialSibling] = {}
         """Partial siblings a restore found, until ``resume_group`` continues or discards them."""
         self._changed = asyncio.Condition()
+        """Admission waits on it for room; every change notifies it."""
+        self._fetchable = asyncio.Condition()
+        """Fetches wait on it for ready groups: a change wakes as many of them as there are
+        ready groups (all of them when draining or failed), not every waiting trainer."""
         self._loops: list[asyncio.Task[None]] = []
         self._admitting = False
         self._draining = False
@@ -464,6 +468,11 @@ class Controller:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+        async with self._fetchable:
+            if self._draining or self.fatal is not None:
+                self._fetchable.notify_all()
+            else:
+                self._fetchable.notify(self.buffer.ready_count)
 
     # --- trainer-facing operations ---------------------------------------------------------
 
@@ -516,10 +525,10 @@ class Controller:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            async with self._changed:
+            async with self._fetchable:
                 try:
                     await asyncio.wait_for(
-                        self._changed.wait_for(self._fetch_may_proceed),
+                        self._fetchable.wait_for(self._fetch_may_proceed),
                         remaining,
                     )
                 except TimeoutError:

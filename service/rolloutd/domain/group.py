@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from abc import abstractmethod
 from array import array
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +69,27 @@ class Sample:
     parts: tuple[SamplePart, ...] = ()
 
 
+class KeptSamples(MutableMapping[int, Sample]):
+    """A restored group's siblings left in the snapshot's verified buffers: sibling index ->
+    :class:`Sample`, each built only when it is read (delivered).
+
+    A restore builds one of these per group instead of one object per row, so restoring 100k
+    rows costs what reading their bytes costs. Only finished groups keep their rows this way
+    (they are never staged into); writing to one is a bug. ``checkpoint/segments.py`` implements
+    it over Arrow record batches.
+    """
+
+    @abstractmethod
+    def row_ids(self) -> dict[int, int]:
+        """Sibling index -> row id of each kept row (what removing the group reports)."""
+
+    def __setitem__(self, index: int, sample: Sample) -> None:
+        raise TypeError("the kept rows of a restored group are read-only")
+
+    def __delitem__(self, index: int) -> None:
+        raise TypeError("the kept rows of a restored group are read-only")
+
+
 class GroupState(enum.Enum):
     """Lifecycle of a group; a group is in exactly one state."""
 
@@ -120,7 +143,9 @@ class Group:
     siblings. Invariant: ``len(samples) <= meta.group_size``."""
 
     meta: GroupMeta
-    samples: dict[int, Sample] = field(default_factory=dict)
+    samples: MutableMapping[int, Sample] = field(default_factory=dict)
+    """Staged siblings by index: a dict, or after a restore a finished group's
+    :class:`KeptSamples`."""
 
     @property
     def group_id(self) -> int:

@@ -63,6 +63,8 @@ class RowKind(enum.Enum):
 
 class SizePart(enum.Enum):
     SEGMENTS = "segments"
+    GROUPS = "groups"
+    """Group segments: the metadata of the groups that changed."""
     SIDECAR = "sidecar"
     TOTAL = "total"
 

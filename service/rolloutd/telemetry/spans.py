@@ -42,7 +42,7 @@ class CheckpointAttr:
     ROWS = "rolloutd.checkpoint.rows"
     """Prefix: ``rolloutd.checkpoint.rows.<new|removed|live>``."""
     BYTES = "rolloutd.checkpoint.bytes"
-    """Prefix: ``rolloutd.checkpoint.bytes.<segments|sidecar|total>``."""
+    """Prefix: ``rolloutd.checkpoint.bytes.<segments|groups|sidecar|total>``."""
     PHASE = "rolloutd.checkpoint.phase"
 
 
