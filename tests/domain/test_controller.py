@@ -4,7 +4,7 @@ from collections.abc import Mapping
 import pytest
 
 from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rolloutd.domain.group import GroupState, Prompt
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver
 from rolloutd.domain.sampler import Sampler
@@ -144,7 +144,7 @@ async def test_fetch_returns_none_after_waiting_when_nothing_is_ready(running):
     assert await c.fetch(1, 30, "t") is None
 
 
-async def test_each_ready_group_reaches_a_waiting_fetch_and_drain_releases_the_rest(running):
+async def test_each_ready_group_reaches_a_waiting_fetch_and_drain_refuses_the_rest(running):
     engine = GatedEngine()
     c = running(engine)
     await settle(lambda: len(engine.requests) == 12)
@@ -158,7 +158,9 @@ async def test_each_ready_group_reaches_a_waiting_fetch_and_drain_releases_the_r
     assert len(set(leased)) == 3
     await c.begin_drain()
     await settle(lambda: all(t.done() for t in waiting))
-    assert [t.result() for t in waiting if t.result() is None] == [None]
+    refused = [t for t in waiting if t.exception() is not None]
+    assert len(refused) == 1  # the one still waiting is told the service is going away
+    assert isinstance(refused[0].exception(), Unavailable)
 
 
 async def test_update_weights_requires_a_newer_version(running):
