@@ -28,6 +28,7 @@ from rolloutd.checkpoint.faults import FaultPoint, fault_point
 MANIFESTS = "manifests"
 SEGMENTS = "segments"
 SIDECARS = "sidecars"
+SUBMISSIONS = "submissions"
 JOURNAL = "journal"
 TRASH = "trash"
 TMP = "tmp"

@@ -5,7 +5,8 @@
                       snapshot, changed group metadata, sampler cursor, leases, acks, counters.
                       No I/O and no serialization: pointer work proportional to the delta only.
 3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment.
-4. ``sidecar_write``  write controller state as JSON.
+4. ``sidecar_write``  write controller state as JSON, and the prompts submitted since the parent
+                      snapshot as a submissions piece (submissions.py).
 5. ``commit``         fsync and publish atomically; then retention.
 
 A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
@@ -222,10 +223,12 @@ class Checkpointer:
             RowKind.REMOVED: manifest.removed_rows,
             RowKind.LIVE: manifest.live_rows,
         }
-        written_segments = manifest.written_bytes - manifest.sidecar.size
+        written_submissions = manifest.written_submission_bytes
+        written_segments = manifest.written_bytes - manifest.sidecar.size - written_submissions
         report.size_bytes = {
             SizePart.SEGMENTS: written_segments,
             SizePart.SIDECAR: manifest.sidecar.size,
+            SizePart.SUBMISSIONS: written_submissions,
             SizePart.TOTAL: manifest.written_bytes,
         }
 
@@ -251,6 +254,11 @@ class Checkpointer:
                 else None
             )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
+            held = self._parent.submissions if self._parent is not None else ()
+            since = capture.sampler.submitted[
+                sum(p.count for p in held) : capture.sampler.submitted_len
+            ]
+            pieces = await asyncio.to_thread(self.store.write_submissions, sequence, held, since)
             groups = dict(self._groups)
             for gid, meta in delta.groups.items():
                 if meta is None:
@@ -273,6 +281,7 @@ class Checkpointer:
                 tag=report.tag,
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
+                submissions=pieces,
             )
             chosen = plan_compaction(manifest, self.config.compact_segments)
             if chosen:

@@ -393,6 +393,38 @@ class SegmentEntry:
 
 
 @dataclass(frozen=True)
+class SubmissionsEntry:
+    """A piece of the submitted-prompt log (submissions.py) as listed by a snapshot.
+
+    Invariants: the piece holds prompts ``first .. first + count`` of the submitted list, in order;
+    a manifest's pieces are contiguous from 0; ``written_by`` is the snapshot that wrote the file
+    (later snapshots list it unchanged, until a merge replaces it).
+    """
+
+    file: FileEntry
+    first: int
+    count: int
+    written_by: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.file.to_json(),
+            "first": self.first,
+            "count": self.count,
+            "written_by": self.written_by,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> SubmissionsEntry:
+        return cls(
+            file=FileEntry.from_json(value),
+            first=int(value["first"]),
+            count=int(value["count"]),
+            written_by=int(value["written_by"]),
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What one snapshot holds; its publication makes the snapshot exist.
 
@@ -414,6 +446,8 @@ class Manifest:
     new_rows: int = 0
     removed_rows: int = 0
     format_version: int = FORMAT_VERSION
+    submissions: tuple[SubmissionsEntry, ...] = ()
+    """Pieces of the submitted-prompt log, oldest first (absent from older manifests)."""
 
     @property
     def live_rows(self) -> int:
@@ -425,16 +459,31 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return self.segment_bytes + self.sidecar.size
+        return self.segment_bytes + self.sidecar.size + sum(p.file.size for p in self.submissions)
+
+    @property
+    def submitted(self) -> int:
+        """Prompts the submitted-prompt log of this snapshot holds."""
+        return sum(piece.count for piece in self.submissions)
+
+    @property
+    def written_submission_bytes(self) -> int:
+        """Bytes of submitted-prompt pieces this snapshot wrote itself (new or merged)."""
+        return sum(p.file.size for p in self.submissions if p.written_by == self.sequence)
 
     @property
     def written_bytes(self) -> int:
-        """Bytes this snapshot wrote itself (new or compacted segments and its sidecar)."""
+        """Bytes this snapshot wrote itself (new or compacted segments, submitted-prompt pieces
+        and its sidecar)."""
         new = (s.file.size for s in self.segments if s.written_by == self.sequence)
-        return sum(new) + self.sidecar.size
+        return sum(new) + self.sidecar.size + self.written_submission_bytes
 
     def files(self) -> tuple[FileEntry, ...]:
-        return (*(segment.file for segment in self.segments), self.sidecar)
+        return (
+            *(segment.file for segment in self.segments),
+            self.sidecar,
+            *(piece.file for piece in self.submissions),
+        )
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -449,6 +498,10 @@ class Manifest:
             "rows": {"new": self.new_rows, "removed": self.removed_rows, "live": self.live_rows},
             "segments": [segment.to_json() for segment in self.segments],
             "sidecar": self.sidecar.to_json(),
+            # only when there are any: manifests without submissions stay as they were
+            **(
+                {"submissions": [p.to_json() for p in self.submissions]} if self.submissions else {}
+            ),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -484,11 +537,17 @@ class Manifest:
                 new_rows=int(body["rows"]["new"]),
                 removed_rows=int(body["rows"]["removed"]),
                 format_version=int(body["format_version"]),
+                submissions=tuple(
+                    SubmissionsEntry.from_json(p) for p in body.get("submissions", [])
+                ),
             )
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise FormatError(f"manifest is not valid: {exc!r}") from exc
         if manifest.live_rows != body["rows"]["live"]:
             raise FormatError("manifest live row count disagrees with its segments")
+        firsts = itertools.accumulate((p.count for p in manifest.submissions), initial=0)
+        if any(p.first != first for p, first in zip(manifest.submissions, firsts, strict=False)):
+            raise FormatError("manifest submission pieces are not contiguous from 0")
         return manifest
 
 
@@ -508,12 +567,14 @@ def next_manifest(
     tag: str = "",
     trainer_step: int | None = None,
     fingerprint: Mapping[str, Any] | None = None,
+    submissions: Sequence[SubmissionsEntry] | None = None,
 ) -> Manifest:
     """The manifest of snapshot ``sequence``: ``parent``'s live rows, minus ``removed``, plus new.
 
     ``removed`` holds the ids of rows removed since ``parent``; ids that no listed segment holds
     (rows staged and removed between two snapshots, or removed before) are ignored. Segments left
     without a live row are dropped. ``parent=None`` makes a full snapshot of ``new_segment`` alone.
+    ``submissions`` lists the submitted-prompt pieces (default: the parent's).
     """
     if parent is not None and sequence <= parent.sequence:
         raise ValueError(f"sequence {sequence} is not after its parent {parent.sequence}")
@@ -550,6 +611,11 @@ def next_manifest(
         fingerprint=dict(fingerprint or {}),
         new_rows=new_segment.rows if new_segment is not None else 0,
         removed_rows=removed_rows,
+        submissions=tuple(
+            submissions
+            if submissions is not None
+            else (parent.submissions if parent is not None else ())
+        ),
     )
 
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from rolloutd.checkpoint import sidecar
+from rolloutd.checkpoint import sidecar, submissions
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
 from rolloutd.checkpoint.store import SnapshotReader
@@ -132,6 +132,7 @@ async def _run(
 
     with clock.phase(RestorePhase.DATALOADER):
         state = sidecar.decode(snapshot.sidecar)  # cursor, submitted and re-admitted prompts
+        state = submissions.attach(state, snapshot.submitted)
 
     with clock.phase(RestorePhase.BUFFER):
         rows = await asyncio.to_thread(snapshot.rows)

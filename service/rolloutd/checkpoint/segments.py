@@ -26,6 +26,7 @@ from rolloutd.checkpoint.format import (
     SegmentEntry,
     batch_to_rows,
 )
+from rolloutd.domain.group import Prompt
 
 
 class SegmentWriter:
@@ -107,7 +108,8 @@ def open_reader(buffer: pa.Buffer, segment: SegmentEntry) -> pa.ipc.RecordBatchF
 
 @dataclass
 class Snapshot:
-    """A published snapshot whose every file verified, holding the verified bytes.
+    """A published snapshot whose every file verified, holding the verified bytes, and the
+    prompts of its submitted-prompt pieces.
 
     Decoding reads the same bytes that were checked, so a restore reads each file once. The
     bytes (memory-mapped locally, in memory from an object store) are held until it is dropped.
@@ -116,6 +118,8 @@ class Snapshot:
     manifest: Manifest
     sidecar: dict[str, Any]
     _segments: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(repr=False)
+    submitted: list[Prompt] = field(default_factory=list, repr=False)
+    """Every prompt submitted up to this snapshot, in order (submissions.py)."""
 
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
         for segment, reader in self._segments:

@@ -5,6 +5,7 @@ Layout under the root (a directory, ``file://`` URL or any fsspec URL such as ``
     manifests/<sequence>.json            a snapshot exists exactly when its manifest does
     segments/<sequence>-<token>.arrow    Arrow IPC file of sample rows, shared by later snapshots
     sidecars/<sequence>-<token>.json     controller state of one snapshot
+    submissions/<sequence>-<token>.jsonl submitted prompts, shared by later snapshots (submissions.py)
     journal/                             acks, leases, submissions, id reservations (journal.py)
     trash/, tmp/                         retention (retention.py), files being written (backends.py)
 
@@ -37,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from rolloutd.checkpoint import retention, segments
+from rolloutd.checkpoint import retention, segments, submissions
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
     SEGMENTS,
@@ -61,12 +62,14 @@ from rolloutd.checkpoint.format import (
     Row,
     RowIdSet,
     SegmentEntry,
+    SubmissionsEntry,
     checksum_algorithm,
     rows_to_batches,
 )
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
+from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SkippedSnapshot
 from rolloutd.domain.state import Journaled
 
@@ -111,6 +114,9 @@ class SnapshotWriter(Protocol):
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
+    def write_submissions(
+        self, sequence: int, parent: Sequence[SubmissionsEntry], prompts: Sequence[Prompt]
+    ) -> tuple[SubmissionsEntry, ...]: ...
     def compact(self, manifest: Manifest, segments: Sequence[SegmentEntry]) -> Manifest: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
@@ -202,6 +208,12 @@ class SnapshotStore:
             sink.abort()
             raise
         return FileEntry(path, len(data), hasher.value)
+
+    def write_submissions(
+        self, sequence: int, parent: Sequence[SubmissionsEntry], prompts: Sequence[Prompt]
+    ) -> tuple[SubmissionsEntry, ...]:
+        """See :func:`submissions.extend`."""
+        return submissions.extend(self.backend, self._checksum, sequence, parent, prompts)
 
     def publish(self, manifest: Manifest) -> None:
         """Make ``manifest`` the newest snapshot, atomically and durably.
@@ -308,9 +320,10 @@ class SnapshotStore:
         try:
             segments = [(s, self.open_segment(s)) for s in manifest.segments]
             sidecar = self._parse_sidecar(self._read_verified(manifest.sidecar), manifest.sidecar)
+            submitted = submissions.read(self.backend, manifest.submissions)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
-        return Snapshot(manifest, sidecar, segments)
+        return Snapshot(manifest, sidecar, segments, submitted)
 
     @staticmethod
     def _parse_sidecar(buffer: pa.Buffer, entry: FileEntry) -> dict[str, Any]:

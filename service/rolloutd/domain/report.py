@@ -64,6 +64,7 @@ class RowKind(enum.Enum):
 class SizePart(enum.Enum):
     SEGMENTS = "segments"
     SIDECAR = "sidecar"
+    SUBMISSIONS = "submissions"
     TOTAL = "total"
 
 
