@@ -20,7 +20,7 @@ from rolloutd.checkpoint.format import ChecksumAlgorithm
 from rolloutd.checkpoint.inspect import main as checkpoints
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.domain.controller import Controller, ControllerConfig
-from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.errors import FailedPrecondition
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import Outcome, SizePart, Trigger
 from rolloutd.domain.sampler import Admission, Sampler
@@ -137,7 +137,7 @@ async def test_restore_rebuilds_the_queue_and_idempotency_from_pieces_and_journa
     await b.restore()
     # prompts admitted before the snapshot, queued in it, and journaled after it
     assert await b.submit(0, 9) == (0, 9)
-    with pytest.raises(InvalidArgument, match="'s0' was submitted before with another text"):
+    with pytest.raises(FailedPrecondition, match="'s0' was submitted before with another text"):
         await b.controller.submit([Admission(Prompt("s0", "not the same text"), None)])
     b.controller.start()
     delivered = []
@@ -212,6 +212,18 @@ async def test_a_damaged_piece_skips_its_snapshot_and_restore_falls_back(node, d
     out = io.StringIO()
     assert checkpoints(["verify", "--dir", a.location.url, *_options(a.location)], out) == 1
     assert piece.file.path in out.getvalue()
+    out = io.StringIO()
+    checkpoints(["list", "--json", "--dir", a.location.url, *_options(a.location)], out)
+    status = {r["sequence"]: r["status"] for r in json.loads(out.getvalue())}
+    # list compares sizes only: a missing piece shows, a flipped byte needs verify
+    assert status == {
+        newer.sequence: "damaged" if damage == "delete" else "unverified",
+        older.sequence: "unverified",
+    }
+    out = io.StringIO()
+    checkpoints(["show", str(newer.sequence), "--dir", a.location.url, *_options(a.location)], out)
+    shown = json.loads(out.getvalue())["submissions"]
+    assert [(p["first"], p["count"], p["path"]) for p in shown][-1] == (20, 5, piece.file.path)
 
     b = node()
     report = await b.restore()
@@ -237,15 +249,4 @@ async def test_a_piece_that_is_not_what_its_manifest_says_is_corrupt(tmp_path):
 
 
 def _options(location: Location) -> list[str]:
-    """``--storage-option`` arguments for the inspect command (flattened, dotted keys)."""
-    args: list[str] = []
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        else:
-            args.extend(["--storage-option", f"{prefix[:-1]}={json.dumps(value)}"])
-
-    walk("", location.options)
-    return args
+    return [f"--storage-option={k}={json.dumps(v)}" for k, v in location.options.items()]

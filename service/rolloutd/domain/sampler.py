@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rolloutd.domain.errors import InvalidArgument, ResourceExhausted
+from rolloutd.domain.errors import FailedPrecondition, ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
 
 
@@ -144,7 +144,7 @@ class Sampler:
         """The prompts not submitted before; a prompt id submitted with another prompt fails."""
         fresh: list[Prompt] = []
         batch: dict[str, Prompt] = {}
-        for i, p in enumerate(given):
+        for p in given:
             earlier = self._submitted_ids.get(p.prompt_id) or batch.get(p.prompt_id)
             if earlier is None:
                 batch[p.prompt_id] = p
@@ -155,10 +155,9 @@ class Sampler:
                     for f in ("text", "messages", "metadata")
                     if getattr(earlier, f) != getattr(p, f)
                 ]
-                raise InvalidArgument(
-                    f"prompts[{i}].prompt_id",
+                raise FailedPrecondition(
                     f"prompt {p.prompt_id!r} was submitted before with another "
-                    f"{' and '.join(differing)}; a prompt id names one prompt",
+                    f"{' and '.join(differing)}; a prompt id names one prompt"
                 )
         return fresh
 
