@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from rolloutd.checkpoint import submissions
+from rolloutd.checkpoint import sidecar, submissions
 from rolloutd.checkpoint.backends import SUBMISSIONS, CorruptSnapshot
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import ChecksumAlgorithm
@@ -250,3 +250,30 @@ async def test_a_piece_that_is_not_what_its_manifest_says_is_corrupt(tmp_path):
 
 def _options(location: Location) -> list[str]:
     return [f"--storage-option={k}={json.dumps(v)}" for k, v in location.options.items()]
+
+
+async def test_a_snapshot_of_the_earlier_layout_restores_and_moves_its_prompts_to_a_piece(node):
+    """A sidecar written before pieces existed holds every submitted prompt itself."""
+    a = node(keep_latest=3)
+    await a.submit(0, 7)
+    old = await a.checkpoint()
+    manifest = a.store.load(old.sequence)
+    data = json.loads(a.location.read(manifest.sidecar.path))
+    del data["sampler"]["submitted_len"]
+    data["sampler"]["submitted"] = [sidecar.to_json(prompt(i)) for i in range(7)]
+    legacy = replace(
+        manifest,
+        sequence=old.sequence + 1,
+        sidecar=a.store.write_sidecar_json(old.sequence + 1, json.dumps(data).encode()),
+        submissions=(),
+    )
+    a.store.publish(legacy)
+    await a.controller.stop()
+
+    b = node(keep_latest=3)
+    report = await b.restore()
+    assert report.sequence == legacy.sequence and report.skipped == []
+    assert b.controller.sampler.pending == 7
+    assert await b.submit(0, 8) == (1, 7)
+    moved = await b.checkpoint()
+    assert [(p.first, p.count) for p in b.store.load(moved.sequence).submissions] == [(0, 8)]

@@ -41,13 +41,13 @@ from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.state import ControllerState
 
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+"""One encoder for every line: ``json.dumps`` with options builds a new one per call."""
+
 
 def encode(prompts: Sequence[Prompt]) -> bytes:
     """JSON Lines, one prompt a line (JSON escapes every newline inside a value)."""
-    return b"".join(
-        json.dumps(to_json(p), separators=(",", ":"), allow_nan=False).encode() + b"\n"
-        for p in prompts
-    )
+    return "".join(_JSON.encode(to_json(p)) + "\n" for p in prompts).encode()
 
 
 def decode(data: bytes, piece: SubmissionsEntry) -> list[Prompt]:
