@@ -16,7 +16,7 @@ import pytest
 from rolloutd.checkpoint import sidecar, submissions
 from rolloutd.checkpoint.backends import SUBMISSIONS, CorruptSnapshot
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.format import ChecksumAlgorithm
+from rolloutd.checkpoint.format import ChecksumAlgorithm, FormatError, Manifest, next_manifest
 from rolloutd.checkpoint.inspect import main as checkpoints
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.domain.controller import Controller, ControllerConfig
@@ -277,3 +277,20 @@ async def test_a_snapshot_of_the_earlier_layout_restores_and_moves_its_prompts_t
     assert await b.submit(0, 8) == (1, 7)
     moved = await b.checkpoint()
     assert [(p.first, p.count) for p in b.store.load(moved.sequence).submissions] == [(0, 8)]
+
+
+def test_a_manifest_lists_its_pieces_and_refuses_a_gap(tmp_path):
+    store = Location(str(tmp_path / "store")).open()
+    one = submissions.extend(store.backend, ChecksumAlgorithm.CRC32, 1, (), [prompt(0)] * 40)
+    two = submissions.extend(store.backend, ChecksumAlgorithm.CRC32, 2, one, [prompt(1)])
+    assert [(p.first, p.count, p.written_by) for p in two] == [(0, 40, 1), (40, 1, 2)]
+    sidecar_entry = store.write_sidecar_json(2, b"{}")
+    manifest = next_manifest(
+        None, sequence=2, created_at=0.0, sidecar=sidecar_entry, submissions=two
+    )
+    again = Manifest.from_json(manifest.to_json())
+    assert again.submissions == two and again.submitted == 41
+    assert set(manifest.files()) == {sidecar_entry, two[0].file, two[1].file}
+    gap = replace(manifest, submissions=(two[0], replace(two[1], first=41)))
+    with pytest.raises(FormatError, match="not contiguous"):
+        Manifest.from_json(gap.to_json())

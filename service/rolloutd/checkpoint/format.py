@@ -1,7 +1,8 @@
 """Snapshot format: the Arrow schema of a sample row, row-id sets, checksums and the manifest.
 
-A snapshot is a manifest that lists immutable files: Arrow IPC *segments* holding sample rows and
-one JSON *sidecar* holding controller state. Segments use the IPC file format, uncompressed, with
+A snapshot is a manifest that lists immutable files: Arrow IPC *segments* holding sample rows,
+one JSON *sidecar* holding controller state, and JSON Lines *submissions pieces* holding the
+submitted prompts (submissions.py). Segments use the IPC file format, uncompressed, with
 :data:`SAMPLE_SCHEMA`, so ``pyarrow.ipc.open_file``, ``polars.read_ipc`` and duckdb open them as
 they are. Snapshots are incremental: a segment written by one snapshot is listed again by later
 ones, each listing also the ids of its rows that are no longer live.
