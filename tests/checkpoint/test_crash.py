@@ -59,7 +59,9 @@ def _assert_consistent(location: Location, newest: int) -> None:
 def _assert_no_garbage(location: Location) -> None:
     store = location.open()
     referenced = {e.path for m in store.list() for e in m.files()}
-    stored = {f"{d}/{n}" for d in ("segments", "sidecars") for n in location.listdir(d)}
+    stored = {
+        f"{d}/{n}" for d in ("segments", "sidecars", "submissions") for n in location.listdir(d)
+    }
     assert stored == referenced
     assert location.listdir("trash") == []
     assert location.listdir("tmp") == []

@@ -61,7 +61,11 @@ async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
     assert decoded.buffer.acks == capture.buffer.acks
     assert decoded.buffer.finalized_leases == capture.buffer.finalized_leases != {}
     assert decoded.sampler.cursor == capture.sampler.cursor
-    assert decoded.sampler.submitted_prompts == capture.sampler.submitted_prompts != []
+    # the prompts themselves are in the snapshot's submissions pieces; the sidecar counts them
+    assert decoded.sampler.submitted_len == capture.sampler.submitted_len == 1
+    assert decoded.sampler.submitted_prompts == [] and "submitted" not in json.dumps(
+        sidecar.head(capture)["sampler"]
+    ).replace("submitted_", "")
     assert decoded.counters == capture.counters
     assert (decoded.next_group_id, decoded.max_acked_step, decoded.finalized_through) == (
         capture.next_group_id,

@@ -69,7 +69,8 @@ def test_capture_is_a_stable_cut_while_the_sampler_moves_on():
     s.submit([Prompt("b", "y")])
     s.next()
     state = sidecar.sampler_to_json(cut)
-    assert [p["id"] for p in state["submitted"]] == ["a"] and state["submitted_head"] == 0
+    assert cut.submitted_prompts == [Prompt("a", "x")]
+    assert state["submitted_len"] == 1 and state["submitted_head"] == 0
 
 
 def test_skipped_positions_are_never_admitted():

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rolloutd.checkpoint.inspect import main as checkpoints
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
@@ -134,6 +135,55 @@ def test_prompts_accepted_just_before_a_sigkill_are_delivered_once(tmp_path):
         q.terminate()
     counts = Counter(d for d in delivered if d.startswith("s"))
     assert counts == Counter(submitted), counts
+
+
+def test_submissions_admitted_long_ago_stay_idempotent_after_a_sigkill(tmp_path):
+    """Prompts in a snapshot's submissions pieces (some admitted and acked before it) and
+    prompts only the journal holds: after a SIGKILL each is still known by id and delivered
+    once in all."""
+    early = [pb.Prompt(prompt_id=f"s{i}", text=f"submitted {i}") for i in range(40)]
+    late = [pb.Prompt(prompt_id=f"t{i}", text=f"late {i}") for i in range(5)]
+    p = serve(tmp_path)
+    acked: list[str] = []
+    with grpc.insecure_channel(p.wait_listening()) as channel:
+        stub = stub_of(channel)
+        assert stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=early), timeout=10).accepted == 40
+        while len(acked) < 6:  # submitted prompts go first
+            r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=4, wait_ms=10_000), timeout=15)
+            acked += [g.prompt_id for g in r.groups]
+            stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=10)
+        c = stub.Checkpoint(pb.CheckpointRequest(), timeout=30)
+        assert c.sequence > 0
+        assert stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=late), timeout=10).accepted == 5
+    p.kill()  # the late prompts are in the journal only
+    assert {a for a in acked if a.startswith("s")} >= {"s0", "s1"}
+
+    q = serve(tmp_path)
+    try:
+        with grpc.insecure_channel(q.wait_listening()) as channel:
+            stub = stub_of(channel)
+            again = stub.SubmitPrompts(
+                pb.SubmitPromptsRequest(prompts=[early[0], early[39], late[4]]), timeout=10
+            )
+            assert (again.accepted, again.duplicates) == (0, 3)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.SubmitPrompts(
+                    pb.SubmitPromptsRequest(prompts=[pb.Prompt(prompt_id="s0", text="other")]),
+                    timeout=10,
+                )
+            # a conflict with what was accepted (tests/api/test_contract.py)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "'s0'" in refused.value.details()
+            delivered = drain(stub, 2)
+    finally:
+        q.terminate()
+    counts = Counter(d for d in acked + delivered if d[0] in "st")
+    assert counts == Counter(x.prompt_id for x in early + late), counts
+    store = tmp_path / "ckpt"
+    assert any((store / "submissions").iterdir())
+    assert checkpoints(["verify", "--dir", str(store)]) == 0
+    sampler = json.loads(max((store / "sidecars").iterdir()).read_bytes())["sampler"]
+    assert "submitted" not in sampler and sampler["submitted_len"] == 45  # a count, not prompts
 
 
 def test_an_ack_before_the_first_snapshot_holds_after_a_sigkill(tmp_path):

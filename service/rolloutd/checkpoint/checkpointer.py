@@ -6,8 +6,9 @@
                       No I/O and no serialization: pointer work proportional to the delta only.
 3. ``buffer_save``    write the new rows as one immutable Arrow IPC segment, and the partial
                       tokens of siblings still generating as a file of this snapshot's own.
-4. ``sidecar_write``  write the metadata of changed groups as a group segment, and controller
-                      state (all but rows and groups) as a small JSON sidecar.
+4. ``sidecar_write``  write the metadata of changed groups as a group segment, the prompts
+                      submitted since the parent snapshot as a submissions piece
+                      (submissions.py), and controller state as a small JSON sidecar.
 5. ``commit``         fsync and publish atomically; then retention.
 
 A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
@@ -237,10 +238,12 @@ class Checkpointer:
             RowKind.REMOVED: manifest.removed_rows,
             RowKind.LIVE: manifest.live_rows,
         }
+        written_submissions = manifest.written_submission_bytes
         report.size_bytes = {
             SizePart.SEGMENTS: manifest.written_segment_bytes,
             SizePart.GROUPS: manifest.written_group_bytes,
             SizePart.SIDECAR: manifest.sidecar.size,
+            SizePart.SUBMISSIONS: written_submissions,
             SizePart.TOTAL: manifest.written_bytes,
         }
 
@@ -284,6 +287,11 @@ class Checkpointer:
             groups = (
                 await asyncio.to_thread(self.store.write_groups, sequence, rows) if rows else None
             )
+            held = self._parent.submissions if self._parent is not None else ()
+            since = capture.sampler.submitted[
+                sum(p.count for p in held) : capture.sampler.submitted_len
+            ]
+            pieces = await asyncio.to_thread(self.store.write_submissions, sequence, held, since)
             whole = capture.with_ledger(self._finalized)
             finalized = whole.buffer.finalized_leases
             data = sidecar.encode(whole)
@@ -302,6 +310,7 @@ class Checkpointer:
                 tag=report.tag,
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
+                submissions=pieces,
             )
             manifest = replace(manifest, partials=partials_entry)
             for kind in SegmentKind:

@@ -1,7 +1,8 @@
 """Snapshot format: the Arrow schema of a sample row, row-id sets, checksums and the manifest.
 
-A snapshot is a manifest that lists immutable files: Arrow IPC *segments* holding sample rows and
-one JSON *sidecar* holding controller state. Segments use the IPC file format, uncompressed, with
+A snapshot is a manifest that lists immutable files: Arrow IPC *segments* holding sample rows,
+one JSON *sidecar* holding controller state, and JSON Lines *submissions pieces* holding the
+submitted prompts (submissions.py). Segments use the IPC file format, uncompressed, with
 :data:`SAMPLE_SCHEMA`, so ``pyarrow.ipc.open_file``, ``polars.read_ipc`` and duckdb open them as
 they are. Snapshots are incremental: a segment written by one snapshot is listed again by later
 ones, each listing also the ids of its rows that are no longer live.
@@ -491,6 +492,38 @@ class SegmentEntry:
 
 
 @dataclass(frozen=True)
+class SubmissionsEntry:
+    """A piece of the submitted-prompt log (submissions.py) as listed by a snapshot.
+
+    Invariants: the piece holds prompts ``first .. first + count`` of the submitted list, in order;
+    a manifest's pieces are contiguous from 0; ``written_by`` is the snapshot that wrote the file
+    (later snapshots list it unchanged, until a merge replaces it).
+    """
+
+    file: FileEntry
+    first: int
+    count: int
+    written_by: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.file.to_json(),
+            "first": self.first,
+            "count": self.count,
+            "written_by": self.written_by,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> SubmissionsEntry:
+        return cls(
+            file=FileEntry.from_json(value),
+            first=int(value["first"]),
+            count=int(value["count"]),
+            written_by=int(value["written_by"]),
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What one snapshot holds; its publication makes the snapshot exist.
 
@@ -516,6 +549,8 @@ class Manifest:
     """The snapshot's own partial siblings (checkpoint/partials.py), never inherited."""
     groups: tuple[SegmentEntry, ...] = ()
     """Group segments (format 2; a format-1 sidecar holds every group itself)."""
+    submissions: tuple[SubmissionsEntry, ...] = ()
+    """Pieces of the submitted-prompt log, oldest first (absent from older manifests)."""
 
     @property
     def live_rows(self) -> int:
@@ -532,7 +567,18 @@ class Manifest:
             + sum(g.file.size for g in self.groups)
             + self.sidecar.size
             + self.partials_bytes
+            + sum(p.file.size for p in self.submissions)
         )
+
+    @property
+    def submitted(self) -> int:
+        """Prompts the submitted-prompt log of this snapshot holds."""
+        return sum(piece.count for piece in self.submissions)
+
+    @property
+    def written_submission_bytes(self) -> int:
+        """Bytes of submitted-prompt pieces this snapshot wrote itself (new or merged)."""
+        return sum(p.file.size for p in self.submissions if p.written_by == self.sequence)
 
     @property
     def partials_bytes(self) -> int:
@@ -541,12 +587,13 @@ class Manifest:
     @property
     def written_bytes(self) -> int:
         """Bytes this snapshot wrote itself (new or compacted segments of both kinds, its
-        sidecar and its partials file)."""
+        sidecar, its partials file and new or merged submitted-prompt pieces)."""
         return (
             self.written_segment_bytes
             + self.written_group_bytes
             + self.sidecar.size
             + self.partials_bytes
+            + self.written_submission_bytes
         )
 
     @property
@@ -563,6 +610,7 @@ class Manifest:
             *(segment.file for segment in self.groups),
             self.sidecar,
             *((self.partials,) if self.partials is not None else ()),
+            *(piece.file for piece in self.submissions),
         )
 
     def _body(self) -> dict[str, Any]:
@@ -579,6 +627,10 @@ class Manifest:
             "segments": [segment.to_json() for segment in self.segments],
             "groups": [segment.to_json() for segment in self.groups],
             "sidecar": self.sidecar.to_json(),
+            # only when there are any: manifests without submissions stay as they were
+            **(
+                {"submissions": [p.to_json() for p in self.submissions]} if self.submissions else {}
+            ),
         }
         if self.partials is not None:  # absent otherwise: older readers see the same manifest
             body["partials"] = self.partials.to_json()
@@ -619,11 +671,17 @@ class Manifest:
                 format_version=int(body["format_version"]),
                 partials=FileEntry.from_json(body["partials"]) if "partials" in body else None,
                 groups=tuple(SegmentEntry.from_json(s) for s in body.get("groups", ())),
+                submissions=tuple(
+                    SubmissionsEntry.from_json(p) for p in body.get("submissions", [])
+                ),
             )
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise FormatError(f"manifest is not valid: {exc!r}") from exc
         if manifest.live_rows != body["rows"]["live"]:
             raise FormatError("manifest live row count disagrees with its segments")
+        firsts = itertools.accumulate((p.count for p in manifest.submissions), initial=0)
+        if any(p.first != first for p, first in zip(manifest.submissions, firsts, strict=False)):
+            raise FormatError("manifest submission pieces are not contiguous from 0")
         return manifest
 
 
@@ -664,6 +722,7 @@ def next_manifest(
     tag: str = "",
     trainer_step: int | None = None,
     fingerprint: Mapping[str, Any] | None = None,
+    submissions: Sequence[SubmissionsEntry] | None = None,
 ) -> Manifest:
     """The manifest of snapshot ``sequence``: ``parent``'s live rows, minus ``removed``, plus new.
 
@@ -672,6 +731,7 @@ def next_manifest(
     without a live row are dropped. ``parent=None`` makes a full snapshot of ``new_segment`` alone.
     Group segments go the same way: ``changed_groups`` (changed or dropped since ``parent``) are
     removed from the segments that held them, then ``new_groups`` (their new metadata) is added.
+    ``submissions`` lists the submitted-prompt pieces (default: the parent's).
     """
     if parent is not None and sequence <= parent.sequence:
         raise ValueError(f"sequence {sequence} is not after its parent {parent.sequence}")
@@ -707,6 +767,11 @@ def next_manifest(
         new_rows=new_segment.rows if new_segment is not None else 0,
         removed_rows=removed_rows,
         groups=tuple(groups),
+        submissions=tuple(
+            submissions
+            if submissions is not None
+            else (parent.submissions if parent is not None else ())
+        ),
     )
 
 

@@ -1,10 +1,11 @@
 """Operator commands: ``rolloutd checkpoints list|show|verify --dir URL [--storage-option k=v]``.
 
-``list`` reads manifests only and checks file sizes, so the best it can say is ``unverified``
-(sizes match) or ``damaged``; ``verify`` re-reads every file of every snapshot and compares
-checksums (a segment shared by several snapshots is read once), says ``ok`` or ``corrupt``, and
-exits 1 when anything fails; ``show latest|SEQ|TAG`` prints a manifest. A store that does not
-exist (a mistyped ``--dir``) exits 1; exit status 2 is a usage error.
+A snapshot's files are its segments, its sidecar and its submissions pieces; pieces and segments
+are shared by later snapshots. ``list`` reads manifests only and checks file sizes, so the best
+it can say is ``unverified`` (sizes match) or ``damaged``; ``verify`` re-reads every file of every
+snapshot and compares checksums (a file shared by several snapshots is read once), says ``ok``
+or ``corrupt``, and exits 1 when anything fails; ``show latest|SEQ|TAG`` prints a manifest. A
+store that does not exist (a mistyped ``--dir``) exits 1; exit status 2 is a usage error.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from rolloutd.checkpoint.backends import (
     PARTIALS,
     SEGMENTS,
     SIDECARS,
+    SUBMISSIONS,
     TMP,
     TRASH,
     CorruptSnapshot,
@@ -143,12 +144,12 @@ def retire(
     """Keep the newest ``keep_latest`` readable snapshots and those ``keep`` selects.
 
     Retired manifests are moved to ``trash/`` first (each snapshot disappears whole), then
-    every segment or sidecar no kept manifest lists is deleted, then the trash is emptied and
-    the ack journal pruned up to the oldest kept snapshot's ``acks_through`` (so a fallback to
-    any kept snapshot still finds its acks). Unreadable manifests older than the kept window
-    are retired too; while one is inside the window nothing else is deleted, since the files
-    it lists are unknown. Files of sequences after the newest manifest belong to a snapshot
-    still being written and are left alone.
+    every segment, sidecar or submissions piece no kept manifest lists is deleted, then the
+    trash is emptied and the ack journal pruned up to the oldest kept snapshot's
+    ``acks_through`` (so a fallback to any kept snapshot still finds its acks). Unreadable
+    manifests older than the kept window are retired too; while one is inside the window
+    nothing else is deleted, since the files it lists are unknown. Files of sequences after
+    the newest manifest belong to a snapshot still being written and are left alone.
     """
     if keep_latest < 1:
         raise ValueError(f"keep_latest must be at least 1, not {keep_latest}")
@@ -181,7 +182,7 @@ def retire(
     if not blind and sequences:
         referenced = {entry.path for m in kept for entry in m.files()}
         doomed = []
-        for prefix in (SEGMENTS, SIDECARS, PARTIALS):
+        for prefix in (SEGMENTS, SIDECARS, PARTIALS, SUBMISSIONS):
             for name in store.backend.listdir(prefix):
                 written = sequence_of(name)
                 path = f"{prefix}/{name}"

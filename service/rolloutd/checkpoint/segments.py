@@ -28,7 +28,7 @@ from rolloutd.checkpoint.format import (
     SegmentKind,
     batch_to_rows,
 )
-from rolloutd.domain.group import KeptSamples, Sample, SamplePart
+from rolloutd.domain.group import KeptSamples, Prompt, Sample, SamplePart
 
 
 class SegmentWriter:
@@ -211,7 +211,8 @@ class KeptGroup(KeptSamples):
 
 @dataclass
 class Snapshot:
-    """A published snapshot whose every file verified, holding the verified bytes.
+    """A published snapshot whose every file verified, holding the verified bytes, and the
+    prompts of its submitted-prompt pieces.
 
     Decoding reads the same bytes that were checked, so a restore reads each file once. The
     bytes (memory-mapped locally, in memory from an object store) are held until it is dropped.
@@ -223,6 +224,8 @@ class Snapshot:
     _groups: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(
         default_factory=list, repr=False
     )
+    submitted: list[Prompt] = field(default_factory=list, repr=False)
+    """Every prompt submitted up to this snapshot, in order (submissions.py)."""
 
     def _batches(
         self, kind: SegmentKind = SegmentKind.SAMPLES

@@ -8,7 +8,8 @@ is persisted without being listed again here. Positions are ``[epoch, offset]``,
 
 The layout (format 1)::
 
-    {"format": 1, "sampler": {...}, "controller": {next_group_id, policy_version, weights_path,
+    {"format": 1, "sampler": {cursor, submitted_len, submitted_head, readmit, skip, skip_ids},
+     "controller": {next_group_id, policy_version, weights_path,
      max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
      "finalized_leases": {lease: step}, "lost_acks": [...], "lost_leases": [...]}
 
@@ -157,9 +158,11 @@ def _decoder(kind: Any) -> Callable[[Any], Any]:
 
 
 def sampler_to_json(s: SamplerState) -> dict[str, Any]:
+    """The sampler's small state: the submitted prompts themselves are in the snapshot's
+    submissions pieces (submissions.py); the sidecar holds their count."""
     return {
         "cursor": to_json(s.cursor),
-        "submitted": [_prompt_to_json(p) for p in s.submitted_prompts],
+        "submitted_len": s.submitted_len,
         "submitted_head": s.submitted_head,
         "readmit": to_json(s.readmit),
         "skip": to_json(s.skip),
@@ -168,12 +171,15 @@ def sampler_to_json(s: SamplerState) -> dict[str, Any]:
 
 
 def sampler_from_json(d: Mapping[str, Any]) -> SamplerState:
-    submitted = [_prompt_from_json(p) for p in d["submitted"]]
+    """The sampler's state without its submitted prompts (``submitted`` is empty, but for
+    sidecars of earlier versions, which held them): restore attaches them from the snapshot's
+    submissions pieces (:func:`submissions.attach`)."""
+    submitted = [_prompt_from_json(p) for p in d.get("submitted", [])]
     return SamplerState(
         cursor=from_json(Position, d["cursor"]),
         submitted=submitted,
         submitted_head=int(d["submitted_head"]),
-        submitted_len=len(submitted),
+        submitted_len=int(d.get("submitted_len", len(submitted))),
         readmit=from_json(tuple[Admission, ...], d["readmit"]),
         skip=from_json(tuple[Position, ...], d["skip"]),
         skip_ids=tuple(d["skip_ids"]),

@@ -6,6 +6,7 @@ Layout under the root (a directory, ``file://`` URL or any fsspec URL such as ``
     segments/<sequence>-<token>.arrow    Arrow IPC file of sample rows, shared by later snapshots
     sidecars/<sequence>-<token>.json     controller state of one snapshot
     partials/<sequence>-<token>.arrow    tokens of siblings still generating (partials.py)
+    submissions/<sequence>-<token>.jsonl submitted prompts, shared by later snapshots (submissions.py)
     journal/                             acks, leases, submissions, id reservations (journal.py)
     trash/, tmp/                         retention (retention.py), files being written (backends.py)
 
@@ -40,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from rolloutd.checkpoint import partials, retention, segments
+from rolloutd.checkpoint import partials, retention, segments, submissions
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
     PARTIALS,
@@ -66,6 +67,7 @@ from rolloutd.checkpoint.format import (
     RowIdSet,
     SegmentEntry,
     SegmentKind,
+    SubmissionsEntry,
     checksum_algorithm,
     checksum_parts,
     groups_to_batches,
@@ -75,6 +77,7 @@ from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
 from rolloutd.domain.partial import PartialSibling
+from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SkippedSnapshot
 from rolloutd.domain.state import Journaled
 
@@ -142,6 +145,9 @@ class SnapshotWriter(Protocol):
     def compact(
         self, manifest: Manifest, segments: Sequence[SegmentEntry], kind: SegmentKind = ...
     ) -> Manifest: ...
+    def write_submissions(
+        self, sequence: int, parent: Sequence[SubmissionsEntry], prompts: Sequence[Prompt]
+    ) -> tuple[SubmissionsEntry, ...]: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
 
@@ -284,6 +290,11 @@ class SnapshotStore:
             return partials.read(self._read_verified(entry), entry)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
+    def write_submissions(
+        self, sequence: int, parent: Sequence[SubmissionsEntry], prompts: Sequence[Prompt]
+    ) -> tuple[SubmissionsEntry, ...]:
+        """See :func:`submissions.extend`."""
+        return submissions.extend(self.backend, self._checksum, sequence, parent, prompts)
 
     def publish(self, manifest: Manifest) -> None:
         """Make ``manifest`` the newest snapshot, atomically and durably.
@@ -411,9 +422,10 @@ class SnapshotStore:
                 )
             groups = [(s, self.open_segment(s, SegmentKind.GROUPS)) for s in manifest.groups]
             sidecar = self._parse_sidecar(self._read_verified(manifest.sidecar), manifest.sidecar)
+            submitted = submissions.read(self.backend, manifest.submissions)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
-        return Snapshot(manifest, sidecar, segments, groups)
+        return Snapshot(manifest, sidecar, segments, groups, submitted)
 
     @staticmethod
     def _parse_sidecar(buffer: pa.Buffer, entry: FileEntry) -> dict[str, Any]:

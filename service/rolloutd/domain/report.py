@@ -66,6 +66,7 @@ class SizePart(enum.Enum):
     GROUPS = "groups"
     """Group segments: the metadata of the groups that changed."""
     SIDECAR = "sidecar"
+    SUBMISSIONS = "submissions"
     TOTAL = "total"
 
 
