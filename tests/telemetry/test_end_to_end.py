@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rolloutd.client import RolloutClient
 from rolloutd.config import Config, load_config
-from rolloutd.domain.report import CheckpointPhase, RecoveryState, RestorePhase
+from rolloutd.domain.report import CheckpointPhase, RecoveryState, RestorePhase, SizePart
 from rolloutd.server import RolloutService
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import CATALOGUE, Instrument
@@ -163,10 +163,10 @@ async def test_a_trainer_checkpoint_call_is_one_trace_down_to_the_phases(
     assert attrs[f"{CheckpointAttr.ROWS}.live"] == attrs[f"{CheckpointAttr.ROWS}.new"] >= 2 * 4
     assert attrs[f"{CheckpointAttr.ROWS}.removed"] >= 0
     assert 0 < attrs[f"{CheckpointAttr.BYTES}.sidecar"] < attrs[f"{CheckpointAttr.BYTES}.total"]
-    assert attrs[f"{CheckpointAttr.BYTES}.total"] == (
-        attrs[f"{CheckpointAttr.BYTES}.segments"]
-        + attrs[f"{CheckpointAttr.BYTES}.groups"]
-        + attrs[f"{CheckpointAttr.BYTES}.sidecar"]
+    assert attrs[f"{CheckpointAttr.BYTES}.total"] == sum(
+        attrs.get(f"{CheckpointAttr.BYTES}.{part.value}", 0)
+        for part in SizePart
+        if part is not SizePart.TOTAL
     )
 
 

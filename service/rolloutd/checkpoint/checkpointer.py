@@ -244,6 +244,7 @@ class Checkpointer:
             SizePart.GROUPS: manifest.written_group_bytes,
             SizePart.SIDECAR: manifest.sidecar.size,
             SizePart.SUBMISSIONS: written_submissions,
+            SizePart.PARTIALS: manifest.partials_bytes,
             SizePart.TOTAL: manifest.written_bytes,
         }
 

@@ -76,8 +76,8 @@ from rolloutd.checkpoint.format import (
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot
-from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.group import Prompt
+from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import SkippedSnapshot
 from rolloutd.domain.state import Journaled
 
@@ -290,6 +290,7 @@ class SnapshotStore:
             return partials.read(self._read_verified(entry), entry)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
+
     def write_submissions(
         self, sequence: int, parent: Sequence[SubmissionsEntry], prompts: Sequence[Prompt]
     ) -> tuple[SubmissionsEntry, ...]:

@@ -67,7 +67,11 @@ class SizePart(enum.Enum):
     """Group segments: the metadata of the groups that changed."""
     SIDECAR = "sidecar"
     SUBMISSIONS = "submissions"
+    """Pieces of submitted prompts: those accepted since the parent snapshot, or a merge."""
+    PARTIALS = "partials"
+    """Tokens of siblings still generating (``recovery.granularity: token``)."""
     TOTAL = "total"
+    """The sum of the other parts."""
 
 
 class RecoveryState(enum.Enum):
