@@ -5,6 +5,7 @@ default), and with greedy decoding delivers what an uninterrupted run delivers."
 from __future__ import annotations
 
 import ast
+import json
 import re
 import time
 
@@ -57,7 +58,7 @@ def test_sigkill_mid_generation_resumes_each_sibling_from_its_snapshot_tokens(tm
 
     snapshot = store.resolve("latest").snapshot  # the newest one: it may have moved on
     assert snapshot is not None
-    groups = {g["group_id"]: g for g in snapshot.sidecar["groups"]}
+    groups = {g["group_id"]: g for g in map(json.loads, snapshot.group_json())}
     staged = {(gid, s.index) for _, gid, s in snapshot.rows()}
     held = {
         (x.group_id, x.index): x
