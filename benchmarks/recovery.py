@@ -226,7 +226,7 @@ def crash(work: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
     manifest = snapshot.manifest
     # The cut is taken just before the snapshot's files are written; created_at is its commit.
     lost = tokens_at_kill - poller.at(manifest.created_at)
-    groups = {g["group_id"]: g for g in snapshot.sidecar["groups"]}
+    groups = {g["group_id"]: g for g in map(json.loads, snapshot.group_json())}
     staged = {(gid, s.index) for _, gid, s in snapshot.rows()}
     held = [
         p
