@@ -9,10 +9,13 @@ PNG next to the JSON. ``run_all.py`` builds the summary from one convention: the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -251,3 +254,65 @@ def publish(
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=\S+:(?P<http>\d+)")
+"""The line ``rolloutd serve`` logs once it serves, with the ports it bound."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class Serve:
+    """``rolloutd serve`` (the real CLI) in a subprocess and session of its own: its output goes
+    to ``log_path``, and its addresses are read from its ``listening`` line (ports 0 in ``args``
+    let it bind free ones). ``env`` is added to this process's environment."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            cwd=cwd,
+            start_new_session=True,
+        )
+        self.address = self.http = ""
+        """``host:port`` of the gRPC and HTTP listeners, once :meth:`wait_listening` returns."""
+
+    def wait_listening(self, timeout_s: float, poll_s: float = 0.05) -> None:
+        """Until the service logs that it listens; exits the benchmark with the log's tail when
+        the process ends or ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (m := LISTENING.search(self.log_path.read_text())) is not None:
+                self.address, self.http = f"127.0.0.1:{m['grpc']}", f"127.0.0.1:{m['http']}"
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(poll_s)
+        fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
+
+    def cpu_s(self) -> float:
+        """User plus system CPU time of the service process so far."""
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+    def kill(self) -> None:
+        """SIGKILL the service's whole session (its engine processes too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM (a graceful drain), then :meth:`kill` if it has not exited in ``timeout_s``;
+        the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+            self._log.close()

@@ -24,12 +24,6 @@ Usage: ``python benchmarks/control_plane.py [--quick] [--json FILE]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,8 +37,6 @@ from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
 NAME = "control_plane"
-LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=\S+:(?P<http>\d+)")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 TARGETS = {"groups_per_s": 1_000.0, "ack_p99_ms": 100.0, "fetch_ack_p50_ms": 3.0}
 """Targets at 64 trainers with checkpoints every 0.5 s, and for one trainer's round trip."""
 
@@ -70,8 +62,8 @@ QUICK_CHANGES = "--quick: a 4 s measured window after 1.5 s of warm-up instead o
 # --- the service ------------------------------------------------------------------------------
 
 
-class Service:
-    """The real CLI in a subprocess; its log goes to a file, its port is read from the log."""
+class Service(common.Serve):
+    """The real CLI with the instant synthetic engine; its port is read from the log."""
 
     def __init__(self, plan: Plan, interval_s: float, workdir: Path) -> None:
         args = [
@@ -85,54 +77,15 @@ class Service:
             "--restore", "none",
         ]  # fmt: skip
         env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
             "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": "0",
             "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": str(plan.max_in_flight),
             "ROLLOUTD_LIMITS__BUFFER_CAPACITY": str(plan.buffer_capacity),
         }
-        self.log_path = workdir / "service.log"
-        self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=workdir,
-            start_new_session=True,
-        )
-        self.address = ""
-
-    def wait_listening(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if (m := LISTENING.search(self.log_path.read_text())) is not None:
-                self.address = f"127.0.0.1:{m['grpc']}"
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        common.fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
-
-    def cpu_s(self) -> float:
-        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        super().__init__(args, env, workdir, workdir / "service.log")
 
     def checkpoints(self) -> int:
         """Completed checkpoints so far, from the service's own log lines."""
         return self.log_path.read_text().count("checkpoint completed/completed")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self._log.close()
 
 
 # --- the trainers -----------------------------------------------------------------------------
@@ -217,7 +170,7 @@ async def series(plan: Plan, interval_s: float, root: Path) -> list[dict[str, An
     service = Service(plan, interval_s, workdir)
     label = f"checkpoints every {interval_s} s" if interval_s else "no checkpoints"
     try:
-        service.wait_listening()
+        service.wait_listening(60.0)
         common.progress(f"{label}: rolloutd listening on {service.address}")
         points = []
         for n in plan.trainers:
@@ -235,7 +188,7 @@ async def series(plan: Plan, interval_s: float, root: Path) -> list[dict[str, An
                 f"{point['load_generator_cpu_s_per_s']:.2f} s/s"
             )
     finally:
-        service.stop()
+        service.stop(60.0)
     return points
 
 

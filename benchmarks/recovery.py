@@ -32,14 +32,9 @@ by ±25% here, so read the per-run figures in the Markdown next to the ratio.
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -55,7 +50,6 @@ from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
 NAME = "recovery"
-LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=")
 RESTORED = re.compile(r"restored snapshot (\d+) .* tokens (\{.*?\})")
 MAX_TOKENS = 1920
 KILL_AFTER_S = 1.0
@@ -68,7 +62,7 @@ TARGETS = {
 }
 
 
-class Service:
+class Service(common.Serve):
     """``rolloutd serve`` with vLLM on the tiny model, its log in a file."""
 
     def __init__(
@@ -82,11 +76,7 @@ class Service:
         max_tokens: int,
         restore: str = "none",
     ) -> None:
-        self.log_path = work / f"serve-{label}.log"
-        self._log = self.log_path.open("w")
         env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
             "OTEL_SDK_DISABLED": "true",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "ROLLOUTD_ENGINE__CACHE_DIR": str(work / "cache"),
@@ -104,26 +94,7 @@ class Service:
             "--checkpoint-dir", str(store), "--checkpoint-interval", str(interval_s),
             "--restore", restore,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-            start_new_session=True,
-        )
-        self.address = ""
-
-    def wait_listening(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if (m := LISTENING.search(self.log_path.read_text())) is not None:
-                self.address = f"127.0.0.1:{m['grpc']}"
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        common.fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
+        super().__init__(args, env, work, work / f"serve-{label}.log")
 
     def restored(self) -> dict[str, int]:
         m = RESTORED.search(self.log_path.read_text())
@@ -131,21 +102,6 @@ class Service:
             common.fail(f"no restore line in {self.log_path}")
         tokens: dict[str, int] = ast.literal_eval(m[2])
         return tokens
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._log.close()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(120)
-        finally:
-            if self.proc.poll() is None:
-                self.kill()
-            self._log.close()
 
 
 def write_prompts(path: Path, n: int) -> None:
@@ -197,7 +153,7 @@ def crash(work: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
     service = Service(
         work, "crash", store_dir, granularity="token", interval_s=2.0, max_tokens=max_tokens
     )
-    service.wait_listening()
+    service.wait_listening(600.0, poll_s=0.2)
     common.progress(f"crash run: service up at {service.address}; waiting for partial siblings")
     poller = StatusPoller(service.address)
     store = SnapshotStore(str(store_dir))
@@ -262,7 +218,7 @@ def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[
         max_tokens=max_tokens,
         restore="latest",
     )
-    service.wait_listening()
+    service.wait_listening(600.0, poll_s=0.2)
     tokens = service.restored()
     common.progress(f"token restore: {tokens}; fetching resumed siblings and their twins")
     held, groups = crashed["held"], crashed["groups"]
@@ -289,7 +245,7 @@ def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[
                 twins.update({g.prompt_id: g for g in r.groups if g.prompt_id.startswith("ref-")})
                 stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
     finally:
-        service.stop()
+        service.stop(120.0)
     identical = prefix_exact = 0
     for p in held:
         [s] = [s for s in seen[p.group_id].samples if s.index == p.index]
@@ -316,9 +272,9 @@ def restore_sibling(work: Path, crashed: dict[str, Any], max_tokens: int) -> dic
         max_tokens=max_tokens,
         restore="latest",
     )
-    service.wait_listening()
+    service.wait_listening(600.0, poll_s=0.2)
     tokens = service.restored()
-    service.stop()
+    service.stop(120.0)
     common.progress(f"sibling restore: {tokens}")
     return tokens
 
@@ -335,7 +291,7 @@ def throughput(
         interval_s=interval_s,
         max_tokens=max_tokens,
     )
-    service.wait_listening()
+    service.wait_listening(600.0, poll_s=0.2)
     stop = threading.Event()
 
     def trainer() -> None:
@@ -365,7 +321,7 @@ def throughput(
     finally:
         stop.set()
         consumer.join()
-        service.stop()
+        service.stop(120.0)
     rate = (c1 - c0) / (t1 - t0)
     common.progress(f"{label}: {rate:.0f} committed tokens/s over {t1 - t0:.0f} s")
     return rate

@@ -174,12 +174,7 @@ def main() -> None:
         + "\n"
         + table
     )
-    if args.json is not None:
-        common.write_json(args.json, result)
-        common.write_text(args.json.with_suffix(".md"), text)
-        plot(rows, args.json.with_suffix(".png"))
-    else:
-        print(text)
+    common.publish(result, args.json, "submissions", text, lambda _, png: plot(rows, png))
 
 
 if __name__ == "__main__":

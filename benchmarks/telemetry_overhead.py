@@ -26,14 +26,8 @@ Usage: ``python benchmarks/telemetry_overhead.py [--quick] [--json FILE]``.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import os
 import queue
-import re
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,8 +47,6 @@ from rolloutd.v1 import rollout_pb2 as pb
 
 NAME = "telemetry_overhead"
 TARGET = 0.99
-LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=\S+:(?P<http>\d+)")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -225,7 +217,7 @@ class Scraper:
 # --- the service and the trainer -------------------------------------------------------------
 
 
-class Service:
+class Service(common.Serve):
     """The real CLI in a subprocess; its log goes to a file, its ports are read from the log."""
 
     def __init__(self, load: Load, env: dict[str, str], workdir: Path, log_path: Path):
@@ -240,52 +232,12 @@ class Service:
             "--restore", "none",
         ]  # fmt: skip
         full_env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
             "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": str(load.tokens_per_s),
             "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": str(load.max_in_flight),
             "ROLLOUTD_LIMITS__BUFFER_CAPACITY": str(max(256, 8 * load.max_in_flight)),
             **env,
         }
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=workdir,
-            start_new_session=True,
-        )
-        self.grpc = self.http = ""
-
-    def wait_listening(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if (m := LISTENING.search(self.log_path.read_text())) is not None:
-                self.grpc, self.http = f"127.0.0.1:{m['grpc']}", f"127.0.0.1:{m['http']}"
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        common.fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
-
-    def cpu_s(self) -> float:
-        """User plus system CPU time of the service process so far."""
-        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self._log.close()
+        super().__init__(args, full_env, workdir, log_path)
 
 
 class Trainer(threading.Thread):
@@ -375,8 +327,8 @@ def run_once(mode: str, load: Load, plan: Plan, to: Backends, workdir: Path) -> 
     spans0, points0 = to.sink.totals()
     scrapes = series = 0
     service = Service(load, env, workdir, workdir / "rolloutd.log")
-    service.wait_listening()
-    trainer = Trainer(service.grpc, load.fetch_groups)
+    service.wait_listening(60.0)
+    trainer = Trainer(service.address, load.fetch_groups)
     trainer.start()
     if on:
         to.scraper.start(service.http)
@@ -389,7 +341,7 @@ def run_once(mode: str, load: Load, plan: Plan, to: Backends, workdir: Path) -> 
         if on:
             scrapes, series = to.scraper.pause()
         trainer.stop()
-        code = service.stop()
+        code = service.stop(60.0)
     if trainer.error is not None:
         common.fail(f"the trainer failed: {trainer.error}")
     if code != 0:

@@ -41,17 +41,12 @@ vLLM engine are kept as ``*_beside_engine``. Pauses, loads and end-to-end times 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -70,7 +65,6 @@ from rolloutd.engines.tiny_model import TinyModelSpec, build_tiny_model, write_r
 from rolloutd.v1 import rollout_pb2 as pb
 
 NAME = "weights"
-LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=")
 BUCKET = "rolloutd-bench"
 TARGET_PUSH_VS_COPY = 0.5
 
@@ -96,17 +90,13 @@ QUICK_LARGE = Size(
 )
 
 
-class Service:
+class Service(common.Serve):
     """``rolloutd serve`` on one model, its log in a file."""
 
     def __init__(self, model: Path, work: Path, engine: str, s3: dict[str, Any]) -> None:
-        self.log_path = work / f"serve-{engine}.log"
-        self._log = self.log_path.open("w")
         dataset = work / "one-prompt.jsonl"
         dataset.write_text(json.dumps({"id": "warm", "prompt": "What is 1 + 1?"}) + "\n")
         env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
             "OTEL_SDK_DISABLED": "true",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "ROLLOUTD_ENGINE__VLLM__DTYPE": "float32",
@@ -124,37 +114,7 @@ class Service:
             "--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", "0",
             "--restore", "none",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rolloutd.cli", "serve", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-            start_new_session=True,
-        )
-        self.address = ""
-
-    def wait_listening(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if (m := LISTENING.search(self.log_path.read_text())) is not None:
-                self.address = f"127.0.0.1:{m['grpc']}"
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        common.fail(f"rolloutd did not start:\n{self.log_path.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(120)
-        finally:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self._log.close()
+        super().__init__(args, env, work, work / f"serve-{engine}.log")
 
 
 def sha256(path: Path) -> str:
@@ -400,7 +360,7 @@ def run_service(
 ) -> Run:
     service = Service(base, work, engine, s3)
     try:
-        service.wait_listening()
+        service.wait_listening(600.0, poll_s=0.2)
         common.progress(f"{size.name}: {engine} service up at {service.address}")
         client = RolloutClient(service.address, interceptors=(), timeout_s=600)
         version = 1
@@ -441,7 +401,7 @@ def run_service(
                     )
         client.close()
     finally:
-        service.stop()
+        service.stop(120.0)
     return run
 
 
