@@ -77,9 +77,13 @@ def sha256_of(path: Path) -> str:
 
 
 def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -> int:
-    """Checks every staged file's size, and its SHA-256 where one was declared; returns the bytes.
+    """Checks every staged file's size, and its SHA-256 where one was declared, and makes the
+    files durable; returns the bytes.
 
-    Files are hashed on ``concurrency`` threads (hashlib releases the GIL on large blocks).
+    Files are hashed on ``concurrency`` threads (hashlib releases the GIL on large blocks) while
+    another one fsyncs them: the disk writes them back while the CPU reads them from the page
+    cache. They must be durable because a snapshot records the version they hold once loaded,
+    and a crash of the machine must not leave it pointing at missing or partly written weights.
     """
     specs = list(specs)
     for spec in specs:
@@ -90,8 +94,10 @@ def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -
         if size != spec.size:
             raise WeightsRejected(spec.name, f"is {size} bytes, {spec.size} were declared")
     hashed = [s for s in specs if s.sha256 is not None]
-    with ThreadPoolExecutor(max(1, min(concurrency, len(hashed) or 1))) as pool:
+    with ThreadPoolExecutor(max(1, min(concurrency, len(hashed) or 1)) + 1) as pool:
+        synced = pool.submit(_sync_files, directory, specs)
         digests = list(pool.map(lambda s: sha256_of(directory / s.name), hashed))
+        synced.result()
     for spec, digest in zip(hashed, digests, strict=True):
         if digest != spec.sha256:
             raise WeightsRejected(
@@ -99,6 +105,24 @@ def verify_files(directory: Path, specs: Iterable[FileSpec], concurrency: int) -
                 f"SHA-256 is {digest}, {spec.sha256} was declared (corrupted in transit?)",
             )
     return sum(s.size for s in specs)
+
+
+def _sync_files(directory: Path, specs: Iterable[FileSpec]) -> None:
+    for spec in specs:
+        fd = os.open(directory / spec.name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _sync_directory(directory)
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class StagingArea:
@@ -130,11 +154,13 @@ class StagingArea:
 
     def promote(self, directory: Path, version: int) -> Path:
         """Moves verified files to ``v<version>`` (what the engine will load from), replacing
-        what an earlier refused attempt at the same version may have left."""
+        what an earlier refused attempt at the same version may have left; the rename is made
+        durable before the engine (and so any later snapshot) sees the new directory."""
         target = self.root / f"v{version}"
         if target.exists():
             shutil.rmtree(target)
         os.replace(directory, target)
+        _sync_directory(self.root)
         return target
 
     def retire(self, current: Path | None, floor: int | None) -> None:

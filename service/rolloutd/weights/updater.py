@@ -4,7 +4,8 @@ Every update goes the same way:
 
 1. **transfer** — a URL is copied, a push is received, into a private staging directory (a local
    directory is used in place);
-2. **verify** — sizes and checksums, then the safetensors headers against the served model;
+2. **verify** — sizes and checksums (while the staged files are made durable), then the
+   safetensors headers against the served model;
 3. **pause / load / resume** — the controller bumps the policy version and the engine swaps the
    weights (it times these three phases itself).
 
@@ -184,8 +185,7 @@ class WeightsUpdater:
                         await receiver.write(message)
                     await receiver.finish()
                 finally:
-                    await receiver.settle()
-                    receiver.close()
+                    await receiver.close()
             return await self._verify_and_load(attempt, staged, specs)
         finally:
             self._staging.discard(staged)
