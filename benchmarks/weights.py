@@ -5,16 +5,19 @@ For each model size (the tiny model, and a larger random model built the same wa
 
 - ``local_copy_mb_per_s``: ``shutil.copyfile`` of the model's safetensors files into a fresh
   directory beside the service's staging directory (warm page cache): the most a transfer into
-  staging could reach here. Neither fsyncs: the service stages weights in the page cache and
-  verifies them from there, and a restart removes unfinished staging, so a copy that paid for
-  durability would measure something the push does not do;
+  staging could reach here. Neither fsyncs while it transfers: the service writes staged weights
+  into the page cache and fsyncs them in its ``verify`` phase, while it hashes them, so a copy
+  that paid for durability would measure something the push's transfer does not do;
 - ``push_mb_per_s``: ``PushWeights`` from the Python client (``RolloutClient.push_weights``),
   bytes over the service's ``transfer`` phase (header received to last chunk written);
   ``push_vs_local_copy`` is the one over the other (medians), ``push_vs_local_copy_best`` the
   same for the fastest round of each: on a machine shared with other work a 50 ms copy swings
   several-fold with the neighbours' load, so the target counts as met only when both reach it;
 - ``push_verified_mb_per_s``: the same bytes over ``transfer`` + ``verify`` (SHA-256 and the
-  safetensors headers checked against the served model);
+  safetensors headers checked against the served model, the files fsynced);
+- ``push_client_cpu_s_per_gb`` and ``push_service_cpu_s_per_gb``: CPU-seconds per GB pushed that
+  this process (the trainer: hashing, then streaming) and the service (receiving, writing,
+  verifying; the synthetic engine's load is nothing) used over each whole ``push_weights`` call;
 - ``grpc_stream_mb_per_s``: the ceiling under a push: a client stream of 1 MiB byte strings over
   loopback into a bare ``grpc.aio`` server in another process that drops them (nothing parsed,
   checked or written), as many bytes as the model; with the CPU-seconds per GB each end used
@@ -309,6 +312,8 @@ def measure(size: Size, root: Path, engine: str, s3: dict[str, Any], reps: int) 
         "push_best_mb_per_s": max(push_rates),
         "local_copy_best_mb_per_s": max(mb / s for s in rates.copies),
         "push_vs_local_copy_best": max(push_rates) / max(mb / s for s in rates.copies),
+        "push_client_cpu_s_per_gb": common.median([c / (mb / 1e3) for c, _ in rates.push_cpu_s]),
+        "push_service_cpu_s_per_gb": common.median([s / (mb / 1e3) for _, s in rates.push_cpu_s]),
         **stream,
         "grpc_stream_vs_local_copy": stream["grpc_stream_mb_per_s"] / local,
         "s3_mb_per_s": common.median([mb / phase(r, "transfer") for _, r in rates.fetched]),
@@ -343,6 +348,8 @@ class Run:
     first_push_s: float
     copies: list[float]
     push: list[tuple[float, pb.PushWeightsResponse]]
+    push_cpu_s: list[tuple[float, float]]
+    """CPU-seconds of (this process, the service) over each push in ``push``."""
     fetched: list[tuple[float, pb.UpdateWeightsResponse]]
     busy: list[pb.PushWeightsResponse]
 
@@ -366,16 +373,18 @@ def run_service(
         version = 1
         started = time.perf_counter()
         client.push_weights(version, weights[-1])
-        run = Run(time.perf_counter() - started, [], [], [], [])
+        run = Run(time.perf_counter() - started, [], [], [], [], [])
         common.progress(f"{size.name}: first push on a new channel (not in the medians): "
                         f"{run.first_push_s:.2f} s")  # fmt: skip
         for i in range(reps):
             # A local copy right before each push, so that both see the same machine load.
             run.copies.append(local_copy_s(weights[i], work))
             version += 1
+            cpu, service_cpu = time.process_time(), service.cpu_s()
             started = time.perf_counter()
             [answer] = client.push_weights(version, weights[i]).values()
             run.push.append((time.perf_counter() - started, answer))
+            run.push_cpu_s.append((time.process_time() - cpu, service.cpu_s() - service_cpu))
             common.progress(
                 f"{size.name}: {engine}: push v{version} in {run.push[-1][0]:.2f} s, "
                 f"{phases(answer)} (local copy {run.copies[-1]:.3f} s)"
@@ -409,7 +418,8 @@ def markdown(result: dict[str, Any]) -> str:
     rows = [
         (
             r["size"], r["bytes"] / 1e6, r["local_copy_mb_per_s"], r["push_mb_per_s"],
-            r["push_verified_mb_per_s"], r["push_vs_local_copy"], r["grpc_stream_mb_per_s"],
+            r["push_verified_mb_per_s"], r["push_vs_local_copy"], r["push_client_cpu_s_per_gb"],
+            r["push_service_cpu_s_per_gb"], r["grpc_stream_mb_per_s"],
             r["grpc_stream_client_cpu_s_per_gb"], r["grpc_stream_server_cpu_s_per_gb"],
             r["s3_mb_per_s"],
             r["update_pause_ms"], r["update_pause_ms_generating"], r["push_end_to_end_s"],
@@ -419,6 +429,7 @@ def markdown(result: dict[str, Any]) -> str:
     ]  # fmt: skip
     table = common.markdown_table(
         ["model", "MB", "local copy MB/s", "push MB/s", "push+verify MB/s", "push / copy",
+         "push client CPU-s/GB (with hashing)", "push service CPU-s/GB (with verify)",
          "bare gRPC MB/s", "bare gRPC client CPU-s/GB", "bare gRPC server CPU-s/GB",
          "S3 (moto) MB/s", "pause ms (idle)", "pause ms (generating)", "push end-to-end s",
          "S3 end-to-end s"],
@@ -496,7 +507,9 @@ def main() -> None:
             f"medians {large['push_mb_per_s']:.0f} / {large['local_copy_mb_per_s']:.0f} MB/s; "
             f"fastest rounds {large['push_best_mb_per_s']:.0f} / "
             f"{large['local_copy_best_mb_per_s']:.0f} MB/s = "
-            f"{large['push_vs_local_copy_best']:.2f}",
+            f"{large['push_vs_local_copy_best']:.2f}; CPU-s per GB over a whole push: client "
+            f"{large['push_client_cpu_s_per_gb']:.2f} (with its hashing), service "
+            f"{large['push_service_cpu_s_per_gb']:.2f} (with verifying)",
         ),
         common.headline(
             f"bare gRPC stream / local copy MB/s, {large['bytes'] / 1e6:.0f} MB",
