@@ -122,10 +122,11 @@ def _keep_freed_memory() -> None:
     A push hands the service a 1 MiB ``bytes`` per chunk (gRPC's copy), up to 32 MiB queued for
     writing (``rolloutd.weights.receive``). With glibc's default, adaptive thresholds the heap's
     top is given back to the kernel as the queue drains, and each new chunk faults in fresh
-    zeroed pages: on the 2-core development VM about a tenth of the service's CPU during a push
-    went to page faults and zeroing, and with these settings the push moved 2,253-2,269 MB/s against 1,891-1,968
-    without, in runs side by side (see the weights section of ``benchmarks/README.md``). The
-    cost is freed memory the process keeps, at most this much at the heap's top.
+    zeroed pages: on the 2-core development VM close to a tenth of the service's CPU during a
+    push went to page faults and zeroing, and with these settings the push moved 2,253-2,269
+    MB/s against 1,891-1,968 without, in runs side by side (see the weights section of
+    ``benchmarks/README.md``). The cost is freed memory the process keeps, at most this much at
+    the heap's top.
     """
     import ctypes
     import platform
