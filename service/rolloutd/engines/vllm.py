@@ -84,13 +84,13 @@ _PROGRESS_EVERY_S = 15.0
 
 STREAM_TOKENS = 64
 """Tokens per streamed delta. Each delta is a vLLM output object and a wake-up of the request's
-task in the service process, which shares the cores with the engine: with 32 siblings of the tiny
+task in the service process, which shares the cores with the engine: with 16 siblings of the tiny
 model on 2 CPU cores that process spent 49 ms of CPU per 1,000 tokens without streaming, 64 with a
 delta per token, 51 with one every 16 tokens and 49 with one every 64. A checkpoint then misses at
 most this many tokens of each sibling, well under what a sibling generates between checkpoints
-(about 150 tokens per second per sibling here, with checkpoints seconds apart). A resumed request with
-stop strings streams every token, so that a stop string across the boundary ends the sample at the
-exact token."""
+(about 150 tokens per second per sibling here, with checkpoints seconds apart). A resumed request
+with stop strings streams every token, so that a stop string across the boundary ends the sample
+at the exact token."""
 
 _CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 """Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
