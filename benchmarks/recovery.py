@@ -22,11 +22,15 @@ with a ``max_tokens`` long enough that siblings are mid-way when the process is 
 3. **Throughput** (``checkpoint_on_vs_off``): committed tokens/s while a trainer fetches and acks,
    over a fixed window after warm-up, with partial capture and checkpoints every 2 s, versus
    granularity ``sibling`` and no checkpoints. The cost of streaming alone (granularity
-   ``token``, no checkpoints) is measured in the full run. Runs alternate between settings.
+   ``token``, no checkpoints) is measured in the full run. Each round runs every setting once,
+   back to back (off, on, off, on, ...); the figure is the median over rounds of each round's
+   ``on / off``, so a window that outside load slowed is compared with its neighbour rather than
+   with a quiet one. Each run also reports the CPU seconds per 1,000 committed tokens of the
+   service process and of vLLM's engine processes.
 
-``--quick``: two throughput runs per setting over 15 s windows (three over 45 s in the full run,
-which also measures streaming alone). The 2 cores are shared with other work: single windows vary
-by ±25% here, so read the per-run figures in the Markdown next to the ratio.
+``--quick``: three rounds over 15 s windows (three over 45 s in the full run, which also measures
+streaming alone). The 2 cores are shared with other work: single windows vary by ±10-25% here,
+so read every round in the Markdown next to the median.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 
 import common
 import grpc
+import psutil
 
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.engines.tiny_model import ensure_tiny_model
@@ -54,6 +59,9 @@ RESTORED = re.compile(r"restored snapshot (\d+) .* tokens (\{.*?\})")
 MAX_TOKENS = 1920
 KILL_AFTER_S = 1.0
 """The SIGKILL lands this long after a snapshot: the middle of the 2 s checkpoint interval."""
+ROUNDS_QUICK = 3
+ROUNDS_FULL = 3
+"""Rounds of throughput runs; each round runs every setting once, in the same order."""
 TARGETS = {
     "token_reuse_fraction": 0.99,
     "regenerated_vs_sibling_mode": 0.2,
@@ -281,8 +289,10 @@ def restore_sibling(work: Path, crashed: dict[str, Any], max_tokens: int) -> dic
 
 def throughput(
     work: Path, label: str, granularity: str, interval_s: float, max_tokens: int, window_s: float
-) -> float:
-    """Committed tokens/s over ``window_s`` after a warm-up, with a trainer fetching and acking."""
+) -> dict[str, float]:
+    """Committed tokens/s over ``window_s`` after a warm-up, with a trainer fetching and acking,
+    and the CPU seconds per 1,000 committed tokens of the service process and of vLLM's engine
+    processes over the same window (less sensitive to other work on the machine than the rate)."""
     service = Service(
         work,
         label,
@@ -306,25 +316,51 @@ def throughput(
 
     consumer = threading.Thread(target=trainer, daemon=True)
     consumer.start()
+    main_proc = psutil.Process(service.proc.pid)
     try:
         with grpc.insecure_channel(service.address) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
+            # vLLM's engine core and worker; the reaper only waits on its stdin.
+            engine = [
+                p
+                for p in main_proc.children(recursive=True)
+                if "rolloutd.engines.reaper" not in p.cmdline()
+            ]
 
-            def committed() -> tuple[float, int]:
+            def committed() -> tuple[float, int, float, float]:
                 status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-                return time.monotonic(), status.counters.committed_tokens
+                return (
+                    time.monotonic(),
+                    status.counters.committed_tokens,
+                    _cpu_s(main_proc),
+                    sum(map(_cpu_s, engine)),
+                )
 
             time.sleep(window_s / 4)  # warm-up
-            t0, c0 = committed()
+            t0, c0, s0, e0 = committed()
             time.sleep(window_s)
-            t1, c1 = committed()
+            t1, c1, s1, e1 = committed()
     finally:
         stop.set()
         consumer.join()
         service.stop(120.0)
-    rate = (c1 - c0) / (t1 - t0)
-    common.progress(f"{label}: {rate:.0f} committed tokens/s over {t1 - t0:.0f} s")
-    return rate
+    tokens = c1 - c0
+    run = {
+        "tokens_per_s": tokens / (t1 - t0),
+        "service_cpu_s_per_ktok": 1000 * (s1 - s0) / tokens,
+        "engine_cpu_s_per_ktok": 1000 * (e1 - e0) / tokens,
+    }
+    common.progress(
+        f"{label}: {run['tokens_per_s']:.0f} committed tokens/s over {t1 - t0:.0f} s; CPU s per "
+        f"1k tokens: service {run['service_cpu_s_per_ktok']:.3f}, "
+        f"engine {run['engine_cpu_s_per_ktok']:.3f}"
+    )
+    return run
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
 
 
 def main() -> None:
@@ -346,11 +382,10 @@ def main() -> None:
         settings = [("off", "sibling", 0.0), ("on", "token", 2.0)]
         if not quick:
             settings.insert(1, ("streaming", "token", 0.0))
-        rounds = 2 if quick else 3
-        rates: dict[str, list[float]] = {label: [] for label, _, _ in settings}
-        for r in range(rounds):
+        runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in settings}
+        for r in range(ROUNDS_QUICK if quick else ROUNDS_FULL):
             for label, granularity, interval in settings:
-                rates[label].append(
+                runs[label].append(
                     throughput(
                         work, f"{label}-{r}", granularity, interval, max_tokens // 2, window_s
                     )
@@ -364,8 +399,16 @@ def main() -> None:
     vs_sibling = regenerated_token / regenerated_sibling
     n_held = len(crashed["held"])
     identical = token["identical"] == n_held and token["prefix_exact"] == n_held
+    rates = {label: [r["tokens_per_s"] for r in v] for label, v in runs.items()}
     rate = {label: common.median(v) for label, v in rates.items()}
-    on_vs_off = rate["on"] / rate["off"]
+    # Each round runs every setting back to back, so a round's ratio compares windows measured
+    # under the same outside load; the median over rounds drops a round that load disturbed.
+    paired = {
+        label: [a / b for a, b in zip(v, rates["off"], strict=True)]
+        for label, v in rates.items()
+        if label != "off"
+    }
+    on_vs_off = common.median(paired["on"])
     target_on = TARGETS["checkpoint_on_vs_off_quick" if quick else "checkpoint_on_vs_off"]
     headline = [
         common.headline(
@@ -387,7 +430,9 @@ def main() -> None:
         ),
         common.headline(
             "checkpoint_on_vs_off", on_vs_off, "", f">= {target_on}", on_vs_off >= target_on,
-            f"{rate['on']:.0f} vs {rate['off']:.0f} committed tokens/s",
+            f"median of {len(paired['on'])} paired rounds "
+            f"({', '.join(f'{x:.3f}' for x in paired['on'])}); medians {rate['on']:.0f} vs "
+            f"{rate['off']:.0f} committed tokens/s",
         ),
     ]  # fmt: skip
     result = {
@@ -409,18 +454,34 @@ def main() -> None:
             "sibling_restore": sibling,
         },
         "throughput_tokens_per_s": rates,
-        "streaming_vs_off": rate["streaming"] / rate["off"] if "streaming" in rate else None,
+        "paired_ratios_vs_off": paired,
+        "streaming_vs_off": common.median(paired["streaming"]) if "streaming" in paired else None,
+        "runs": runs,
+        "cpu_s_per_ktok": {
+            label: {
+                part: common.median([r[f"{part}_cpu_s_per_ktok"] for r in v])
+                for part in ("service", "engine")
+            }
+            for label, v in runs.items()
+        },
         "conditions": common.conditions(started),
     }
-    common.publish(result, args.json, NAME, markdown(result))
+    common.publish(result, args.json, NAME, markdown(result), plot)
 
 
 def markdown(result: dict[str, Any]) -> str:
     crash = result["crash"]
+    rates = result["throughput_tokens_per_s"]
+    paired = result["paired_ratios_vs_off"]
+    rounds = len(rates["off"])
     rows = [
-        (label, *(f"{r:.0f}" for r in v)) for label, v in result["throughput_tokens_per_s"].items()
+        (label, *(f"{r:.0f}" for r in v), f"{common.median(v):.0f}") for label, v in rates.items()
     ]
-    width = max(len(r) for r in rows)
+    rows += [
+        (f"{label} / off", *(f"{x:.3f}" for x in v), f"{common.median(v):.3f}")
+        for label, v in paired.items()
+    ]
+    cpu = result["cpu_s_per_ktok"]
     return (
         f"# Token-level recovery{' (quick)' if result['quick'] else ''}\n\n"
         + common.headline_table(result["headline"])
@@ -449,12 +510,40 @@ def markdown(result: dict[str, Any]) -> str:
         )
         + "\n\n## Committed tokens/s\n\n"
         + common.markdown_table(
-            ["setting", *(f"run {i + 1}" for i in range(width - 1))],
-            [r + ("",) * (width - len(r)) for r in rows],
+            ["setting", *(f"round {i + 1}" for i in range(rounds)), "median"], rows
+        )
+        + "\n\nEach round runs the settings back to back in this order; a ratio row divides a "
+        "setting's rate by the same round's `off`.\n\n"
+        "## CPU seconds per 1,000 committed tokens (median of rounds)\n\n"
+        + common.markdown_table(
+            ["setting", "service process", "vLLM engine processes"],
+            [(label, f"{c['service']:.3f}", f"{c['engine']:.3f}") for label, c in cpu.items()],
         )
         + "\n\noff: granularity sibling, no checkpoints; streaming: granularity token, no "
-        "checkpoints; on: granularity token, checkpoints every 2 s.\n"
+        "checkpoints; on: granularity token, checkpoints every 2 s. vLLM's engine processes "
+        "spin while they wait for work, so their figure counts that too.\n"
     )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Committed tokens/s of every run by round, and each round's ratio to ``off``."""
+    plt = common.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rates in result["throughput_tokens_per_s"].items():
+        ax1.plot(range(1, len(rates) + 1), rates, "o-", label=label)
+    for label, ratios in result["paired_ratios_vs_off"].items():
+        ax2.plot(range(1, len(ratios) + 1), ratios, "o-", label=f"{label} / off")
+    target = TARGETS["checkpoint_on_vs_off_quick" if result["quick"] else "checkpoint_on_vs_off"]
+    ax2.axhline(target, color="grey", ls=":", label="target (on / off)")
+    for ax, title in ((ax1, "committed tokens/s"), (ax2, "ratio to off, same round")):
+        ax.set_xlabel("round")
+        ax.set_xticks(range(1, len(result["throughput_tokens_per_s"]["off"]) + 1))
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    common.progress(f"wrote {path}")
 
 
 if __name__ == "__main__":
