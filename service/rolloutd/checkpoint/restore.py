@@ -32,6 +32,7 @@ import asyncio
 import enum
 import gc
 import logging
+import operator
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -153,9 +154,8 @@ async def _run(
         with clock.phase(RestorePhase.BUFFER):
             siblings, resumed = await _partials(store, manifest)
             try:
-                kept = await asyncio.to_thread(
-                    snapshot.kept_rows,
-                    {row: (r.resumed_at, r.parts) for row, r in resumed.items()},
+                kept = snapshot.kept_rows(
+                    {row: (r.resumed_at, r.parts) for row, r in resumed.items()}
                 )
                 await asyncio.to_thread(snapshot.verify)
             except CorruptSnapshot as exc:
@@ -281,9 +281,12 @@ async def _partials(
     return tuple(siblings), resumed
 
 
+_STATE = operator.attrgetter("state")
+
+
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:
     """Groups by the state the snapshot found them in (leases are requeued after)."""
-    found = Counter(meta.state for meta in state.buffer.groups.values() if meta is not None)
+    found = Counter(map(_STATE, state.buffer.groups.values()))  # a decoded state is whole
     counts = {
         RecoveryState(s.value): found[s] for s in GroupState if s is not GroupState.GENERATING
     }

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -215,6 +216,14 @@ class KeptGroup(KeptSamples):
         return self._rows.row_ids(self._start, self._stop)
 
 
+class Started(NamedTuple):
+    """A file whose reading and checksum have started: its bytes (memory-mapped locally, so
+    they fill in as the disk delivers them) and what waits for the checksum."""
+
+    buffer: pa.Buffer
+    checksum: Callable[[], str]
+
+
 @dataclass
 class Snapshot:
     """A published snapshot whose every file verified (or is verifying), holding the verified
@@ -234,9 +243,9 @@ class Snapshot:
     )
     submitted: list[Prompt] = field(default_factory=list, repr=False)
     """Every prompt submitted up to this snapshot, in order (submissions.py)."""
-    _pending: list[tuple[SegmentEntry, Callable[[], str]]] = field(default_factory=list, repr=False)
-    """Sample segments whose checksum is being computed, each with what waits for it."""
-    _unopened: list[tuple[SegmentEntry, pa.Buffer]] = field(default_factory=list, repr=False)
+    _pending: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
+    """Sample segments being read and checksummed, each with what their reading started."""
+    _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
     """Sample segments not opened yet: opening one reads its row ids from all over the file,
     which would wait for the disk before anything else is decoded."""
 
@@ -245,8 +254,11 @@ class Snapshot:
         :class:`CorruptSnapshot` (with this snapshot's sequence) when a checksum differs from
         the manifest or a segment does not decode. Then every file has verified."""
         pending, self._pending = self._pending, []
-        for n, (segment, result) in enumerate(pending, 1):
-            value = result()
+        for n, (segment, started) in enumerate(pending, 1):
+            try:
+                value = started.result().checksum()
+            except CorruptSnapshot as exc:
+                raise CorruptSnapshot(self.manifest.sequence, exc.problems) from exc
             if value != segment.file.checksum:
                 problem = f"{segment.file.path}: checksum {value}, manifest says "
                 raise CorruptSnapshot(self.manifest.sequence, [problem + segment.file.checksum])
@@ -261,9 +273,9 @@ class Snapshot:
 
     def _readers(self) -> list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]]:
         unopened, self._unopened = self._unopened, []
-        for segment, buffer in unopened:
+        for segment, started in unopened:
             try:
-                self._segments.append((segment, open_reader(buffer, segment)))
+                self._segments.append((segment, open_reader(started.result().buffer, segment)))
             except CorruptSnapshot as exc:
                 self.verify()  # a checksum that differs says more than bytes that do not decode
                 raise CorruptSnapshot(self.manifest.sequence, exc.problems) from exc

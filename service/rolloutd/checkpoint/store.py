@@ -75,7 +75,7 @@ from rolloutd.checkpoint.format import (
 )
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
-from rolloutd.checkpoint.segments import Snapshot
+from rolloutd.checkpoint.segments import Snapshot, Started
 from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import SkippedSnapshot
@@ -103,7 +103,7 @@ LATEST = "latest"
 """The spec :meth:`SnapshotStore.resolve` takes for the newest snapshot that verifies."""
 
 _VERIFY_THREADS = min(os.cpu_count() or 1, 4)
-_VERIFY_PART = 64 << 20
+_VERIFY_PART = 128 << 20
 """At restore, a file is checksummed in parts of at least this size, each on its own thread: a
 restore verifies every byte it reads, and one core checksumming a cold memory-mapped file
 (faulting its pages in as it goes) ran slower than the disk's sequential read here."""
@@ -112,6 +112,13 @@ restore verifies every byte it reads, and one core checksumming a cold memory-ma
 @functools.cache
 def _verifiers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="rolloutd-verify")
+
+
+@functools.cache
+def _openers() -> ThreadPoolExecutor:
+    """Maps sample segments and starts their checksums: mapping a large file and asking for
+    all of it ahead takes milliseconds that restore spends decoding instead."""
+    return ThreadPoolExecutor(1, thread_name_prefix="rolloutd-open")
 
 
 class SnapshotNotFound(LookupError):
@@ -381,8 +388,11 @@ class SnapshotStore:
         )
         return [problem] if problem else []
 
-    def _read_verified(self, entry: FileEntry, threads: int = 1) -> pa.Buffer:
-        buffer = self.backend.read(entry.path)
+    def _read_verified(
+        self, entry: FileEntry, threads: int = 1, buffer: pa.Buffer | None = None
+    ) -> pa.Buffer:
+        """``entry``'s bytes (``buffer`` when already read), checked against the manifest."""
+        buffer = self.backend.read(entry.path) if buffer is None else buffer
         if buffer.size != entry.size:
             raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
         parts = min(threads, -(-buffer.size // _VERIFY_PART))
@@ -398,12 +408,29 @@ class SnapshotStore:
         return buffer
 
     def open_segment(
-        self, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES, *, threads: int = 1
+        self,
+        segment: SegmentEntry,
+        kind: SegmentKind = SegmentKind.SAMPLES,
+        *,
+        threads: int = 1,
+        buffer: pa.Buffer | None = None,
     ) -> pa.ipc.RecordBatchFileReader:
         """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ.
         ``threads`` checksum it at once: a restore, which has the machine to itself, uses
         several; compaction, which runs beside the service's event loop, one."""
-        return segments.open_reader(self._read_verified(segment.file, threads), segment, kind)
+        verified = self._read_verified(segment.file, threads, buffer)
+        return segments.open_reader(verified, segment, kind)
+
+    def _start(self, entry: FileEntry) -> Started:
+        """Maps ``entry`` (asking the kernel to read all of it ahead) and starts its checksum
+        on the verify threads, in parts of at least :data:`_VERIFY_PART`."""
+        buffer = self.backend.read(entry.path)
+        if buffer.size != entry.size:
+            raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
+        parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        algorithm = checksum_algorithm(entry.checksum)
+        return Started(buffer, checksum_started(view, algorithm, parts, _verifiers()))
 
     def open(self, manifest: Manifest, *, verify: bool = True) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails.
@@ -415,23 +442,20 @@ class SnapshotStore:
         problems = self.check_sizes(manifest)
         if problems:
             raise CorruptSnapshot(manifest.sequence, problems)
-        # The sample segments start first: they are the long pole, and the small files below are
-        # checked on this thread while the verify threads read them.
-        started = []
-        for s in manifest.segments:
-            buffer = self.backend.read(s.file.path)
-            if buffer.size != s.file.size:
-                problem = f"{s.file.path}: {buffer.size} bytes, expected {s.file.size}"
-                raise CorruptSnapshot(manifest.sequence, [problem])
-            parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
-            view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
-            algorithm = checksum_algorithm(s.file.checksum)
-            started.append((s, buffer, checksum_started(view, algorithm, parts, _verifiers())))
+        # The small files are asked for first, so that their reads do not queue behind the
+        # sample segments'; then the sample segments start (the long pole), and the small files
+        # are checked on this thread while the verify threads read them.
+        small = {g.file.path: self.backend.read(g.file.path) for g in manifest.groups}
+        sidecar_buffer = self.backend.read(manifest.sidecar.path)
+        started = [(s, _openers().submit(self._start, s.file)) for s in manifest.segments]
         try:
             group_segments = [
-                (s, self.open_segment(s, SegmentKind.GROUPS)) for s in manifest.groups
+                (s, self.open_segment(s, SegmentKind.GROUPS, buffer=small[s.file.path]))
+                for s in manifest.groups
             ]
-            sidecar = self._parse_sidecar(self._read_verified(manifest.sidecar), manifest.sidecar)
+            sidecar = self._parse_sidecar(
+                self._read_verified(manifest.sidecar, buffer=sidecar_buffer), manifest.sidecar
+            )
             submitted = submissions.read(self.backend, manifest.submissions)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
@@ -441,8 +465,8 @@ class SnapshotStore:
             [],
             group_segments,
             submitted,
-            _pending=[(s, result) for s, _, result in started],
-            _unopened=[(s, buffer) for s, buffer, _ in started],
+            _pending=started,
+            _unopened=list(started),
         )
         if verify:
             snapshot.verify()
