@@ -103,7 +103,7 @@ LATEST = "latest"
 """The spec :meth:`SnapshotStore.resolve` takes for the newest snapshot that verifies."""
 
 _VERIFY_THREADS = min(os.cpu_count() or 1, 4)
-_VERIFY_PART = 128 << 20
+_VERIFY_PART = 64 << 20
 """At restore, a file is checksummed in parts of at least this size, each on its own thread: a
 restore verifies every byte it reads, and one core checksumming a cold memory-mapped file
 (faulting its pages in as it goes) ran slower than the disk's sequential read here."""
