@@ -298,6 +298,51 @@ async def test_a_corrupt_newest_snapshot_falls_back_with_a_reason(nodes, tmp_pat
     assert [s.sequence for s in r.skipped] == [second.sequence] and r.skipped[0].reason
 
 
+async def _two_snapshots(nodes):
+    """Two snapshots; the second wrote a sample segment and a group segment of its own."""
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    first = await a.checkpoint()
+    before = {g.group_id: g.meta for g in a.controller.buffer.groups.values()}
+    lease, _ = await a.controller.fetch(2, 100, "t")
+    await a.controller.ack(lease.lease_id, 1)
+    await a.controller.finalize(1)  # room for new groups: the second snapshot has new rows
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    second = await a.checkpoint()
+    await a.controller.stop()
+    manifest = a.store.load(second.sequence)
+    assert any(s.written_by == second.sequence for s in manifest.segments)
+    return first, second, manifest, before
+
+
+def _flip_middle_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["rows", "groups"])
+async def test_a_corrupt_segment_is_skipped_with_its_reason(nodes, tmp_path, kind):
+    """Rows are checked while the groups decode: bytes that fail the check after decoding
+    began still send the restore to the previous snapshot, and nothing of them is kept."""
+    first, second, manifest, before = await _two_snapshots(nodes)
+    listed = manifest.segments if kind == "rows" else manifest.groups
+    [newest] = [s for s in listed if s.written_by == second.sequence]
+    _flip_middle_byte(tmp_path / "store" / newest.file.path)
+    b = nodes(engine=GatedEngine())
+    r = await b.restore()
+    assert r.sequence == first.sequence
+    assert [s.sequence for s in r.skipped] == [second.sequence]
+    assert newest.file.path in r.skipped[0].reason and "checksum" in r.skipped[0].reason
+    # the first snapshot's groups (with the ack journaled after it), none of the second's
+    restored = b.controller.buffer.groups
+    assert {gid: g.meta.prompt for gid, g in restored.items()} == {
+        gid: m.prompt for gid, m in before.items()
+    }
+    assert sum(g.state is GroupState.ACKED for g in restored.values()) == 2
+
+
 async def test_io_errors_are_failed_attempts_and_count_in_a_row(nodes, tmp_path):
     a = nodes()
     a.controller.start()

@@ -30,7 +30,9 @@ async def test_the_sidecar_holds_no_groups_and_format_1_groups_still_decode():
     assert [json.loads(g) for g in encoded] == [sidecar.to_json(m) for m in metas]
     # a sidecar of manifest format 1 held every group itself
     old = {**parsed, "groups": [json.loads(g) for g in encoded]}
-    assert sidecar.decode(old).buffer.groups == sidecar.decode(parsed, encoded).buffer.groups
+    assert sidecar.decode(old).buffer.groups == sidecar.decode(parsed, metas).buffer.groups
+    # and format-2 group segments a JSON document per group
+    assert sidecar.decode_groups(encoded) == metas
     assert sidecar.decode(parsed).buffer.groups == {}
 
 
@@ -51,9 +53,7 @@ async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
         capture = c.capture()
     await c.stop()
     metas = [m for m in capture.buffer.groups.values() if m is not None]
-    decoded = sidecar.decode(
-        json.loads(sidecar.encode(capture)), [sidecar.encode_group(m) for m in metas]
-    )
+    decoded = sidecar.decode(json.loads(sidecar.encode(capture)), metas)
     assert decoded.buffer.groups == {m.group_id: m for m in metas}
     assert (
         decoded.buffer.leases == capture.buffer.leases and lease.lease_id in decoded.buffer.leases

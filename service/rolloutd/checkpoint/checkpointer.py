@@ -280,13 +280,9 @@ class Checkpointer:
             )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
             changed = {**self._carried, **delta.groups}
-            rows = [
-                (gid, meta.state.value, sidecar.encode_group(meta))
-                for gid, meta in sorted(changed.items())
-                if meta is not None
-            ]
+            metas = [meta for _, meta in sorted(changed.items()) if meta is not None]
             groups = (
-                await asyncio.to_thread(self.store.write_groups, sequence, rows) if rows else None
+                await asyncio.to_thread(self.store.write_groups, sequence, metas) if metas else None
             )
             held = self._parent.submissions if self._parent is not None else ()
             since = capture.sampler.submitted[

@@ -25,7 +25,7 @@ import itertools
 import json
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,9 +36,11 @@ import pyarrow as pa
 
 from rolloutd.domain.group import Sample
 
-FORMAT_VERSION = 2
-"""Version of the manifest and segment layout; readers refuse a newer one. Format 2 keeps
-group metadata in group segments (format 1 kept every group in the sidecar; still read)."""
+FORMAT_VERSION = 3
+"""Version of the manifest and segment layout; readers refuse a newer one. Format 3 keeps group
+metadata as typed columns (:data:`GROUP_SCHEMA`); format 2 kept it as one JSON string per group
+(:data:`GROUP_SCHEMA_V2`) and format 1 in the sidecar. Both are still read: a snapshot taken
+after an upgrade lists the group segments of earlier ones until compaction rewrites them."""
 
 Row = tuple[int, int, Sample]
 """One buffered sample as the checkpointer hands it over: ``(row_id, group_id, sample)``."""
@@ -72,14 +74,39 @@ GROUP_SCHEMA = pa.schema(
     [
         pa.field("group_id", pa.int64(), nullable=False),
         pa.field("state", pa.string(), nullable=False),
-        pa.field("meta", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("prompt_text", pa.string(), nullable=False),
+        pa.field("prompt_metadata", pa.string()),
+        pa.field("prompt_messages", pa.string()),
+        pa.field("epoch", pa.int64()),
+        pa.field("offset", pa.int64()),
+        pa.field("group_size", pa.int32(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("admitted_at", pa.float64(), nullable=False),
+        pa.field("seed", pa.int64(), nullable=False),
+        pa.field("committed_at", pa.float64()),
+        pa.field("lease_id", pa.string()),
+        pa.field("ack_step", pa.int64()),
     ],
     metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
 )
-"""One row per group whose metadata changed: ``meta`` is the JSON of its ``GroupMeta`` (the
-sidecar's codec, derived from the declaration); ``state`` repeats its state for readers that
-only want to count. ``group_id`` is the row id: a later snapshot that changes or drops a group
-lists it as removed from the segment that held it, so each group is live in one segment."""
+"""One row per group whose metadata changed, a column per ``GroupMeta`` field (groups.py holds
+the codec, which refuses to load if a field has no column): a restore reads whole columns, not
+one JSON document per group. ``position`` is ``epoch`` and ``offset`` (null: none); the prompt's
+``metadata`` (any JSON value) and ``messages`` are JSON text, null when None or empty.
+``group_id`` is the row id: a later snapshot that changes or drops a group lists it as removed
+from the segment that held it, so each group is live in one segment."""
+
+GROUP_SCHEMA_V2 = pa.schema(
+    [
+        pa.field("group_id", pa.int64(), nullable=False),
+        pa.field("state", pa.string(), nullable=False),
+        pa.field("meta", pa.string(), nullable=False),
+    ],
+    metadata={b"rolloutd.format_version": b"2"},
+)
+"""Group segments of format 2: ``meta`` is the sidecar codec's JSON of the ``GroupMeta``. Read,
+never written."""
 
 
 class SegmentKind(enum.Enum):
@@ -91,6 +118,11 @@ class SegmentKind(enum.Enum):
     @property
     def schema(self) -> pa.Schema:
         return SAMPLE_SCHEMA if self is SegmentKind.SAMPLES else GROUP_SCHEMA
+
+    @property
+    def schemas(self) -> tuple[pa.Schema, ...]:
+        """Every schema a segment of this kind may have (the current one first)."""
+        return (self.schema,) if self is SegmentKind.SAMPLES else (GROUP_SCHEMA, GROUP_SCHEMA_V2)
 
     @property
     def id_column(self) -> str:
@@ -180,18 +212,6 @@ def rows_to_batches(
     bounds = _batch_bounds(rows, batch_rows, batch_values)
     for start, stop in itertools.pairwise(bounds):
         yield _encode_batch(rows[start:stop])
-
-
-def groups_to_batches(
-    groups: Sequence[tuple[int, str, bytes]], *, batch_rows: int = BATCH_ROWS
-) -> Iterator[pa.RecordBatch]:
-    """Record batches of :data:`GROUP_SCHEMA` from ``(group_id, state, meta JSON)``."""
-    for start in range(0, len(groups), batch_rows):
-        chunk = groups[start : start + batch_rows]
-        ids = np.fromiter((g[0] for g in chunk), dtype=np.int64, count=len(chunk))
-        states = pa.array([g[1] for g in chunk], type=pa.string())
-        metas = pa.array([g[2] for g in chunk], type=pa.string())
-        yield pa.RecordBatch.from_arrays([pa.array(ids), states, metas], schema=GROUP_SCHEMA)
 
 
 def rows_to_table(rows: Sequence[Row], **batching: int) -> pa.Table:
@@ -414,13 +434,27 @@ def checksum_parts(
     (zlib releases the GIL) and combined, so verifying a large file is not one core's work."""
     if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
         return checksum_of(view, algorithm)
+    return checksum_started(view, algorithm, parts, pool)()
+
+
+def checksum_started(
+    view: memoryview, algorithm: ChecksumAlgorithm, parts: int, pool: Executor
+) -> Callable[[], str]:
+    """Starts the checksum of ``view`` on ``pool`` (in ``parts`` slices for CRC-32) and returns
+    what waits for it: the caller decodes while the pool reads and checks the same bytes."""
+    if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
+        return pool.submit(checksum_of, view, algorithm).result
     step = -(-len(view) // parts)
     slices = [view[i : i + step] for i in range(0, len(view), step)]
-    crcs = list(pool.map(zlib.crc32, slices))
-    crc = crcs[0]
-    for piece, value in zip(slices[1:], crcs[1:], strict=True):
-        crc = crc32_combine(crc, value, len(piece))
-    return f"{algorithm.value}:{crc:08x}"
+    futures = [pool.submit(zlib.crc32, piece) for piece in slices]
+
+    def result() -> str:
+        crc = futures[0].result()
+        for piece, future in zip(slices[1:], futures[1:], strict=True):
+            crc = crc32_combine(crc, future.result(), len(piece))
+        return f"{algorithm.value}:{crc:08x}"
+
+    return result
 
 
 def checksum_of(

@@ -2,8 +2,14 @@
 
 1. ``resolve_snapshot`` pick the snapshot (latest, a sequence or a tag); newer ones that do not
                         verify are skipped with a reason; a changed semantic configuration refuses.
-2. ``dataloader``       the sampler's cursor, submitted and re-admitted prompts.
-3. ``buffer``           the live rows of the snapshot's segments.
+                        Its small files verify here; its sample segments (nearly all the bytes)
+                        start being read and checksummed on the verify threads.
+2. ``dataloader``       the sampler's cursor, submitted and re-admitted prompts, and the groups
+                        (typed columns of the group segments), decoded while those verify.
+3. ``buffer``           the live rows of the sample segments indexed, then the wait for their
+                        checksums. A snapshot whose rows do not verify is skipped with its reason
+                        and the next older one is resolved (phases 1-3 again): nothing decoded
+                        from unverified bytes reaches the controller.
 4. ``replay_metadata``  groups, leases, acks and counters from the sidecar; leased-unacked groups
                         become available again; the cursor must be ahead of every group's position.
 5. ``recovery_ledger``  what was journaled after the snapshot is applied: acks (no acked group is
@@ -26,7 +32,9 @@ import asyncio
 import enum
 import gc
 import logging
+import operator
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -35,7 +43,7 @@ from rolloutd.checkpoint import sidecar, submissions
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
-from rolloutd.checkpoint.store import CorruptSnapshot, SnapshotReader
+from rolloutd.checkpoint.store import CorruptSnapshot, Snapshot, SnapshotReader
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
 from rolloutd.domain.group import GroupState
@@ -46,6 +54,7 @@ from rolloutd.domain.report import (
     RecoveryState,
     RestorePhase,
     RestoreReport,
+    SkippedSnapshot,
     TokenDisposition,
 )
 from rolloutd.domain.state import ControllerState
@@ -122,49 +131,48 @@ async def _run(
     clock: PhaseClock,
     report: RestoreReport,
 ) -> Manifest | None:
-    with clock.phase(RestorePhase.RESOLVE_SNAPSHOT):
-        resolution = await asyncio.to_thread(store.resolve, spec)
-        report.skipped = list(resolution.skipped)
-        for s in report.skipped:
-            log.warning("snapshot %d skipped: %s", s.sequence, s.reason)
-        snapshot = resolution.snapshot
-        if snapshot is None and report.skipped:
+    snapshot = await _resolve(store, spec, fingerprint, clock, report)
+    if snapshot is None:
+        if report.skipped:
             log.error("no snapshot verifies; starting fresh")
             return None
-        if snapshot is not None:
-            manifest = snapshot.manifest
-            report.sequence, report.tag = manifest.sequence, manifest.tag
-            log.info(
-                "restoring snapshot %d: %d files, %.1f MB verified in %.2fs",
-                manifest.sequence,
-                len(manifest.files()),
-                manifest.total_bytes / 1e6,
-                (time.time_ns() - report.started_ns) / 1e9,
-            )
-            diff = differing_keys(manifest.fingerprint, fingerprint)
-            if diff:
-                raise RestoreRefused(
-                    f"snapshot {manifest.sequence} was taken under a different configuration: "
-                    + "; ".join(diff)
-                    + _advice(fingerprint_diff(manifest.fingerprint, fingerprint))
-                )
-    if snapshot is None:
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
             events = await asyncio.to_thread(store.acks_after, 0)
             await controller.replay(events)
         log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
         return None
 
-    with clock.phase(RestorePhase.DATALOADER):
-        # cursor, submitted and re-admitted prompts; groups from the group segments
-        state = sidecar.decode(snapshot.sidecar, snapshot.group_json())
-        state = submissions.attach(state, snapshot.submitted)
+    while True:
+        # The sample segments are still being read and checksummed on the verify threads:
+        # the state is decoded and the rows indexed meanwhile, and used only once they verify.
+        manifest = snapshot.manifest
+        with clock.phase(RestorePhase.DATALOADER):
+            # cursor, submitted and re-admitted prompts; groups from the group segments
+            state = sidecar.decode(snapshot.sidecar, snapshot.group_metas())
+            state = submissions.attach(state, snapshot.submitted)
 
-    with clock.phase(RestorePhase.BUFFER):
-        siblings, resumed = await _partials(store, manifest)
-        kept = await asyncio.to_thread(
-            snapshot.kept_rows, {row: (r.resumed_at, r.parts) for row, r in resumed.items()}
-        )
+        with clock.phase(RestorePhase.BUFFER):
+            siblings, resumed = await _partials(store, manifest)
+            try:
+                kept = snapshot.kept_rows(
+                    {row: (r.resumed_at, r.parts) for row, r in resumed.items()}
+                )
+                await asyncio.to_thread(snapshot.verify)
+            except CorruptSnapshot as exc:
+                problem = SkippedSnapshot(manifest.sequence, "; ".join(exc.problems))
+                log.warning("snapshot %d skipped: %s", problem.sequence, problem.reason)
+                report.skipped.append(problem)
+                verified = None
+            else:
+                verified = state
+        if verified is None:
+            snapshot = await _resolve(
+                store, spec, fingerprint, clock, report, before=manifest.sequence
+            )
+            if snapshot is None:
+                log.error("no snapshot verifies; starting fresh")
+                return None
+            continue
         state = replace(
             state, buffer=replace(state.buffer, kept_rows=kept.groups()), partials=siblings
         )
@@ -174,6 +182,7 @@ async def _run(
             len(kept),
             len(state.buffer.groups),
         )
+        break
 
     with clock.phase(RestorePhase.REPLAY_METADATA):
         report.groups = _recovery_counts(state)
@@ -208,6 +217,44 @@ async def _run(
     return manifest
 
 
+async def _resolve(
+    store: SnapshotReader,
+    spec: str,
+    fingerprint: Mapping[str, Any],
+    clock: PhaseClock,
+    report: RestoreReport,
+    before: int | None = None,
+) -> Snapshot | None:
+    """The ``resolve_snapshot`` phase: the newest snapshot ``spec`` selects (older than
+    ``before``) whose small files verify, its sample segments left verifying; None when none
+    does. Refuses a snapshot taken under another semantic configuration."""
+    with clock.phase(RestorePhase.RESOLVE_SNAPSHOT):
+        resolution = await asyncio.to_thread(store.resolve, spec, verify=False, before=before)
+        for s in resolution.skipped:
+            log.warning("snapshot %d skipped: %s", s.sequence, s.reason)
+        report.skipped.extend(resolution.skipped)
+        snapshot = resolution.snapshot
+        if snapshot is None:
+            return None
+        manifest = snapshot.manifest
+        report.sequence, report.tag = manifest.sequence, manifest.tag
+        log.info(
+            "restoring snapshot %d: %d files, %.1f MB verifying since %.2fs",
+            manifest.sequence,
+            len(manifest.files()),
+            manifest.total_bytes / 1e6,
+            (time.time_ns() - report.started_ns) / 1e9,
+        )
+        diff = differing_keys(manifest.fingerprint, fingerprint)
+        if diff:
+            raise RestoreRefused(
+                f"snapshot {manifest.sequence} was taken under a different configuration: "
+                + "; ".join(diff)
+                + _advice(fingerprint_diff(manifest.fingerprint, fingerprint))
+            )
+    return snapshot
+
+
 def _advice(keys: list[str]) -> str:
     if "fleet.replicas" in keys or "fleet.replica" in keys:
         return (
@@ -234,13 +281,13 @@ async def _partials(
     return tuple(siblings), resumed
 
 
+_STATE = operator.attrgetter("state")
+
+
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:
     """Groups by the state the snapshot found them in (leases are requeued after)."""
-    counts = {s: 0 for s in RecoveryState}
-    for meta in state.buffer.groups.values():
-        assert meta is not None  # a decoded state is whole
-        if meta.state is GroupState.GENERATING:
-            counts[RecoveryState.UNFINISHED] += 1
-        else:
-            counts[RecoveryState(meta.state.value)] += 1
-    return counts
+    found = Counter(map(_STATE, state.buffer.groups.values()))  # a decoded state is whole
+    counts = {
+        RecoveryState(s.value): found[s] for s in GroupState if s is not GroupState.GENERATING
+    }
+    return {**counts, RecoveryState.UNFINISHED: found[GroupState.GENERATING]}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from rolloutd.checkpoint import groups
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
     PARTIALS,
@@ -91,7 +92,7 @@ def compact(
     kind: SegmentKind = SegmentKind.SAMPLES,
 ) -> Manifest:
     """``manifest`` with ``segments`` (default: all of ``kind``) merged into one without
-    removed rows.
+    removed rows. Group segments of format 2 (JSON per group) are rewritten as typed columns.
 
     The merged segment is written for ``manifest.sequence``; the returned manifest is not
     published. Sources are read back from the store and verified (:class:`CorruptSnapshot`
@@ -121,7 +122,10 @@ def compact(
                     batch, ids = batch.filter(pa.array(keep)), ids[keep]
                 if batch.num_rows:
                     kept_ids.append(ids)
-                    yield batch
+                    if kind is SegmentKind.GROUPS and groups.is_legacy(batch.schema):
+                        yield from groups.metas_to_batches(groups.batch_to_metas(batch))
+                    else:
+                        yield batch
 
     suffix = ".arrow" if kind is SegmentKind.SAMPLES else ".groups.arrow"
     name = file_name(manifest.sequence, suffix)

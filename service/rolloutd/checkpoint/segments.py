@@ -7,14 +7,17 @@ backend's sink; reading checks the schema and that the rows are those the manife
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import (
@@ -28,7 +31,9 @@ from rolloutd.checkpoint.format import (
     SegmentKind,
     batch_to_rows,
 )
-from rolloutd.domain.group import KeptSamples, Prompt, Sample, SamplePart
+from rolloutd.domain.group import GroupMeta, KeptSamples, Prompt, Sample, SamplePart
+
+log = logging.getLogger(__name__)
 
 
 class SegmentWriter:
@@ -96,14 +101,16 @@ def write_file(
 def open_reader(
     buffer: pa.Buffer, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES
 ) -> pa.ipc.RecordBatchFileReader:
-    """A reader of a segment's (checksum-verified) bytes, after checking schema and row ids."""
+    """A reader of a segment's bytes, after checking schema and row ids. Restore opens a
+    segment while its checksum is still being computed (:class:`Snapshot`), so this must only
+    raise on bytes that do not decode, never trust them further."""
     path = segment.file.path
     try:
         reader = pa.ipc.open_file(buffer)
         ids = [reader.get_batch(i).column(kind.id_column) for i in range(reader.num_record_batches)]
     except (pa.ArrowInvalid, KeyError) as exc:
         raise CorruptSnapshot(-1, [f"{path}: not a readable segment: {exc}"]) from exc
-    if reader.schema.remove_metadata() != kind.schema.remove_metadata():
+    if reader.schema.remove_metadata() not in [s.remove_metadata() for s in kind.schemas]:
         raise CorruptSnapshot(-1, [f"{path}: schema differs from the {kind.value} schema"])
     row_ids = np.concatenate([a.to_numpy() for a in ids]) if ids else np.zeros(0, np.int64)
     if row_ids.size != segment.rows or not segment.row_ids.mask(row_ids).all():
@@ -209,13 +216,23 @@ class KeptGroup(KeptSamples):
         return self._rows.row_ids(self._start, self._stop)
 
 
+class Started(NamedTuple):
+    """A file whose reading and checksum have started: its bytes (memory-mapped locally, so
+    they fill in as the disk delivers them) and what waits for the checksum."""
+
+    buffer: pa.Buffer
+    checksum: Callable[[], str]
+
+
 @dataclass
 class Snapshot:
-    """A published snapshot whose every file verified, holding the verified bytes, and the
-    prompts of its submitted-prompt pieces.
+    """A published snapshot whose every file verified (or is verifying), holding the verified
+    bytes, and the prompts of its submitted-prompt pieces.
 
     Decoding reads the same bytes that were checked, so a restore reads each file once. The
     bytes (memory-mapped locally, in memory from an object store) are held until it is dropped.
+    The sample segments of a snapshot opened by a restore may still be verifying (``_pending``):
+    their row index is built meanwhile, and :meth:`verify` says whether they may be used.
     """
 
     manifest: Manifest
@@ -226,11 +243,48 @@ class Snapshot:
     )
     submitted: list[Prompt] = field(default_factory=list, repr=False)
     """Every prompt submitted up to this snapshot, in order (submissions.py)."""
+    _pending: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
+    """Sample segments being read and checksummed, each with what their reading started."""
+    _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
+    """Sample segments not opened yet: opening one reads its row ids from all over the file,
+    which would wait for the disk before anything else is decoded."""
+
+    def verify(self) -> None:
+        """Waits for the checksums still being computed and opens every sample segment;
+        :class:`CorruptSnapshot` (with this snapshot's sequence) when a checksum differs from
+        the manifest or a segment does not decode. Then every file has verified."""
+        pending, self._pending = self._pending, []
+        for n, (segment, started) in enumerate(pending, 1):
+            try:
+                value = started.result().checksum()
+            except CorruptSnapshot as exc:
+                raise CorruptSnapshot(self.manifest.sequence, exc.problems) from exc
+            if value != segment.file.checksum:
+                problem = f"{segment.file.path}: checksum {value}, manifest says "
+                raise CorruptSnapshot(self.manifest.sequence, [problem + segment.file.checksum])
+            log.info(
+                "snapshot %d: segment %d/%d verified (%.1f MB)",
+                self.manifest.sequence,
+                n,
+                len(pending),
+                segment.file.size / 1e6,
+            )
+        self._readers()
+
+    def _readers(self) -> list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]]:
+        unopened, self._unopened = self._unopened, []
+        for segment, started in unopened:
+            try:
+                self._segments.append((segment, open_reader(started.result().buffer, segment)))
+            except CorruptSnapshot as exc:
+                self.verify()  # a checksum that differs says more than bytes that do not decode
+                raise CorruptSnapshot(self.manifest.sequence, exc.problems) from exc
+        return self._segments
 
     def _batches(
         self, kind: SegmentKind = SegmentKind.SAMPLES
     ) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
-        readers = self._segments if kind is SegmentKind.SAMPLES else self._groups
+        readers = self._readers() if kind is SegmentKind.SAMPLES else self._groups
         for segment, reader in readers:
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
@@ -239,13 +293,17 @@ class Snapshot:
                     keep = ~segment.removed.mask(batch.column(kind.id_column).to_numpy())
                 yield batch, keep
 
-    def group_json(self) -> list[str]:
-        """The JSON metadata of every live group (format 2), segment by segment."""
-        metas: list[str] = []
+    def group_metas(self) -> list[GroupMeta]:
+        """Every live group, segment by segment (format 3 typed columns or format 2 JSON)."""
+        metas: list[GroupMeta] = []
         for batch, keep in self._batches(SegmentKind.GROUPS):
-            column = batch.column("meta")
-            metas.extend((column if keep is None else column.filter(pa.array(keep))).to_pylist())
+            metas.extend(groups.batch_to_metas(batch, keep))
         return metas
+
+    def group_json(self) -> list[str]:
+        """Every live group as the JSON of its metadata (``sidecar.encode_group``): for tools
+        and tests that inspect a snapshot."""
+        return [sidecar.encode_group(m).decode() for m in self.group_metas()]
 
     def rows(self) -> list[Row]:
         """Live rows as ``(row_id, group_id, Sample)``, segment by segment in file order."""

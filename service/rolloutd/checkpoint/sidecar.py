@@ -13,9 +13,10 @@ The layout (format 1)::
      max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
      "finalized_leases": {lease: step}, "lost_acks": [...], "lost_leases": [...]}
 
-Group metadata is not in the sidecar: each group is encoded (:func:`encode_group`) into the
-group segment of the snapshot that changed it, so a sidecar's size does not follow the number of
-buffered groups. Sidecars of manifest format 1 still hold a ``"groups"`` array; it is read.
+Group metadata is not in the sidecar: each group goes into the group segment of the snapshot
+that changed it (groups.py), so a sidecar's size does not follow the number of buffered groups.
+Sidecars of manifest format 1 still hold a ``"groups"`` array, and group segments of format 2 a
+JSON document per group (:func:`encode_group`); both are read.
 """
 
 from __future__ import annotations
@@ -190,8 +191,15 @@ def sampler_from_json(d: Mapping[str, Any]) -> SamplerState:
 
 
 def encode_group(meta: GroupMeta) -> bytes:
-    """One group's metadata as it stands in the sidecar's ``groups`` array."""
+    """One group's metadata as JSON, as format-1 sidecars and format-2 group segments held it."""
     return json.dumps(_encoder(GroupMeta)(meta), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_groups(groups: Iterable[str | bytes]) -> list[GroupMeta]:
+    """Groups from their :func:`encode_group` JSON, with one parse for all of them."""
+    decode_meta = _decoder(GroupMeta)
+    joined = ",".join(g if isinstance(g, str) else g.decode() for g in groups)
+    return [decode_meta(v) for v in json.loads(f"[{joined}]")]
 
 
 def head(state: ControllerState) -> dict[str, Any]:
@@ -222,18 +230,16 @@ def encode(state: ControllerState) -> bytes:
     return json.dumps(head(state), separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(d: Mapping[str, Any], groups: Iterable[str | bytes] = ()) -> ControllerState:
+def decode(d: Mapping[str, Any], groups: Iterable[GroupMeta] = ()) -> ControllerState:
     """The whole state a sidecar and its snapshot's group segments hold, but for the rows
-    (they are in the segments). ``groups`` is each live group's :func:`encode_group` JSON."""
+    (they are in the segments). ``groups`` is each live group of the group segments."""
     if d.get("format") != SIDECAR_FORMAT:
         raise ValueError(f"sidecar format {d.get('format')!r}, expected {SIDECAR_FORMAT}")
     c = d["controller"]
     leases = [from_json(Lease, v) for v in d["leases"]]
     acks = [from_json(AckRecord, v) for v in d["acks"]]
     decode_meta = _decoder(GroupMeta)
-    joined = ",".join(g if isinstance(g, str) else g.decode() for g in groups)
-    metas = [decode_meta(v) for v in json.loads(f"[{joined}]")]  # one parse, not one per group
-    metas += [decode_meta(v) for v in d.get("groups", ())]
+    metas = [*groups, *(decode_meta(v) for v in d.get("groups", ()))]
     return ControllerState(
         buffer=BufferState(
             new_rows=(),

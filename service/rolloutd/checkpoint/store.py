@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from rolloutd.checkpoint import partials, retention, segments, submissions
+from rolloutd.checkpoint import groups, partials, retention, segments, submissions
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
     PARTIALS,
@@ -70,13 +70,13 @@ from rolloutd.checkpoint.format import (
     SubmissionsEntry,
     checksum_algorithm,
     checksum_parts,
-    groups_to_batches,
+    checksum_started,
     rows_to_batches,
 )
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
-from rolloutd.checkpoint.segments import Snapshot
-from rolloutd.domain.group import Prompt
+from rolloutd.checkpoint.segments import Snapshot, Started
+from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import SkippedSnapshot
 from rolloutd.domain.state import Journaled
@@ -114,6 +114,13 @@ def _verifiers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="rolloutd-verify")
 
 
+@functools.cache
+def _openers() -> ThreadPoolExecutor:
+    """Maps sample segments and starts their checksums: mapping a large file and asking for
+    all of it ahead takes milliseconds that restore spends decoding instead."""
+    return ThreadPoolExecutor(1, thread_name_prefix="rolloutd-open")
+
+
 class SnapshotNotFound(LookupError):
     """No published snapshot matches the requested sequence or tag."""
 
@@ -132,9 +139,7 @@ class SnapshotWriter(Protocol):
     def sequences(self) -> builtins.list[int]: ...
     def list(self) -> builtins.list[Manifest]: ...
     def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
-    def write_groups(
-        self, sequence: int, groups: Sequence[tuple[int, str, bytes]]
-    ) -> SegmentEntry: ...
+    def write_groups(self, sequence: int, metas: Sequence[GroupMeta]) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
     def write_partials(
         self,
@@ -163,7 +168,9 @@ class SnapshotReader(Protocol):
     def load(self, sequence: int) -> Manifest: ...
     def check_sizes(self, manifest: Manifest) -> builtins.list[str]: ...
     def verify_file(self, entry: FileEntry) -> builtins.list[str]: ...
-    def resolve(self, spec: str | int = ...) -> Resolution: ...
+    def resolve(
+        self, spec: str | int = ..., *, verify: bool = ..., before: int | None = ...
+    ) -> Resolution: ...
     def acks_after(self, after: int) -> builtins.list[Journaled]: ...
     def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]: ...
     def read_resumed(self, manifest: Manifest) -> dict[int, partials.ResumedRow]: ...
@@ -217,20 +224,20 @@ class SnapshotStore:
         )
         return SegmentEntry(entry, len(rows), row_ids, RowIdSet(), sequence)
 
-    def write_groups(self, sequence: int, groups: Sequence[tuple[int, str, bytes]]) -> SegmentEntry:
-        """Write ``(group_id, state, meta JSON)`` of changed groups as a new group segment of
-        snapshot ``sequence``; like :meth:`write_segment`, durable and unpublished on return."""
-        ids = np.fromiter((g[0] for g in groups), dtype=np.int64, count=len(groups))
+    def write_groups(self, sequence: int, metas: Sequence[GroupMeta]) -> SegmentEntry:
+        """Write the metadata of changed groups as a new group segment of snapshot ``sequence``;
+        like :meth:`write_segment`, durable and unpublished on return."""
+        ids = np.fromiter((m.group_id for m in metas), dtype=np.int64, count=len(metas))
         group_ids = RowIdSet.from_ids(ids)
-        if not groups or len(group_ids) != len(groups):
+        if not metas or len(group_ids) != len(metas):
             raise ValueError("a group segment needs at least one group, each once")
         entry = self.write_batches(
             file_name(sequence, ".groups.arrow"),
-            groups_to_batches(groups),
+            groups.metas_to_batches(metas),
             FaultPoint.SIDECAR_WRITE_MID,
             SegmentKind.GROUPS,
         )
-        return SegmentEntry(entry, len(groups), group_ids, RowIdSet(), sequence)
+        return SegmentEntry(entry, len(metas), group_ids, RowIdSet(), sequence)
 
     def write_batches(
         self,
@@ -381,8 +388,11 @@ class SnapshotStore:
         )
         return [problem] if problem else []
 
-    def _read_verified(self, entry: FileEntry, threads: int = 1) -> pa.Buffer:
-        buffer = self.backend.read(entry.path)
+    def _read_verified(
+        self, entry: FileEntry, threads: int = 1, buffer: pa.Buffer | None = None
+    ) -> pa.Buffer:
+        """``entry``'s bytes (``buffer`` when already read), checked against the manifest."""
+        buffer = self.backend.read(entry.path) if buffer is None else buffer
         if buffer.size != entry.size:
             raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
         parts = min(threads, -(-buffer.size // _VERIFY_PART))
@@ -398,35 +408,69 @@ class SnapshotStore:
         return buffer
 
     def open_segment(
-        self, segment: SegmentEntry, kind: SegmentKind = SegmentKind.SAMPLES, *, threads: int = 1
+        self,
+        segment: SegmentEntry,
+        kind: SegmentKind = SegmentKind.SAMPLES,
+        *,
+        threads: int = 1,
+        buffer: pa.Buffer | None = None,
     ) -> pa.ipc.RecordBatchFileReader:
         """A segment's reader over its verified bytes; :class:`CorruptSnapshot` if they differ.
         ``threads`` checksum it at once: a restore, which has the machine to itself, uses
         several; compaction, which runs beside the service's event loop, one."""
-        return segments.open_reader(self._read_verified(segment.file, threads), segment, kind)
+        verified = self._read_verified(segment.file, threads, buffer)
+        return segments.open_reader(verified, segment, kind)
 
-    def open(self, manifest: Manifest) -> Snapshot:
-        """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails."""
+    def _start(self, entry: FileEntry) -> Started:
+        """Maps ``entry`` (asking the kernel to read all of it ahead) and starts its checksum
+        on the verify threads, in parts of at least :data:`_VERIFY_PART`."""
+        buffer = self.backend.read(entry.path)
+        if buffer.size != entry.size:
+            raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
+        parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        algorithm = checksum_algorithm(entry.checksum)
+        return Started(buffer, checksum_started(view, algorithm, parts, _verifiers()))
+
+    def open(self, manifest: Manifest, *, verify: bool = True) -> Snapshot:
+        """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails.
+
+        With ``verify=False`` the sample segments (nearly all the bytes) are still being read
+        and checksummed on the verify threads when this returns; everything else has verified.
+        The caller decodes meanwhile and must call :meth:`Snapshot.verify` before it uses rows.
+        """
         problems = self.check_sizes(manifest)
         if problems:
             raise CorruptSnapshot(manifest.sequence, problems)
+        # The small files are asked for first, so that their reads do not queue behind the
+        # sample segments'; then the sample segments start (the long pole), and the small files
+        # are checked on this thread while the verify threads read them.
+        small = {g.file.path: self.backend.read(g.file.path) for g in manifest.groups}
+        sidecar_buffer = self.backend.read(manifest.sidecar.path)
+        started = [(s, _openers().submit(self._start, s.file)) for s in manifest.segments]
         try:
-            segments = []
-            for n, s in enumerate(manifest.segments, 1):
-                segments.append((s, self.open_segment(s, threads=_VERIFY_THREADS)))
-                log.info(
-                    "snapshot %d: segment %d/%d verified (%.1f MB)",
-                    manifest.sequence,
-                    n,
-                    len(manifest.segments),
-                    s.file.size / 1e6,
-                )
-            groups = [(s, self.open_segment(s, SegmentKind.GROUPS)) for s in manifest.groups]
-            sidecar = self._parse_sidecar(self._read_verified(manifest.sidecar), manifest.sidecar)
+            group_segments = [
+                (s, self.open_segment(s, SegmentKind.GROUPS, buffer=small[s.file.path]))
+                for s in manifest.groups
+            ]
+            sidecar = self._parse_sidecar(
+                self._read_verified(manifest.sidecar, buffer=sidecar_buffer), manifest.sidecar
+            )
             submitted = submissions.read(self.backend, manifest.submissions)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
-        return Snapshot(manifest, sidecar, segments, groups, submitted)
+        snapshot = Snapshot(
+            manifest,
+            sidecar,
+            [],
+            group_segments,
+            submitted,
+            _pending=started,
+            _unopened=list(started),
+        )
+        if verify:
+            snapshot.verify()
+        return snapshot
 
     @staticmethod
     def _parse_sidecar(buffer: pa.Buffer, entry: FileEntry) -> dict[str, Any]:
@@ -438,14 +482,18 @@ class SnapshotStore:
             raise CorruptSnapshot(-1, [f"{entry.path}: not a JSON object"])
         return state
 
-    def resolve(self, spec: str | int = LATEST) -> Resolution:
+    def resolve(
+        self, spec: str | int = LATEST, *, verify: bool = True, before: int | None = None
+    ) -> Resolution:
         """The newest snapshot selected by ``spec`` that verifies, and each newer one skipped.
 
         ``spec`` is :data:`LATEST`, a sequence (an int or a string of digits) or a tag. The newest
         snapshot it names is tried first, then each older one, whatever its tag: an older snapshot
         plus the acks journaled after it is a valid, earlier state. :class:`SnapshotNotFound` when
         the sequence or tag names no published snapshot; ``snapshot=None`` when nothing verifies
-        (or the store is empty and ``spec`` is :data:`LATEST`).
+        (or the store is empty and ``spec`` is :data:`LATEST`). ``before`` tries only snapshots
+        older than that sequence (restore's next try when one's rows do not verify);
+        ``verify=False`` leaves the sample segments verifying (see :meth:`open`).
         """
         sequences = self.sequences()
         skipped: builtins.list[SkippedSnapshot] = []
@@ -457,9 +505,11 @@ class SnapshotStore:
             target = sequences[0] if sequences else -1
         else:
             target = self._find_tag(spec, sequences)
+        if before is not None:
+            target = min(target, before - 1)
         for sequence in (s for s in sequences if s <= target):
             try:
-                return Resolution(self.open(self.load(sequence)), skipped)
+                return Resolution(self.open(self.load(sequence), verify=verify), skipped)
             except CorruptSnapshot as exc:
                 log.warning("%s", exc)
                 skipped.append(SkippedSnapshot(sequence, "; ".join(exc.problems)))

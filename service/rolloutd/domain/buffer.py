@@ -347,29 +347,35 @@ class RolloutBuffer:
         generating group's become plain samples, since its missing siblings are staged next."""
         if self.groups:
             raise InvariantError("restore into a non-empty buffer")
+        kept_rows = state.kept_rows
         for meta in state.groups.values():
             if meta is None:
                 raise InvariantError("restore from a state that removes a group")
-            self.groups[meta.group_id] = Group(meta)
+            gid = meta.group_id
+            kept = kept_rows.get(gid)
+            if kept is None:
+                self.groups[gid] = Group(meta, {})
+            elif meta.state is GroupState.GENERATING:  # staged into again: rows become objects
+                self.groups[gid] = Group(meta, dict(kept))
+                self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
+            else:
+                self.groups[gid] = Group(meta, kept)
+        if not kept_rows.keys() <= self.groups.keys():
+            raise InvariantError("restore from a state with rows of groups it does not hold")
         for row_id, gid, sample in state.new_rows:
             self.groups[gid].samples[sample.index] = sample
             self._row_ids[(gid, sample.index)] = row_id
-        for gid, kept in state.kept_rows.items():
-            g = self.groups[gid]
-            if g.state is GroupState.GENERATING:  # staged into again: its rows become objects
-                g.samples = dict(kept)
-                self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
-            else:
-                g.samples = kept
         self.leases, self.acks = dict(state.leases), dict(state.acks)
         self._acked_groups = sum(len(r.group_ids) for r in self.acks.values())
         self.finalized_leases = OrderedDict(state.finalized_leases)
         self._next_row_id = state.next_row_id
+        committed = GroupState.COMMITTED
         ready = sorted(
-            (g for g in self.groups.values() if g.state is GroupState.COMMITTED),
-            key=lambda g: (g.meta.committed_at or 0.0, g.group_id),
+            (m.committed_at or 0.0, m.group_id)
+            for m in state.groups.values()
+            if m is not None and m.state is committed
         )
-        self._ready = deque(g.group_id for g in ready)
+        self._ready = deque(gid for _, gid in ready)
 
 
 def same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:

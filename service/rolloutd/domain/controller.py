@@ -767,11 +767,9 @@ class Controller:
         behind them.
         """
         cursor = state.sampler.cursor
-        ahead = sorted(
-            str(m.position)
-            for m in state.buffer.groups.values()
-            if m is not None and m.position is not None and m.position >= cursor
-        )
+        at = (cursor.epoch, cursor.offset)  # a tuple per group, not the two of Position's >=
+        positions = (m.position for m in state.buffer.groups.values() if m is not None)
+        ahead = sorted(str(p) for p in positions if p is not None and (p.epoch, p.offset) >= at)
         if ahead:
             raise RestoreRefused(
                 f"sampler cursor {cursor} is not ahead of restored group positions "

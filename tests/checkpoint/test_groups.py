@@ -1,0 +1,126 @@
+"""Group segments: typed columns that give back every field, and stores of format 2 (a JSON
+document per group) that still restore, written by the format-2 code itself (data/format2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from rolloutd.checkpoint import groups, sidecar
+from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
+from rolloutd.checkpoint.format import FORMAT_VERSION, GROUP_SCHEMA, SegmentKind
+from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.group import GroupMeta, GroupState, Position, Prompt
+from rolloutd.domain.report import RecoveryState, Trigger
+from tests.checkpoint.data import make_format2 as format2
+
+FORMAT2 = Path(__file__).parent / "data" / "format2"
+
+
+def metas() -> list[GroupMeta]:
+    """A group in every state, with every optional field set and unset."""
+    prompts = [
+        Prompt("plain", "question"),
+        Prompt("meta", "q \u00e9", metadata={"answer": [1, 2.5, None], "s": 'quote " \\'}),
+        Prompt("scalar", "q", metadata=0),
+        Prompt("chat", "", messages=({"role": "user", "content": "hi"}, {"role": "x", "c": ""})),
+    ]
+    out = []
+    for i, state in enumerate(GroupState):
+        for j, prompt in enumerate(prompts):
+            gid = 10 * i + j
+            out.append(
+                GroupMeta(
+                    group_id=gid,
+                    prompt=prompt,
+                    position=None if j == 3 else Position(i, gid),
+                    group_size=j + 1,
+                    policy_version=i,
+                    admitted_at=1_700_000_000.25 + gid,
+                    seed=2**40 + gid,
+                    state=state,
+                    committed_at=None if state is GroupState.GENERATING else 1.5 * gid,
+                    lease_id=f"lease-{gid}"
+                    if state in (GroupState.LEASED, GroupState.ACKED)
+                    else None,
+                    ack_step=gid if state is GroupState.ACKED else None,
+                )
+            )
+    return out
+
+
+def test_every_field_comes_back_from_the_typed_columns():
+    given = metas()
+    batches = list(groups.metas_to_batches(given, batch_rows=5))
+    assert len(batches) == 4 and all(b.schema == GROUP_SCHEMA for b in batches)
+    decoded = [m for batch in batches for m in groups.batch_to_metas(batch)]
+    assert decoded == given
+    assert [sidecar.to_json(m) for m in decoded] == [sidecar.to_json(m) for m in given]
+    keep = np.array([i % 2 == 0 for i in range(5)])
+    assert groups.batch_to_metas(batches[0], keep) == given[0:5:2]
+
+
+async def _restored(root: Path):
+    """A fresh controller restored from the store at ``root``, as the format-2 writer made it."""
+    store = SnapshotStore(str(root))
+    ctl = format2.controller(store)
+    checkpointer = Checkpointer(
+        ctl, store, store.journal, CheckpointerConfig(), format2.FINGERPRINT
+    )
+    report = await restore(
+        ctl, store, checkpointer, "latest", format2.FINGERPRINT, Granularity.SIBLING
+    )
+    return store, ctl, checkpointer, report
+
+
+def _as_written(ctl) -> dict:
+    return {
+        str(g.group_id): {
+            "meta": sidecar.to_json(g.meta),
+            "rows": {str(i): list(s.token_ids) for i, s in sorted(g.samples.items())},
+        }
+        for g in ctl.buffer.groups.values()
+    }
+
+
+async def test_a_store_written_in_format_2_restores_and_moves_to_typed_columns(tmp_path):
+    expected = json.loads((FORMAT2 / "expected.json").read_text())
+    shutil.copytree(FORMAT2 / "store", tmp_path / "store")
+    old = SnapshotStore(str(tmp_path / "store")).load(2)
+    assert old.format_version == 2 and len(old.groups) == 2 < FORMAT_VERSION
+
+    store, ctl, checkpointer, report = await _restored(tmp_path / "store")
+    assert report.sequence == 2 and not report.skipped
+    assert report.groups[RecoveryState.ACKED] == 1 and report.groups[RecoveryState.UNFINISHED] == 2
+    assert _as_written(ctl) == expected["groups"]
+    assert [ctl.sampler.cursor.epoch, ctl.sampler.cursor.offset] == expected["cursor"]
+
+    # a snapshot taken now lists the format-2 group segments beside a typed one
+    lease, _ = await ctl.fetch(1, 0, "t")
+    await ctl.ack(lease.lease_id, 6)
+    now = _as_written(ctl)
+    third = store.load((await checkpointer.checkpoint(Trigger.ON_DEMAND)).sequence)
+    await ctl.stop()
+    assert third.format_version == FORMAT_VERSION
+    layouts = [
+        groups.is_legacy(store.open_segment(s, SegmentKind.GROUPS).schema) for s in third.groups
+    ]
+    assert layouts == [True, True, False]
+    _, again, _, _ = await _restored(tmp_path / "store")
+    assert _as_written(again) == now
+    await again.stop()
+
+    # compaction rewrites them as typed columns, and nothing changes
+    compacted = store.compact(third, kind=SegmentKind.GROUPS)
+    [merged] = compacted.groups
+    schema = pa.ipc.open_file(tmp_path / "store" / merged.file.path).schema
+    assert schema.remove_metadata() == GROUP_SCHEMA.remove_metadata()
+    snapshot = store.open(compacted)
+    assert {m.group_id: sidecar.to_json(m) for m in snapshot.group_metas()} == {
+        int(gid): g["meta"] for gid, g in now.items()
+    }
