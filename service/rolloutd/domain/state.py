@@ -13,6 +13,7 @@ accepted submissions) and the group ids reserved since come back from the journa
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -126,7 +127,11 @@ class AckJournal(Protocol):
     submissions, and the group ids reserved for admission (checkpoint/journal.py implements it;
     concurrent writes share one sync)."""
 
-    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None: ...
+    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues an ack without I/O, so that the ack's mutation need not wait for the sync;
+        the future resolves (with the record's journal position) once the ack is durable, or
+        fails with the sync's error."""
+        ...
 
     async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None: ...
 
@@ -138,8 +143,10 @@ class AckJournal(Protocol):
 class NullJournal:
     """Keeps nothing: for a controller without a store."""
 
-    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None:
-        return None
+    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        durable: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        durable.set_result(0)
+        return durable
 
     async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
         return None
