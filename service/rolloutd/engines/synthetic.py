@@ -88,14 +88,17 @@ class SyntheticEngine:
         )
         if cfg.tokens_per_s > 0:
             delay += new / cfg.tokens_per_s
-        task = asyncio.current_task()
-        assert task is not None
         self._prompt_tokens += len(prompt_ids) + done
-        try:
-            self._running[request.request_id] = task  # type: ignore[assignment]
+        if delay > 0:
+            task = asyncio.current_task()
+            assert task is not None
+            try:
+                self._running[request.request_id] = task  # type: ignore[assignment]
+                await self._emit(token_ids, logprobs, version, delay, on_delta)
+            finally:
+                self._running.pop(request.request_id, None)
+        else:  # nothing to wait for, so nothing to abort: no await until the sample is returned
             await self._emit(token_ids, logprobs, version, delay, on_delta)
-        finally:
-            self._running.pop(request.request_id, None)
         self._generation_tokens += new
         finish = "length" if max(length, done) >= max_tokens else "stop"
         if prefix is None:
