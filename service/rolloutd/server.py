@@ -17,6 +17,7 @@ violation, a background task that died of one), so the orchestrator restarts the
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -227,6 +228,11 @@ class RolloutService:
             self.checkpointer.restoring = False
             if self.controller.weights_path is not None:
                 self.weights.restored(self.controller.weights_path)
+        if self.config.restore == "none":
+            # What start-up built (modules, configuration, engine) lives as long as the service:
+            # out of the collector's view, full collections scan only what changes afterwards
+            # (a restore does the same for what it built).
+            gc.freeze()
         self.controller.start()
         self.supervisor.spawn("controller", self._watch_controller())
         if self.config.checkpoint.interval_s > 0:

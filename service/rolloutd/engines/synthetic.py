@@ -211,5 +211,9 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
     return tuple(text.encode()[:512])
 
 
+_WORDS = [f"t{t}" for t in range(_VOCAB)]
+"""The word of each token id: a sample's text is one word per token."""
+
+
 def _text(token_ids: array[int]) -> str:
-    return "t" + " t".join(map(str, token_ids)) if token_ids else ""  # one word per token
+    return " ".join(map(_WORDS.__getitem__, token_ids))
