@@ -275,3 +275,26 @@ async def test_an_ack_whose_sync_fails_applies_nothing_and_a_retry_succeeds(node
     b.controller.start()
     delivered = await drain(b.controller, 2)
     assert not {g.meta.prompt.prompt_id for g in groups} & set(delivered)
+
+
+async def test_a_lease_whose_sync_fails_comes_back_also_from_a_snapshot_taken_meanwhile(nodes):  # noqa: F811
+    a = nodes(lease_timeout_s=0.5)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    held = HeldSync(a.journal, OSError(5, "Input/output error"))
+    fetching = asyncio.ensure_future(a.controller.fetch(2, 2000, "t"))
+    await settle(held.entered.is_set)
+    await asyncio.wait_for(a.checkpoint(), 10)  # captures the grant while it syncs
+    held.release.set()
+    with pytest.raises(Unavailable, match="lease could not be made durable"):
+        await fetching
+    assert not a.controller.buffer.leases  # requeued at once in the live process
+    await a.controller.stop()
+
+    b = nodes(lease_timeout_s=0.5)
+    await b.restore()
+    b.controller.start()
+    # the snapshot's grant, which nobody received, expires like any unacked lease
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
+    delivered = await drain(b.controller, 1)
+    assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40

@@ -374,10 +374,10 @@ class Journal:
         resolves once it is durable."""
         return self.enqueue(encode_ack(record, admissions))
 
-    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
-        """Journals a lease grant with the admission of each of its groups; durable on return."""
-        record = {"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)}
-        await self.enqueue(record)
+    def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues a lease grant with the admission of each of its groups (no I/O); the future
+        resolves once it is durable."""
+        return self.enqueue({"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)})
 
     async def submit(self, prompts: Sequence[Prompt]) -> None:
         """Journals accepted prompts; durable on return."""

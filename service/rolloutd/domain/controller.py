@@ -498,7 +498,15 @@ class Controller:
     async def fetch(
         self, max_groups: int, wait_ms: int, consumer: str
     ) -> tuple[Lease, list[Group]] | None:
-        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``."""
+        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``.
+
+        The grant is journaled before it is returned, but the LEASE mutation only queues the
+        record: a checkpoint may capture the grant while it syncs. Replay grants it again when
+        the record is durable; when the sync fails the groups are requeued and the call fails
+        ``Unavailable``, and a snapshot captured in between holds a grant nobody received,
+        which after a restart from it expires like any unacked lease (its groups come back
+        after ``lease_timeout_s``; none is lost or delivered twice).
+        """
         cfg = self.config
         if not 1 <= max_groups <= cfg.max_fetch_groups:
             raise InvalidArgument(
@@ -523,14 +531,16 @@ class Controller:
                         [] if lease is None else [self.buffer.groups[g] for g in lease.group_ids]
                     )
                     if lease is not None:
-                        try:
-                            await self.journal.lease(lease, self._admissions(lease.group_ids))
-                        except OSError as exc:
-                            self.buffer.requeue(lease.lease_id)
-                            raise Unavailable(
-                                f"the lease could not be made durable: {exc}"
-                            ) from exc
+                        durable = self.journal.lease(lease, self._admissions(lease.group_ids))
                 if lease is not None:
+                    try:
+                        await durable
+                    except OSError as exc:
+                        async with self.barrier.mutation(MutationKind.REQUEUE):
+                            if lease.lease_id in self.buffer.leases:
+                                self.buffer.requeue(lease.lease_id)
+                        await self._notify()
+                        raise Unavailable(f"the lease could not be made durable: {exc}") from exc
                     self.observer.groups_leased(
                         [now - (g.meta.committed_at or now) for g in groups]
                     )

@@ -133,23 +133,30 @@ class AckJournal(Protocol):
         fails with the sync's error."""
         ...
 
-    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None: ...
+    def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues a lease grant without I/O, like :meth:`append`."""
+        ...
 
     async def submit(self, prompts: Sequence[Prompt]) -> None: ...
 
     async def reserve_ids(self, through: int) -> None: ...
 
 
+def _kept() -> asyncio.Future[int]:
+    """A future already resolved: what the null journal keeps is kept at once."""
+    durable: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    durable.set_result(0)
+    return durable
+
+
 class NullJournal:
     """Keeps nothing: for a controller without a store."""
 
     def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
-        durable: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        durable.set_result(0)
-        return durable
+        return _kept()
 
-    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
-        return None
+    def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        return _kept()
 
     async def submit(self, prompts: Sequence[Prompt]) -> None:
         return None
