@@ -14,12 +14,11 @@ accepted submissions) and the group ids reserved since come back from the journa
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from rolloutd.domain.buffer import AckRecord, BufferState, Lease, remember_finalized
+from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
@@ -76,12 +75,6 @@ class ControllerState:
     partials: tuple[PartialSibling, ...] = ()
     """Tokens of generating siblings so far (``ControllerConfig.capture_partials``). Written in
     a snapshot file of their own (``checkpoint/partials.py``), not in rows or the sidecar."""
-
-    def with_ledger(self, previous: Mapping[str, int]) -> ControllerState:
-        """This capture with the whole ledger of finalized leases: ``previous`` (the ledger as
-        of the last snapshot) plus what was finalized since. Outside the hold."""
-        ledger = remember_finalized(OrderedDict(previous), self.buffer.finalized_leases)
-        return replace(self, buffer=replace(self.buffer, finalized_leases=ledger))
 
 
 @dataclass(frozen=True)
