@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
         "tokenizers",
         "safetensors",
         "psutil",
+        "numpy",
     },
     "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc", "v1"},
     # new weights: staged, checked against the served model, then loaded through the controller

@@ -17,6 +17,7 @@ violation, a background task that died of one), so the orchestrator restarts the
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -227,6 +228,16 @@ class RolloutService:
             self.checkpointer.restoring = False
             if self.controller.weights_path is not None:
                 self.weights.restored(self.controller.weights_path)
+        if self.config.restore == "none":
+            # What start-up built (modules, configuration, engine) lives as long as the service:
+            # out of the collector's view, full collections scan only what changes afterwards
+            # (a restore does the same for what it built).
+            gc.freeze()
+        # Every group allocates thousands of short-lived objects: at the default threshold (700)
+        # young collections ran thousands of times a second under 64 trainers and aged objects
+        # into full ones (0.84 s of collections in a 10 s window, 0.28 s at this threshold);
+        # rarer ones cost a few MB of garbage waiting at most.
+        gc.set_threshold(20_000, 10, 10)
         self.controller.start()
         self.supervisor.spawn("controller", self._watch_controller())
         if self.config.checkpoint.interval_s > 0:

@@ -110,7 +110,7 @@ async def test_the_hold_does_no_io(nodes):
     a = nodes()
     calls = []
     targets = [(a.store, n) for n in ("write_segment", "write_sidecar_json", "publish", "retire")]
-    for owner, name in [*targets, (a.store.journal, "write")]:
+    for owner, name in [*targets, (a.store.journal, "_append")]:
         real = getattr(owner, name)
 
         def spy(*args, _real=real, _name=name, **kw):

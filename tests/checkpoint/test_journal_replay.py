@@ -5,11 +5,16 @@ journal; nothing after the snapshot is in a snapshot)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+
+import pytest
 
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import ID_BITS, ID_BLOCK
+from rolloutd.domain.errors import Unavailable
 from rolloutd.domain.group import GroupState, Prompt
+from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.sampler import Admission
 from tests.checkpoint.test_checkpointer import nodes  # noqa: F401  (the fixture)
 from tests.fakes import settle
@@ -179,3 +184,117 @@ async def test_a_restored_lease_of_lost_groups_survives_a_second_restart(nodes):
     leased = {g.meta.prompt.prompt_id for g in groups}
     assert not leased & set(others)
     assert len(others) + len(groups) + len(firsts) == 40
+
+
+class HeldSync:
+    """Holds the journal's next batch before it is written (the worker thread waits), then
+    writes it, or fails it with ``error``."""
+
+    def __init__(self, journal, error: OSError | None = None) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self._journal, self._real, self._error = journal, journal._append, error
+        journal._append = self._append
+
+    def _append(self, records):
+        self.entered.set()
+        assert self.release.wait(10), "the held sync was never released"
+        self._journal._append = self._real
+        if self._error is not None:
+            raise self._error
+        return self._real(records)
+
+
+async def test_a_checkpoint_does_not_wait_for_an_ack_syncing_and_restore_replays_it(nodes):  # noqa: F811
+    a = nodes()
+    a.controller.start()
+    lease, groups = await a.controller.fetch(2, 2000, "t")
+    before = a.journal.position
+    held = HeldSync(a.journal)
+    acking = asyncio.ensure_future(a.controller.ack(lease.lease_id, 1))
+    await settle(held.entered.is_set)
+    report = await asyncio.wait_for(a.checkpoint(), 10)  # the ack holds no barrier meanwhile
+    assert not acking.done()
+    assert a.store.load(report.sequence).acks_through == before  # the ack is not in it
+    held.release.set()
+    assert not (await acking).already_acked
+    assert a.journal.position == before + 1
+    await a.controller.stop()
+
+    b = nodes()
+    await b.restore()
+    assert (await b.controller.ack(lease.lease_id, 1)).already_acked  # replayed from the journal
+    b.controller.start()
+    delivered = await drain(b.controller, 2)
+    assert not {g.meta.prompt.prompt_id for g in groups} & set(delivered)
+
+
+async def test_an_ack_durable_before_the_capture_is_in_the_snapshot(nodes):  # noqa: F811
+    a = nodes()
+    a.controller.start()
+    lease, _groups = await a.controller.fetch(2, 2000, "t")
+    held = HeldSync(a.journal)
+    acking = asyncio.ensure_future(a.controller.ack(lease.lease_id, 1))
+    await settle(held.entered.is_set)
+    async with a.controller.barrier.mutation(MutationKind.ADMIT):  # keeps the checkpoint draining
+        checkpointing = asyncio.ensure_future(a.checkpoint())
+        await settle(lambda: a.controller.barrier._writers_waiting == 1)
+        held.release.set()
+        # durable now; the ack's own mutation waits behind the checkpoint's writer priority
+        await settle(lambda: a.journal._flushing is None)
+    report = await checkpointing
+    assert not (await acking).already_acked
+    manifest = a.store.load(report.sequence)
+    assert manifest.acks_through == a.journal.position  # the record is covered ...
+    await a.controller.stop()
+
+    b = nodes()
+    await b.restore()  # ... so restore does not replay it: the snapshot itself holds the ack
+    assert (await b.controller.ack(lease.lease_id, 1)).already_acked
+
+
+async def test_an_ack_whose_sync_fails_applies_nothing_and_a_retry_succeeds(nodes):  # noqa: F811
+    a = nodes()
+    a.controller.start()
+    lease, groups = await a.controller.fetch(2, 2000, "t")
+    held = HeldSync(a.journal, OSError(28, "No space left on device"))
+    acking = asyncio.ensure_future(a.controller.ack(lease.lease_id, 1))
+    await settle(held.entered.is_set)
+    report = await asyncio.wait_for(a.checkpoint(), 10)  # captures the lease as granted
+    held.release.set()
+    with pytest.raises(Unavailable, match=r"could not be made durable: .*No space left"):
+        await acking
+    assert lease.lease_id in a.controller.buffer.leases  # still granted, nothing acked
+    assert a.controller.counters.acked_groups == 0
+    assert not (await a.controller.ack(lease.lease_id, 1)).already_acked  # the retry is the ack
+    await a.controller.stop()
+
+    b = nodes()
+    restored = await b.restore()
+    assert restored.sequence == report.sequence
+    assert (await b.controller.ack(lease.lease_id, 1)).already_acked
+    b.controller.start()
+    delivered = await drain(b.controller, 2)
+    assert not {g.meta.prompt.prompt_id for g in groups} & set(delivered)
+
+
+async def test_a_lease_whose_sync_fails_comes_back_also_from_a_snapshot_taken_meanwhile(nodes):  # noqa: F811
+    a = nodes(lease_timeout_s=0.5)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    held = HeldSync(a.journal, OSError(5, "Input/output error"))
+    fetching = asyncio.ensure_future(a.controller.fetch(2, 2000, "t"))
+    await settle(held.entered.is_set)
+    await asyncio.wait_for(a.checkpoint(), 10)  # captures the grant while it syncs
+    held.release.set()
+    with pytest.raises(Unavailable, match="lease could not be made durable"):
+        await fetching
+    assert not a.controller.buffer.leases  # requeued at once in the live process
+    await a.controller.stop()
+
+    b = nodes(lease_timeout_s=0.5)
+    await b.restore()
+    b.controller.start()
+    # the snapshot's grant, which nobody received, expires like any unacked lease
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
+    delivered = await drain(b.controller, 1)
+    assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40

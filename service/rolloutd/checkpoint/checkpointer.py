@@ -8,7 +8,8 @@
                       tokens of siblings still generating as a file of this snapshot's own.
 4. ``sidecar_write``  write the metadata of changed groups as a group segment, the prompts
                       submitted since the parent snapshot as a submissions piece
-                      (submissions.py), and controller state as a small JSON sidecar.
+                      (submissions.py), the leases finalized since as a ledger piece
+                      (ledger.py), and controller state as a small JSON sidecar.
 5. ``commit``         fsync and publish atomically; then retention.
 
 A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
@@ -21,16 +22,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from rolloutd.checkpoint import partials, sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import Manifest, SegmentKind, next_manifest
+from rolloutd.checkpoint.format import (
+    FileEntry,
+    LedgerEntry,
+    Manifest,
+    SegmentKind,
+    next_manifest,
+)
 from rolloutd.checkpoint.journal import Journal
 from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
 from rolloutd.checkpoint.store import SnapshotWriter
+from rolloutd.domain.buffer import remember_finalized
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import GroupMeta
@@ -96,9 +105,11 @@ class Checkpointer:
         self._carried: dict[int, GroupMeta] = {}
         """Groups restored from a format-1 snapshot (whose sidecar held them): written into the
         next snapshot's group segment, since no group segment holds them yet."""
-        self._finalized: Mapping[str, int] = {}
-        """The buffer's ledger of finalized leases as of the last completed snapshot, oldest
-        first; captures hand over only what was finalized since."""
+        self._carried_ledger: Mapping[str, int] = {}
+        """The finalized-lease ledger restored from a snapshot whose sidecar held it (earlier
+        versions): written into the next snapshot's ledger piece, since no piece holds it yet.
+        Otherwise captures hand over only what was finalized since the parent, and that is all
+        a snapshot writes of the ledger."""
         self._parent: Manifest | None = None
         self._next_sequence: int | None = None
         """Sequence of the next attempt; read once from the store (its newest manifest)."""
@@ -124,7 +135,7 @@ class Checkpointer:
         self._parent = manifest
         if manifest.format_version < 2:
             self._carried = {g: m for g, m in state.buffer.groups.items() if m is not None}
-        self._finalized = state.buffer.finalized_leases
+        self._carried_ledger = {} if manifest.ledger else state.buffer.finalized_leases
         self._resumed = dict(resumed)
 
     @property
@@ -222,11 +233,11 @@ class Checkpointer:
             report.outcome, report.reason = Outcome.SKIPPED, Reason.NO_CHANGES
             return
         try:
-            manifest, finalized, resumed = await self._write(clock, capture, acks_through, report)
+            manifest, resumed = await self._write(clock, capture, acks_through, report)
         except BaseException:
             self.controller.capture_failed(capture)
             raise
-        self._parent, self._finalized, self._carried = manifest, finalized, {}
+        self._parent, self._carried, self._carried_ledger = manifest, {}, {}
         self._resumed = resumed
         report.outcome, report.reason, report.sequence = (
             Outcome.COMPLETED,
@@ -244,6 +255,7 @@ class Checkpointer:
             SizePart.GROUPS: manifest.written_group_bytes,
             SizePart.SIDECAR: manifest.sidecar.size,
             SizePart.SUBMISSIONS: written_submissions,
+            SizePart.LEDGER: manifest.written_ledger_bytes,
             SizePart.PARTIALS: manifest.partials_bytes,
             SizePart.TOTAL: manifest.written_bytes,
         }
@@ -254,7 +266,7 @@ class Checkpointer:
         capture: ControllerState,
         acks_through: int,
         report: CheckpointReport,
-    ) -> tuple[Manifest, Mapping[str, int], dict[int, partials.ResumedRow]]:
+    ) -> tuple[Manifest, dict[int, partials.ResumedRow]]:
         delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
@@ -289,10 +301,10 @@ class Checkpointer:
                 sum(p.count for p in held) : capture.sampler.submitted_len
             ]
             pieces = await asyncio.to_thread(self.store.write_submissions, sequence, held, since)
-            whole = capture.with_ledger(self._finalized)
-            finalized = whole.buffer.finalized_leases
-            data = sidecar.encode(whole)
-            entry = await asyncio.to_thread(self.store.write_sidecar_json, sequence, data)
+            ledger = await asyncio.to_thread(
+                self._write_ledger, sequence, capture.buffer.finalized_leases
+            )
+            entry = await asyncio.to_thread(self._write_sidecar, sequence, capture)
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = next_manifest(
                 self._parent,
@@ -308,6 +320,7 @@ class Checkpointer:
                 trainer_step=report.trainer_step,
                 fingerprint=self.fingerprint,
                 submissions=pieces,
+                ledger=ledger,
             )
             manifest = replace(manifest, partials=partials_entry)
             for kind in SegmentKind:
@@ -317,7 +330,19 @@ class Checkpointer:
             await asyncio.to_thread(self.store.publish, manifest)
             oldest_step = self.controller.retained_from_step(capture)
             await asyncio.to_thread(self._retire, oldest_step)
-        return manifest, finalized, resumed
+        return manifest, resumed
+
+    # Encoding runs in the worker thread with the write: thousands of changed groups a second
+    # under many trainers made it tens of milliseconds of event-loop time, stalling every RPC.
+
+    def _write_ledger(self, sequence: int, finalized: Mapping[str, int]) -> tuple[LedgerEntry, ...]:
+        if self._carried_ledger:
+            finalized = remember_finalized(OrderedDict(self._carried_ledger), finalized)
+        held = self._parent.ledger if self._parent is not None else ()
+        return self.store.write_ledger(sequence, held, finalized)
+
+    def _write_sidecar(self, sequence: int, capture: ControllerState) -> FileEntry:
+        return self.store.write_sidecar_json(sequence, sidecar.encode(capture))
 
     def _retire(self, oldest_step: int | None) -> None:
         """Retention (in a worker thread): the newest ``keep_latest``, the newest

@@ -2,7 +2,8 @@
 
 A snapshot is a manifest that lists immutable files: Arrow IPC *segments* holding sample rows,
 one JSON *sidecar* holding controller state, and JSON Lines *submissions pieces* holding the
-submitted prompts (submissions.py). Segments use the IPC file format, uncompressed, with
+submitted prompts (submissions.py), and Arrow IPC *ledger pieces* holding the finalized-lease
+ledger (ledger.py). Segments use the IPC file format, uncompressed, with
 :data:`SAMPLE_SCHEMA`, so ``pyarrow.ipc.open_file``, ``polars.read_ipc`` and duckdb open them as
 they are. Snapshots are incremental: a segment written by one snapshot is listed again by later
 ones, each listing also the ids of its rows that are no longer live.
@@ -558,6 +559,31 @@ class SubmissionsEntry:
 
 
 @dataclass(frozen=True)
+class LedgerEntry:
+    """A piece of the finalized-lease ledger (ledger.py) as listed by a snapshot.
+
+    Invariants: the piece holds ``count`` (lease id, trainer step) pairs in the order they were
+    finalized; a manifest's pieces are oldest first; ``written_by`` is the snapshot that wrote the
+    file (later snapshots list it unchanged until a merge replaces it or the bound drops it).
+    """
+
+    file: FileEntry
+    count: int
+    written_by: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.file.to_json(), "count": self.count, "written_by": self.written_by}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> LedgerEntry:
+        return cls(
+            file=FileEntry.from_json(value),
+            count=int(value["count"]),
+            written_by=int(value["written_by"]),
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What one snapshot holds; its publication makes the snapshot exist.
 
@@ -585,6 +611,9 @@ class Manifest:
     """Group segments (format 2; a format-1 sidecar holds every group itself)."""
     submissions: tuple[SubmissionsEntry, ...] = ()
     """Pieces of the submitted-prompt log, oldest first (absent from older manifests)."""
+    ledger: tuple[LedgerEntry, ...] = ()
+    """Pieces of the finalized-lease ledger, oldest first (absent from older manifests, whose
+    sidecar holds the ledger itself)."""
 
     @property
     def live_rows(self) -> int:
@@ -602,6 +631,7 @@ class Manifest:
             + self.sidecar.size
             + self.partials_bytes
             + sum(p.file.size for p in self.submissions)
+            + sum(p.file.size for p in self.ledger)
         )
 
     @property
@@ -615,19 +645,25 @@ class Manifest:
         return sum(p.file.size for p in self.submissions if p.written_by == self.sequence)
 
     @property
+    def written_ledger_bytes(self) -> int:
+        """Bytes of ledger pieces this snapshot wrote itself (new or merged)."""
+        return sum(p.file.size for p in self.ledger if p.written_by == self.sequence)
+
+    @property
     def partials_bytes(self) -> int:
         return self.partials.size if self.partials is not None else 0
 
     @property
     def written_bytes(self) -> int:
         """Bytes this snapshot wrote itself (new or compacted segments of both kinds, its
-        sidecar, its partials file and new or merged submitted-prompt pieces)."""
+        sidecar, its partials file and new or merged submitted-prompt and ledger pieces)."""
         return (
             self.written_segment_bytes
             + self.written_group_bytes
             + self.sidecar.size
             + self.partials_bytes
             + self.written_submission_bytes
+            + self.written_ledger_bytes
         )
 
     @property
@@ -645,6 +681,7 @@ class Manifest:
             self.sidecar,
             *((self.partials,) if self.partials is not None else ()),
             *(piece.file for piece in self.submissions),
+            *(piece.file for piece in self.ledger),
         )
 
     def _body(self) -> dict[str, Any]:
@@ -665,6 +702,7 @@ class Manifest:
             **(
                 {"submissions": [p.to_json() for p in self.submissions]} if self.submissions else {}
             ),
+            **({"ledger": [p.to_json() for p in self.ledger]} if self.ledger else {}),
         }
         if self.partials is not None:  # absent otherwise: older readers see the same manifest
             body["partials"] = self.partials.to_json()
@@ -708,6 +746,7 @@ class Manifest:
                 submissions=tuple(
                     SubmissionsEntry.from_json(p) for p in body.get("submissions", [])
                 ),
+                ledger=tuple(LedgerEntry.from_json(p) for p in body.get("ledger", [])),
             )
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise FormatError(f"manifest is not valid: {exc!r}") from exc
@@ -757,6 +796,7 @@ def next_manifest(
     trainer_step: int | None = None,
     fingerprint: Mapping[str, Any] | None = None,
     submissions: Sequence[SubmissionsEntry] | None = None,
+    ledger: Sequence[LedgerEntry] | None = None,
 ) -> Manifest:
     """The manifest of snapshot ``sequence``: ``parent``'s live rows, minus ``removed``, plus new.
 
@@ -765,7 +805,8 @@ def next_manifest(
     without a live row are dropped. ``parent=None`` makes a full snapshot of ``new_segment`` alone.
     Group segments go the same way: ``changed_groups`` (changed or dropped since ``parent``) are
     removed from the segments that held them, then ``new_groups`` (their new metadata) is added.
-    ``submissions`` lists the submitted-prompt pieces (default: the parent's).
+    ``submissions`` lists the submitted-prompt pieces, ``ledger`` the finalized-lease pieces
+    (default: the parent's).
     """
     if parent is not None and sequence <= parent.sequence:
         raise ValueError(f"sequence {sequence} is not after its parent {parent.sequence}")
@@ -805,6 +846,9 @@ def next_manifest(
             submissions
             if submissions is not None
             else (parent.submissions if parent is not None else ())
+        ),
+        ledger=tuple(
+            ledger if ledger is not None else (parent.ledger if parent is not None else ())
         ),
     )
 

@@ -1,7 +1,7 @@
 """Operator commands: ``rolloutd checkpoints list|show|verify --dir URL [--storage-option k=v]``.
 
-A snapshot's files are its segments, its sidecar and its submissions pieces; pieces and segments
-are shared by later snapshots. ``list`` reads manifests only and checks file sizes, so the best
+A snapshot's files are its segments, its sidecar and its submissions and ledger pieces; pieces and
+segments are shared by later snapshots. ``list`` reads manifests only and checks file sizes, so the best
 it can say is ``unverified`` (sizes match) or ``damaged``; ``verify`` re-reads every file of every
 snapshot and compares checksums (a file shared by several snapshots is read once), says ``ok``
 or ``corrupt``, and exits 1 when anything fails; ``show latest|SEQ|TAG`` prints a manifest. A

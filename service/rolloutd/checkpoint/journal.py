@@ -8,7 +8,10 @@ covers, at each checkpoint.
 
 Group commit: writers that arrive while a sync is in progress queue up; the next sync makes the
 whole queue durable at once (one ``fdatasync`` locally, one put on an object store), so the cost
-of durability is shared by concurrent acks, lease grants and submissions.
+of durability is shared by concurrent acks, lease grants and submissions. The service queues from
+its event loop (:meth:`Journal.enqueue`): records cost no thread until their batch is written, one
+worker thread per batch, and the position a checkpoint reads moves in the loop together with the
+writers' futures, so a capture sees exactly the records whose writers were told "durable".
 
 Layout: ``journal/<first position>-<token>.jsonl`` locally (JSON lines appended; one file per run
 of appends), ``journal/<first>-<last>.jsonl`` on an object store (one object per batch).
@@ -245,6 +248,12 @@ class Journal:
         self._queue: list[_Pending] = []
         self._syncing = False
         self._position = max(self._files.last_position(), floor)
+        """Position of the last record written; moves in the writing thread."""
+        self._durable = self._position
+        """What :attr:`position` reports (see there)."""
+        self._batch: list[tuple[Mapping[str, Any], asyncio.Future[int]]] = []
+        """Records queued from the event loop for the next batch, with their writers' futures."""
+        self._flushing: asyncio.Task[None] | None = None
         self._guard = guard
         """Raises instead of letting a write through (a process fenced off the store)."""
         self.syncs = 0
@@ -252,8 +261,11 @@ class Journal:
 
     @property
     def position(self) -> int:
-        """Position of the last durable record; no I/O (capture it under the exclusive hold)."""
-        return self._position
+        """Position of the last durable record whose writer has been told; no I/O (capture it
+        under the exclusive hold). For records queued with :meth:`enqueue` it moves in the event
+        loop in the same step as their futures resolve: every record at or before it has a
+        resolved future, every record after it an unresolved one."""
+        return self._durable
 
     def write(self, record: Mapping[str, Any]) -> int:
         """Journal ``record`` (JSON-able); it is durable when this returns its position.
@@ -277,21 +289,61 @@ class Journal:
         fault_point(FaultPoint.JOURNAL_APPEND)
         return mine.position
 
+    def enqueue(self, record: Mapping[str, Any]) -> asyncio.Future[int]:
+        """Queues ``record`` (JSON-able) for the next batch, from the event loop and without
+        I/O; the future resolves with its position once it is durable, or with the batch's error.
+
+        One flush task writes batch after batch: whatever is queued while a batch syncs goes in
+        the next one, however many writers there are.
+        """
+        loop = asyncio.get_running_loop()
+        durable: asyncio.Future[int] = loop.create_future()
+        self._batch.append((record, durable))
+        if self._flushing is None:
+            self._flushing = loop.create_task(self._flush(), name="rolloutd-journal-flush")
+        return durable
+
+    async def _flush(self) -> None:
+        try:
+            while self._batch:
+                batch, self._batch = self._batch, []
+                try:
+                    first = await asyncio.to_thread(self._append, [r for r, _ in batch])
+                except Exception as exc:  # delivered to every writer of the batch
+                    for _, durable in batch:
+                        if not durable.done():
+                            durable.set_exception(exc)
+                    continue
+                fault_point(FaultPoint.JOURNAL_APPEND)
+                # no await from here on: the position and the futures move together
+                self._durable = max(self._durable, first + len(batch) - 1)
+                for i, (_, durable) in enumerate(batch):
+                    if not durable.done():
+                        durable.set_result(first + i)
+        finally:
+            self._flushing = None
+
+    def _append(self, records: list[Mapping[str, Any]]) -> int:
+        """Writes ``records`` durably after the last position; returns the first one's."""
+        with self._lock:
+            if self._guard is not None:
+                self._guard()
+            first = self._position + 1
+            try:
+                self._files.append(first, records)
+            except OSError:
+                self._files.rotate()  # never append after what may be a torn record
+                raise
+            self._position = first + len(records) - 1
+            self.syncs += 1
+            return first
+
     def _sync(self, batch: list[_Pending]) -> None:
         error: BaseException | None = None
         first = 0
         try:
-            with self._lock:
-                if self._guard is not None:
-                    self._guard()
-                first = self._position + 1
-                try:
-                    self._files.append(first, [p.record for p in batch])
-                except OSError:
-                    self._files.rotate()  # never append after what may be a torn record
-                    raise
-                self._position = first + len(batch) - 1
-                self.syncs += 1
+            first = self._append([p.record for p in batch])
+            self._durable = max(self._durable, first + len(batch) - 1)
         except BaseException as exc:
             error = exc
         with self._queue_changed:
@@ -317,22 +369,23 @@ class Journal:
 
     # --- the domain's AckJournal port -------------------------------------------------------
 
-    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None:
-        """Journals an ack with the admission of each of its groups; durable on return."""
-        await asyncio.to_thread(self.write, encode_ack(record, admissions))
+    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues an ack with the admission of each of its groups (no I/O); the future
+        resolves once it is durable."""
+        return self.enqueue(encode_ack(record, admissions))
 
-    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
-        """Journals a lease grant with the admission of each of its groups; durable on return."""
-        record = {"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)}
-        await asyncio.to_thread(self.write, record)
+    def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues a lease grant with the admission of each of its groups (no I/O); the future
+        resolves once it is durable."""
+        return self.enqueue({"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)})
 
     async def submit(self, prompts: Sequence[Prompt]) -> None:
         """Journals accepted prompts; durable on return."""
-        await asyncio.to_thread(self.write, {"kind": SUBMIT, "prompts": to_json(list(prompts))})
+        await self.enqueue({"kind": SUBMIT, "prompts": to_json(list(prompts))})
 
     async def reserve_ids(self, through: int) -> None:
         """Journals that group ids up to ``through`` may be handed out; durable on return."""
-        await asyncio.to_thread(self.write, {"kind": IDS, "through": through})
+        await self.enqueue({"kind": IDS, "through": through})
 
     def acks_after(self, after: int) -> list[Journaled]:
         """The events journaled after position ``after``, in order."""

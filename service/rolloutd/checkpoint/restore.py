@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from rolloutd.checkpoint import sidecar, submissions
+from rolloutd.checkpoint import ledger, sidecar, submissions
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
@@ -150,6 +150,7 @@ async def _run(
             # cursor, submitted and re-admitted prompts; groups from the group segments
             state = sidecar.decode(snapshot.sidecar, snapshot.group_metas())
             state = submissions.attach(state, snapshot.submitted)
+            state = ledger.attach(state, snapshot.finalized_leases)
 
         with clock.phase(RestorePhase.BUFFER):
             siblings, resumed = await _partials(store, manifest)

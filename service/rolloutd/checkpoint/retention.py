@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from rolloutd.checkpoint import groups
 from rolloutd.checkpoint.backends import (
+    LEDGER,
     MANIFESTS,
     PARTIALS,
     SEGMENTS,
@@ -148,7 +149,7 @@ def retire(
     """Keep the newest ``keep_latest`` readable snapshots and those ``keep`` selects.
 
     Retired manifests are moved to ``trash/`` first (each snapshot disappears whole), then
-    every segment, sidecar or submissions piece no kept manifest lists is deleted, then the
+    every segment, sidecar, submissions or ledger piece no kept manifest lists is deleted, then the
     trash is emptied and the ack journal pruned up to the oldest kept snapshot's
     ``acks_through`` (so a fallback to any kept snapshot still finds its acks). Unreadable
     manifests older than the kept window are retired too; while one is inside the window
@@ -186,7 +187,7 @@ def retire(
     if not blind and sequences:
         referenced = {entry.path for m in kept for entry in m.files()}
         doomed = []
-        for prefix in (SEGMENTS, SIDECARS, PARTIALS, SUBMISSIONS):
+        for prefix in (SEGMENTS, SIDECARS, PARTIALS, SUBMISSIONS, LEDGER):
             for name in store.backend.listdir(prefix):
                 written = sequence_of(name)
                 path = f"{prefix}/{name}"

@@ -243,6 +243,9 @@ class Snapshot:
     )
     submitted: list[Prompt] = field(default_factory=list, repr=False)
     """Every prompt submitted up to this snapshot, in order (submissions.py)."""
+    finalized_leases: Mapping[str, int] = field(default_factory=dict, repr=False)
+    """The finalized-lease ledger of the snapshot's ledger pieces, oldest first (ledger.py);
+    empty when its sidecar holds the ledger itself (earlier versions)."""
     _pending: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
     """Sample segments being read and checksummed, each with what their reading started."""
     _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)

@@ -11,12 +11,14 @@ The layout (format 1)::
     {"format": 1, "sampler": {cursor, submitted_len, submitted_head, readmit, skip, skip_ids},
      "controller": {next_group_id, policy_version, weights_path,
      max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
-     "finalized_leases": {lease: step}, "lost_acks": [...], "lost_leases": [...]}
+     "lost_acks": [...], "lost_leases": [...]}
 
 Group metadata is not in the sidecar: each group goes into the group segment of the snapshot
 that changed it (groups.py), so a sidecar's size does not follow the number of buffered groups.
 Sidecars of manifest format 1 still hold a ``"groups"`` array, and group segments of format 2 a
 JSON document per group (:func:`encode_group`); both are read.
+Nor is the finalized-lease ledger: it is in ledger pieces (ledger.py). Sidecars written before
+them hold it as ``"finalized_leases": {lease: step}``; it is read.
 """
 
 from __future__ import annotations
@@ -219,14 +221,14 @@ def head(state: ControllerState) -> dict[str, Any]:
         },
         "leases": to_json(list(b.leases.values())),
         "acks": to_json(list(b.acks.values())),
-        "finalized_leases": dict(b.finalized_leases),
         "lost_acks": to_json(state.lost_acks),
         "lost_leases": to_json(state.lost_leases),
     }
 
 
 def encode(state: ControllerState) -> bytes:
-    """The sidecar of ``state`` (whose ledger is whole): everything but rows and groups."""
+    """The sidecar of ``state``: everything but rows, groups, submitted prompts and the
+    finalized-lease ledger (their pieces hold them)."""
     return json.dumps(head(state), separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -247,7 +249,8 @@ def decode(d: Mapping[str, Any], groups: Iterable[GroupMeta] = ()) -> Controller
             groups={m.group_id: m for m in metas},
             leases={lease.lease_id: lease for lease in leases},
             acks={r.lease_id: r for r in acks},
-            finalized_leases=dict(d["finalized_leases"]),
+            # only sidecars of earlier versions hold the ledger (now in ledger pieces)
+            finalized_leases=dict(d.get("finalized_leases", {})),
             next_row_id=int(c["next_row_id"]),
         ),
         sampler=sampler_from_json(d["sampler"]),

@@ -7,6 +7,7 @@ Layout under the root (a directory, ``file://`` URL or any fsspec URL such as ``
     sidecars/<sequence>-<token>.json     controller state of one snapshot
     partials/<sequence>-<token>.arrow    tokens of siblings still generating (partials.py)
     submissions/<sequence>-<token>.jsonl submitted prompts, shared by later snapshots (submissions.py)
+    ledger/<sequence>-<token>.arrow      finalized leases, shared by later snapshots (ledger.py)
     journal/                             acks, leases, submissions, id reservations (journal.py)
     trash/, tmp/                         retention (retention.py), files being written (backends.py)
 
@@ -41,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from rolloutd.checkpoint import groups, partials, retention, segments, submissions
+from rolloutd.checkpoint import groups, ledger, partials, retention, segments, submissions
 from rolloutd.checkpoint.backends import (
     MANIFESTS,
     PARTIALS,
@@ -62,6 +63,7 @@ from rolloutd.checkpoint.format import (
     FileEntry,
     FormatError,
     Hasher,
+    LedgerEntry,
     Manifest,
     Row,
     RowIdSet,
@@ -153,6 +155,9 @@ class SnapshotWriter(Protocol):
     def write_submissions(
         self, sequence: int, parent: Sequence[SubmissionsEntry], prompts: Sequence[Prompt]
     ) -> tuple[SubmissionsEntry, ...]: ...
+    def write_ledger(
+        self, sequence: int, parent: Sequence[LedgerEntry], finalized: Mapping[str, int]
+    ) -> tuple[LedgerEntry, ...]: ...
     def publish(self, manifest: Manifest) -> None: ...
     def retire(self, keep_latest: int, keep: Callable[[Manifest], bool]) -> RetireResult: ...
 
@@ -303,6 +308,12 @@ class SnapshotStore:
     ) -> tuple[SubmissionsEntry, ...]:
         """See :func:`submissions.extend`."""
         return submissions.extend(self.backend, self._checksum, sequence, parent, prompts)
+
+    def write_ledger(
+        self, sequence: int, parent: Sequence[LedgerEntry], finalized: Mapping[str, int]
+    ) -> tuple[LedgerEntry, ...]:
+        """See :func:`ledger.extend`."""
+        return ledger.extend(self.backend, self._checksum, sequence, parent, finalized)
 
     def publish(self, manifest: Manifest) -> None:
         """Make ``manifest`` the newest snapshot, atomically and durably.
@@ -457,6 +468,7 @@ class SnapshotStore:
                 self._read_verified(manifest.sidecar, buffer=sidecar_buffer), manifest.sidecar
             )
             submitted = submissions.read(self.backend, manifest.submissions)
+            finalized = ledger.read(self.backend, manifest.ledger)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc
         snapshot = Snapshot(
@@ -465,6 +477,7 @@ class SnapshotStore:
             [],
             group_segments,
             submitted,
+            finalized,
             _pending=started,
             _unopened=list(started),
         )

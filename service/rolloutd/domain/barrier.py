@@ -47,21 +47,23 @@ class MutationBarrier:
     async def mutation(self, kind: MutationKind) -> AsyncIterator[None]:
         if not isinstance(kind, MutationKind):
             raise TypeError(f"mutation kind must be a MutationKind, got {kind!r}")
-        async with self._cond:
-            if self._writer_active or self._writers_waiting:
+        if self._writer_active or self._writers_waiting:
+            async with self._cond:
                 started = time.perf_counter()
                 await self._cond.wait_for(
                     lambda: not self._writer_active and not self._writers_waiting
                 )
                 if self._on_blocked is not None:
                     self._on_blocked(kind, time.perf_counter() - started)
+                self._active += 1
+        else:  # the common case takes no lock: nothing awaits between the check and the count
             self._active += 1
         try:
             yield
         finally:
-            async with self._cond:
-                self._active -= 1
-                if self._active == 0:
+            self._active -= 1
+            if self._active == 0 and self._writers_waiting:
+                async with self._cond:
                     self._cond.notify_all()
 
     @asynccontextmanager

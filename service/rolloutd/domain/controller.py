@@ -135,6 +135,15 @@ class Resumption:
     """Partial tokens the snapshot held but that are generated again."""
 
 
+@dataclass(eq=False)
+class _PendingAck:
+    """An ack between its journal record being queued and being applied."""
+
+    ack: JournaledAck
+    durable: asyncio.Future[int]
+    """Resolves once the record is durable (the journal's position covers it)."""
+
+
 @dataclass(frozen=True)
 class AckResult:
     acked_groups: int
@@ -214,6 +223,10 @@ class Controller:
         self._loops: list[asyncio.Task[None]] = []
         self._admitting = False
         self._draining = False
+        self._acking: dict[str, _PendingAck] = {}
+        """Acks queued for the journal and not applied yet, by lease id."""
+        self._orphans: set[asyncio.Future[None]] = set()
+        """Settlements of acks whose callers went away, kept until done."""
         self._submitting = asyncio.Lock()
         """Serialises submissions: check, journal, accept, with no other in between."""
         self.fatal: BaseException | None = None
@@ -485,7 +498,15 @@ class Controller:
     async def fetch(
         self, max_groups: int, wait_ms: int, consumer: str
     ) -> tuple[Lease, list[Group]] | None:
-        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``."""
+        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``.
+
+        The grant is journaled before it is returned, but the LEASE mutation only queues the
+        record: a checkpoint may capture the grant while it syncs. Replay grants it again when
+        the record is durable; when the sync fails the groups are requeued and the call fails
+        ``Unavailable``, and a snapshot captured in between holds a grant nobody received,
+        which after a restart from it expires like any unacked lease (its groups come back
+        after ``lease_timeout_s``; none is lost or delivered twice).
+        """
         cfg = self.config
         if not 1 <= max_groups <= cfg.max_fetch_groups:
             raise InvalidArgument(
@@ -510,14 +531,16 @@ class Controller:
                         [] if lease is None else [self.buffer.groups[g] for g in lease.group_ids]
                     )
                     if lease is not None:
-                        try:
-                            await self.journal.lease(lease, self._admissions(lease.group_ids))
-                        except OSError as exc:
-                            self.buffer.requeue(lease.lease_id)
-                            raise Unavailable(
-                                f"the lease could not be made durable: {exc}"
-                            ) from exc
+                        durable = self.journal.lease(lease, self._admissions(lease.group_ids))
                 if lease is not None:
+                    try:
+                        await durable
+                    except OSError as exc:
+                        async with self.barrier.mutation(MutationKind.REQUEUE):
+                            if lease.lease_id in self.buffer.leases:
+                                self.buffer.requeue(lease.lease_id)
+                        await self._notify()
+                        raise Unavailable(f"the lease could not be made durable: {exc}") from exc
                     self.observer.groups_leased(
                         [now - (g.meta.committed_at or now) for g in groups]
                     )
@@ -548,7 +571,16 @@ class Controller:
 
     async def ack(self, lease_id: str, trainer_step: int) -> AckResult:
         """Consumes a lease at ``trainer_step``; durable (journaled) before it returns, and
-        idempotent: acking a lease acked before (also before a restart) succeeds again."""
+        idempotent: acking a lease acked before (also before a restart) succeeds again.
+
+        The record is queued for the journal inside the ACK mutation, but the mutation does not
+        wait for the sync: a checkpoint may come in between. The ack is applied once durable,
+        by :meth:`_settle_ack` or by the capture of a checkpoint that finds it durable first
+        (:meth:`_apply_durable_acks`), so a snapshot holds an ack exactly when its
+        ``acks_through`` covers the record. A failed sync applies nothing: the lease stays
+        granted and the call fails ``Unavailable``, to be retried. A second ack of the lease
+        while the first is pending waits for the same record.
+        """
         if not lease_id:
             raise InvalidArgument("lease_id", "must not be empty")
         if trainer_step < 0:
@@ -561,22 +593,65 @@ class Controller:
             if lease_id in self.buffer.finalized_leases:
                 same_step(lease_id, self.buffer.finalized_leases[lease_id], trainer_step)
                 return AckResult(0, already_acked=True)
-            lease = self.buffer.leases.get(lease_id)
-            if lease is None:
-                raise NotFound(f"lease {lease_id!r} is unknown or expired")
-            lost = self._lost_leased.get(lease_id, {})
-            record = AckRecord(lease_id, lease.group_ids + tuple(lost), trainer_step, self.clock())
-            admissions = {**self._admissions(lease.group_ids), **lost}
-            try:
-                await self.journal.append(record, admissions)
-            except OSError as exc:
-                raise Unavailable(f"the ack could not be made durable: {exc}") from exc
-            self._lost_leased.pop(lease_id, None)
-            self._apply_ack(JournaledAck(record, lost))
+            pending = self._acking.get(lease_id)
+            if pending is not None:
+                same_step(lease_id, pending.ack.record.trainer_step, trainer_step)
+            else:
+                lease = self.buffer.leases.get(lease_id)
+                if lease is None:
+                    raise NotFound(f"lease {lease_id!r} is unknown or expired")
+                lost = self._lost_leased.get(lease_id, {})
+                record = AckRecord(
+                    lease_id, lease.group_ids + tuple(lost), trainer_step, self.clock()
+                )
+                admissions = {**self._admissions(lease.group_ids), **lost}
+                pending = _PendingAck(
+                    JournaledAck(record, lost), self.journal.append(record, admissions)
+                )
+                self._acking[lease_id] = pending
+        try:
+            await self._settle_ack(pending)
+        except asyncio.CancelledError:
+            # the caller went away: a durable ack is applied all the same
+            orphan = asyncio.ensure_future(self._settle_ack(pending))
+            self._orphans.add(orphan)
+            orphan.add_done_callback(self._orphans.discard)
+            raise
         await self._notify()  # acked groups no longer count against the buffer's capacity
         if self.max_acked_step - self.config.rewind_window > self.finalized_through:
             await self.finalize(self.max_acked_step - self.config.rewind_window)
-        return AckResult(len(record.group_ids), already_acked=False)
+        return AckResult(len(pending.ack.record.group_ids), already_acked=False)
+
+    async def _settle_ack(self, pending: _PendingAck) -> None:
+        """Waits for the ack's record outside the barrier, then applies it (once, whoever of
+        its callers or a capture comes first)."""
+        lease_id = pending.ack.record.lease_id
+        try:
+            await asyncio.shield(pending.durable)  # shared by every caller of this ack
+        except OSError as exc:
+            if self._acking.get(lease_id) is pending:
+                del self._acking[lease_id]
+            raise Unavailable(f"the ack could not be made durable: {exc}") from exc
+        async with self.barrier.mutation(MutationKind.ACK):
+            self._apply_pending_ack(pending)
+
+    def _apply_pending_ack(self, pending: _PendingAck) -> None:
+        """Applies a durable ack once (inside an ACK mutation or the exclusive hold)."""
+        lease_id = pending.ack.record.lease_id
+        if self._acking.get(lease_id) is not pending:
+            return  # a capture applied it already
+        del self._acking[lease_id]
+        self._lost_leased.pop(lease_id, None)
+        self._apply_ack(pending.ack)
+
+    def _apply_durable_acks(self) -> None:
+        """Under the exclusive hold, before a capture: applies every ack whose record the
+        journal's position already covers, so the snapshot agrees with its ``acks_through``.
+        Acks still syncing are left to :meth:`_settle_ack` and to replay."""
+        for pending in list(self._acking.values()):
+            durable = pending.durable
+            if durable.done() and not durable.cancelled() and durable.exception() is None:
+                self._apply_pending_ack(pending)
 
     def _apply_ack(self, ack: JournaledAck) -> None:
         """The one ack path, live and in journal replay; inside an ACK or RESTORE mutation.
@@ -726,6 +801,7 @@ class Controller:
         Call only while holding the barrier exclusively."""
         if not self.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
+        self._apply_durable_acks()
         return ControllerState(
             buffer=self.buffer.capture(),
             sampler=self.sampler.capture(),

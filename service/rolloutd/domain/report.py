@@ -68,6 +68,8 @@ class SizePart(enum.Enum):
     SIDECAR = "sidecar"
     SUBMISSIONS = "submissions"
     """Pieces of submitted prompts: those accepted since the parent snapshot, or a merge."""
+    LEDGER = "ledger"
+    """Pieces of the finalized-lease ledger: leases finalized since the parent, or a merge."""
     PARTIALS = "partials"
     """Tokens of siblings still generating (``recovery.granularity: token``)."""
     TOTAL = "total"

@@ -13,12 +13,12 @@ accepted submissions) and the group ids reserved since come back from the journa
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from rolloutd.domain.buffer import AckRecord, BufferState, Lease, remember_finalized
+from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
@@ -76,12 +76,6 @@ class ControllerState:
     """Tokens of generating siblings so far (``ControllerConfig.capture_partials``). Written in
     a snapshot file of their own (``checkpoint/partials.py``), not in rows or the sidecar."""
 
-    def with_ledger(self, previous: Mapping[str, int]) -> ControllerState:
-        """This capture with the whole ledger of finalized leases: ``previous`` (the ledger as
-        of the last snapshot) plus what was finalized since. Outside the hold."""
-        ledger = remember_finalized(OrderedDict(previous), self.buffer.finalized_leases)
-        return replace(self, buffer=replace(self.buffer, finalized_leases=ledger))
-
 
 @dataclass(frozen=True)
 class JournaledAck:
@@ -126,23 +120,36 @@ class AckJournal(Protocol):
     submissions, and the group ids reserved for admission (checkpoint/journal.py implements it;
     concurrent writes share one sync)."""
 
-    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None: ...
+    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues an ack without I/O, so that the ack's mutation need not wait for the sync;
+        the future resolves (with the record's journal position) once the ack is durable, or
+        fails with the sync's error."""
+        ...
 
-    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None: ...
+    def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        """Queues a lease grant without I/O, like :meth:`append`."""
+        ...
 
     async def submit(self, prompts: Sequence[Prompt]) -> None: ...
 
     async def reserve_ids(self, through: int) -> None: ...
 
 
+def _kept() -> asyncio.Future[int]:
+    """A future already resolved: what the null journal keeps is kept at once."""
+    durable: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    durable.set_result(0)
+    return durable
+
+
 class NullJournal:
     """Keeps nothing: for a controller without a store."""
 
-    async def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> None:
-        return None
+    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        return _kept()
 
-    async def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> None:
-        return None
+    def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+        return _kept()
 
     async def submit(self, prompts: Sequence[Prompt]) -> None:
         return None

@@ -49,9 +49,11 @@ from opentelemetry.sdk.resources import (
     OTELResourceDetector,
     Resource,
 )
+from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import Sampler
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from prometheus_client import CollectorRegistry
 
 from rolloutd import __version__
@@ -498,7 +500,7 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
     throttle.install(settings.log_interval_s)
     resource = build_resource(settings)
 
-    tracer_provider = SdkTracerProvider(
+    tracer_provider = _TracerProvider(
         resource=resource, sampler=settings.sampler, shutdown_on_exit=False
     )
     for name in settings.traces.exporters:
@@ -528,6 +530,43 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
         _describe(settings.metrics),
     )
     return Telemetry(settings, registry, resource, _SdkProviders(tracer_provider, meter_provider))
+
+
+class _UntilProcessed(Sampler):
+    """The configured sampler once spans have somewhere to go; until then every span is
+    dropped (a non-recording span that still carries the trace context). With no trace exporter
+    configured each RPC would otherwise build and end a span that no processor receives."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.processed = False
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        if self.processed:
+            return self.sampler.should_sample(*args, **kwargs)
+        return SamplingResult(Decision.DROP)
+
+    def get_description(self) -> str:
+        return f"UntilProcessed{{{self.sampler.get_description()}}}"
+
+
+class _TracerProvider(SdkTracerProvider):
+    """The SDK provider whose tracers record spans from the first span processor on
+    (``sampler`` stays the configured one; its tracers sample through :class:`_UntilProcessed`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._gate = _UntilProcessed(self.sampler)
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
+        tracer = super().get_tracer(*args, **kwargs)
+        if isinstance(tracer, SdkTracer):
+            tracer.sampler = self._gate
+        return tracer
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        self._gate.processed = True
 
 
 def _describe(export: SignalExport) -> str:

@@ -80,7 +80,7 @@
       what: "The last completed snapshot: rows new in its delta, removed, live; bytes written.",
       charts: [
         { title: "rows", series: ["live", "new", "removed"].map((k) => ({ label: k, kind: "value", key: `rows/${k}` })) },
-        { title: "bytes written", bytes: true, series: ["total", "segments", "groups", "sidecar", "submissions", "partials"].map((k) => ({ label: k, kind: "value", key: `size_bytes/${k}` })) },
+        { title: "bytes written", bytes: true, series: ["total", "segments", "groups", "sidecar", "submissions", "ledger", "partials"].map((k) => ({ label: k, kind: "value", key: `size_bytes/${k}` })) },
       ],
     },
   ];
