@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rolloutd.checkpoint.backends import MANIFESTS, sequence_of
 from rolloutd.checkpoint.faults import ENV, FaultPoint, parse
 from tests.checkpoint.crash_worker import checkpoint_once, expected_rows
 from tests.checkpoint.helpers import Location, verify
@@ -85,16 +86,30 @@ def test_crash_at_each_point_keeps_a_restorable_snapshot(location: Location, poi
     _assert_no_garbage(location)
 
 
+def _wait_for_snapshot_after(location: Location, newest: int, worker: subprocess.Popen) -> None:
+    """Returns once the worker has published a snapshot newer than ``newest``, so that the kill
+    lands among checkpoints rather than in the interpreter's start-up."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert worker.poll() is None, "the checkpoint worker exited on its own"
+        names = location.listdir(MANIFESTS)  # a listing only: the worker holds the store
+        if any((sequence_of(n) or 0) > newest for n in names if n.endswith(".json")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no snapshot after {newest} within 120 s")
+
+
 def test_sigkill_at_random_instants(location: Location):
     rng = random.Random(7)
     newest = 0
     for _ in range(4):
         worker = _worker(location, 0)
-        time.sleep(rng.uniform(1.5, 4.0))  # start-up takes about a second
+        _wait_for_snapshot_after(location, newest, worker)  # start-up time follows the load
+        time.sleep(rng.uniform(0.0, 2.5))
         worker.send_signal(signal.SIGKILL)
         assert worker.wait(timeout=60) == -signal.SIGKILL
         sequences = location.open().sequences()
-        assert sequences and sequences[0] >= newest
+        assert sequences and sequences[0] > newest
         newest = sequences[0]
         _assert_consistent(location, newest)
     assert newest >= 2
