@@ -1103,11 +1103,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     title = "rolloutd checkpoint benchmark" + (" (quick)" if result["quick"] else "")
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main() -> None:

@@ -217,6 +217,15 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path) -> None:
+    """Lays out ``fig``, writes it as the PNG ``path`` and closes it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    progress(f"wrote {path}")
+
+
 def result_paths(json_path: Path | None, name: str) -> tuple[Path, Path, Path]:
     """(json, md, png) paths: next to ``--json`` when given, else in ``benchmarks/results``."""
     base = json_path if json_path is not None else RESULTS / f"{name}.json"

@@ -329,10 +329,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("concurrent trainers")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main() -> None:

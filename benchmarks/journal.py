@@ -108,9 +108,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.legend()
     left.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main() -> None:

@@ -540,10 +540,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(1, len(result["throughput_tokens_per_s"]["off"]) + 1))
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -103,9 +103,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("prompts submitted before")
     ax.set_ylabel("bytes written by one checkpoint")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main() -> None:

@@ -804,11 +804,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         "rolloutd throughput on vLLM, tiny model, CPU" + (" (quick)" if result["quick"] else "")
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main() -> None:

@@ -475,9 +475,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.set_ylabel("seconds")
     right.set_title("update phases (median)")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    common.progress(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main() -> None:

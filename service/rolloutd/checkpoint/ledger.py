@@ -30,8 +30,8 @@ from dataclasses import replace
 import pyarrow as pa
 
 from rolloutd.checkpoint.backends import LEDGER, Backend, CorruptSnapshot, file_name
-from rolloutd.checkpoint.format import ChecksumAlgorithm, FileEntry, Hasher, LedgerEntry
-from rolloutd.checkpoint.submissions import read_verified
+from rolloutd.checkpoint.format import ChecksumAlgorithm, LedgerEntry
+from rolloutd.checkpoint.submissions import merge_from, read_verified, write_piece
 from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, remember_finalized
 from rolloutd.domain.state import ControllerState
 
@@ -89,16 +89,6 @@ def read(
     )
 
 
-def merge_from(parent: Sequence[LedgerEntry], new_bytes: int) -> int:
-    """Index of the first parent piece that a new piece of ``new_bytes`` absorbs;
-    ``len(parent)`` when it absorbs none (the rule of submissions.py)."""
-    start, merged = len(parent), new_bytes
-    while start > 0 and parent[start - 1].file.size <= 2 * merged:
-        start -= 1
-        merged += parent[start].file.size
-    return start
-
-
 def extend(
     backend: Backend,
     checksum: ChecksumAlgorithm,
@@ -122,21 +112,12 @@ def extend(
     if absorbed:
         rows = _newest(pa.concat_tables([_rows(backend, absorbed), rows]), bound)
         data = encode(rows)
-    path = f"{LEDGER}/{file_name(sequence, '.arrow')}"
-    hasher = Hasher(checksum)
-    hasher.update(data)
-    sink = backend.sink(path)
-    try:
-        sink.write(data)
-        sink.commit()
-    except BaseException:
-        sink.abort()
-        raise
+    entry = write_piece(backend, checksum, f"{LEDGER}/{file_name(sequence, '.arrow')}", data)
     kept = list(parent[:start])
     newer = rows.num_rows
     while kept and newer + sum(p.count for p in kept[1:]) >= bound:
         kept.pop(0)
-    return (*kept, LedgerEntry(FileEntry(path, len(data), hasher.value), rows.num_rows, sequence))
+    return (*kept, LedgerEntry(entry, rows.num_rows, sequence))
 
 
 def attach(state: ControllerState, ledger: Mapping[str, int]) -> ControllerState:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -80,6 +81,21 @@ def read_verified(backend: Backend, entry: FileEntry) -> bytes:
     return data
 
 
+def write_piece(backend: Backend, checksum: ChecksumAlgorithm, path: str, data: bytes) -> FileEntry:
+    """Writes ``data`` as the piece ``path``: whole and durable on return, listed by no manifest
+    yet."""
+    hasher = Hasher(checksum)
+    hasher.update(data)
+    sink = backend.sink(path)
+    try:
+        sink.write(data)
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    return FileEntry(path, len(data), hasher.value)
+
+
 def read(backend: Backend, pieces: Sequence[SubmissionsEntry]) -> list[Prompt]:
     """Every prompt the pieces hold, in submission order, each piece verified."""
     prompts: list[Prompt] = []
@@ -88,7 +104,14 @@ def read(backend: Backend, pieces: Sequence[SubmissionsEntry]) -> list[Prompt]:
     return prompts
 
 
-def merge_from(parent: Sequence[SubmissionsEntry], new_bytes: int) -> int:
+class Piece(Protocol):
+    """A file of a log of pieces (submissions here, the lease ledger in ledger.py)."""
+
+    @property
+    def file(self) -> FileEntry: ...
+
+
+def merge_from(parent: Sequence[Piece], new_bytes: int) -> int:
     """Index of the first parent piece that a new piece of ``new_bytes`` absorbs (see the module
     docstring); ``len(parent)`` when it absorbs none."""
     start, merged = len(parent), new_bytes
@@ -116,19 +139,10 @@ def extend(
     start = merge_from(parent, len(data))
     absorbed = parent[start:]
     data = b"".join(read_verified(backend, p.file) for p in absorbed) + data
-    path = f"{SUBMISSIONS}/{file_name(sequence, '.jsonl')}"
-    hasher = Hasher(checksum)
-    hasher.update(data)
-    sink = backend.sink(path)
-    try:
-        sink.write(data)
-        sink.commit()
-    except BaseException:
-        sink.abort()
-        raise
+    entry = write_piece(backend, checksum, f"{SUBMISSIONS}/{file_name(sequence, '.jsonl')}", data)
     first = absorbed[0].first if absorbed else sum(p.count for p in parent)
     count = sum(p.count for p in absorbed) + len(prompts)
-    piece = SubmissionsEntry(FileEntry(path, len(data), hasher.value), first, count, sequence)
+    piece = SubmissionsEntry(entry, first, count, sequence)
     return (*parent[:start], piece)
 
 
