@@ -29,6 +29,18 @@ async def drain(controller, step, *, wait_ms=300):
     return delivered
 
 
+async def _restored_after_one_expiry(nodes):  # noqa: F811
+    """Restores a node with a 0.5 s lease timeout, waits for the one restored lease to expire,
+    and drains it: the 40 prompts, each delivered once."""
+    b = nodes(lease_timeout_s=0.5)
+    await b.restore()
+    b.controller.start()
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
+    delivered = await drain(b.controller, 1)
+    assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40
+    return delivered
+
+
 async def test_an_ack_before_any_snapshot_holds_after_a_restart(nodes):  # noqa: F811
     a = nodes()
     a.controller.start()
@@ -78,13 +90,8 @@ async def test_a_restored_lease_that_expires_gives_its_groups_back(nodes):  # no
     _lease, groups = await a.controller.fetch(4, 2000, "t")
     await a.controller.stop()
 
-    b = nodes(lease_timeout_s=0.5)
-    await b.restore()
-    b.controller.start()
-    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
-    delivered = await drain(b.controller, 1)
+    delivered = await _restored_after_one_expiry(nodes)
     assert {g.meta.prompt.prompt_id for g in groups} <= set(delivered)
-    assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40
 
 
 async def test_submitted_prompts_are_durable_without_a_snapshot(nodes):  # noqa: F811
@@ -291,10 +298,5 @@ async def test_a_lease_whose_sync_fails_comes_back_also_from_a_snapshot_taken_me
     assert not a.controller.buffer.leases  # requeued at once in the live process
     await a.controller.stop()
 
-    b = nodes(lease_timeout_s=0.5)
-    await b.restore()
-    b.controller.start()
     # the snapshot's grant, which nobody received, expires like any unacked lease
-    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
-    delivered = await drain(b.controller, 1)
-    assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40
+    await _restored_after_one_expiry(nodes)
