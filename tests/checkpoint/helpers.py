@@ -12,9 +12,15 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import FileEntry, Manifest, Row, next_manifest
+from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.group import Sample
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import Prompt, Sample
+from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport, Trigger
+from rolloutd.domain.sampler import Sampler
+from tests.fakes import GatedEngine
 
 
 def make_rows(start: int, count: int, *, group_size: int = 4, max_tokens: int = 48) -> list[Row]:
@@ -142,3 +148,56 @@ def read_sidecar(store: SnapshotStore, manifest: Manifest) -> dict[str, Any]:
 def verify(store: SnapshotStore, manifest: Manifest) -> list[str]:
     """Problems with ``manifest``'s files (every file re-read and checksummed); [] if none."""
     return [p for entry in manifest.files() for p in store.verify_file(entry)]
+
+
+NODE_FINGERPRINT = {"model": "tiny", "group_size": 2}
+
+
+class StoreNode:
+    """A controller over ``prompts`` with an instant engine, its store (at ``location``) and
+    checkpointer, as one process has them."""
+
+    def __init__(
+        self,
+        location: Location,
+        prompts: Sequence[Prompt],
+        *,
+        max_in_flight: int,
+        buffer_capacity: int,
+        keep_latest: int,
+    ) -> None:
+        self.location = location
+        self.store = location.open()
+        self.controller = Controller(
+            ControllerConfig(
+                group_size=2,
+                max_in_flight=max_in_flight,
+                buffer_capacity=buffer_capacity,
+                reap_interval_s=0.02,
+            ),
+            GatedEngine(auto=True),
+            Sampler(list(prompts), seed=1, epochs=1),
+            journal=self.store.journal,
+        )
+        self.checkpointer = Checkpointer(
+            self.controller,
+            self.store,
+            self.store.journal,
+            CheckpointerConfig(keep_latest=keep_latest),
+            NODE_FINGERPRINT,
+        )
+
+    async def checkpoint(self) -> CheckpointReport:
+        report = await self.checkpointer.checkpoint(Trigger.ON_DEMAND)
+        assert report.outcome is Outcome.COMPLETED, report
+        return report
+
+    async def restore(self) -> RestoreReport:
+        return await restore(
+            self.controller,
+            self.store,
+            self.checkpointer,
+            "latest",
+            NODE_FINGERPRINT,
+            Granularity.SIBLING,
+        )

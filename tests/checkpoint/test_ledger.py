@@ -12,45 +12,19 @@ import pytest
 
 from rolloutd.checkpoint import ledger
 from rolloutd.checkpoint.backends import CorruptSnapshot
-from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import ChecksumAlgorithm, Manifest, next_manifest
-from rolloutd.checkpoint.restore import Granularity, restore
-from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import Prompt
-from rolloutd.domain.report import Outcome, SizePart, Trigger
-from rolloutd.domain.sampler import Sampler
-from tests.checkpoint.helpers import Location
-from tests.fakes import GatedEngine, settle
+from rolloutd.domain.report import SizePart
+from tests.checkpoint.helpers import Location, StoreNode
+from tests.fakes import settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(40)]
-FINGERPRINT = {"model": "tiny", "group_size": 2}
 CRC = ChecksumAlgorithm.CRC32
 
 
-class Node:
-    """A controller, its store (at ``location``) and checkpointer, as one process has them."""
-
+class Node(StoreNode):
     def __init__(self, location: Location) -> None:
-        self.location = location
-        self.store = location.open()
-        self.controller = Controller(
-            ControllerConfig(
-                group_size=2,
-                max_in_flight=3,
-                buffer_capacity=6,
-                reap_interval_s=0.02,
-            ),
-            GatedEngine(auto=True),
-            Sampler(PROMPTS, seed=1, epochs=1),
-            journal=self.store.journal,
-        )
-        self.checkpointer = Checkpointer(
-            self.controller,
-            self.store,
-            self.store.journal,
-            CheckpointerConfig(keep_latest=3),
-            FINGERPRINT,
-        )
+        super().__init__(location, PROMPTS, max_in_flight=3, buffer_capacity=6, keep_latest=3)
 
     async def finalize(self, step: int) -> str:
         """Fetches one group, acks it at ``step``; returns the lease, now finalized."""
@@ -60,21 +34,6 @@ class Node:
         await self.controller.finalize(step)
         assert lease.lease_id in self.controller.buffer.finalized_leases
         return lease.lease_id
-
-    async def checkpoint(self):
-        report = await self.checkpointer.checkpoint(Trigger.ON_DEMAND)
-        assert report.outcome is Outcome.COMPLETED, report
-        return report
-
-    async def restore(self):
-        return await restore(
-            self.controller,
-            self.store,
-            self.checkpointer,
-            "latest",
-            FINGERPRINT,
-            Granularity.SIBLING,
-        )
 
 
 @pytest.fixture

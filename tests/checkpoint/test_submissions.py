@@ -15,66 +15,31 @@ import pytest
 
 from rolloutd.checkpoint import sidecar, submissions
 from rolloutd.checkpoint.backends import SUBMISSIONS, CorruptSnapshot
-from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import ChecksumAlgorithm, FormatError, Manifest, next_manifest
 from rolloutd.checkpoint.inspect import main as checkpoints
-from rolloutd.checkpoint.restore import Granularity, restore
-from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.errors import FailedPrecondition
 from rolloutd.domain.group import Prompt
-from rolloutd.domain.report import Outcome, SizePart, Trigger
-from rolloutd.domain.sampler import Admission, Sampler
-from tests.checkpoint.helpers import Location
-from tests.fakes import GatedEngine, settle
+from rolloutd.domain.report import SizePart
+from rolloutd.domain.sampler import Admission
+from tests.checkpoint.helpers import Location, StoreNode
+from tests.fakes import settle
 
 DATASET = [Prompt(f"p{i}", f"question {i}") for i in range(4)]
-FINGERPRINT = {"model": "tiny", "group_size": 2}
 
 
 def prompt(i: int) -> Prompt:
     return Prompt(f"s{i}", f"submitted prompt number {i}", metadata={"answer": i})
 
 
-class Node:
-    """A controller, its store (at ``location``) and checkpointer, as one process has them."""
-
+class Node(StoreNode):
     def __init__(self, location: Location, *, keep_latest: int = 2) -> None:
-        self.location = location
-        self.store = location.open()
-        self.controller = Controller(
-            ControllerConfig(
-                group_size=2, max_in_flight=2, buffer_capacity=4, reap_interval_s=0.02
-            ),
-            GatedEngine(auto=True),
-            Sampler(DATASET, seed=1, epochs=1),
-            journal=self.store.journal,
-        )
-        self.checkpointer = Checkpointer(
-            self.controller,
-            self.store,
-            self.store.journal,
-            CheckpointerConfig(keep_latest=keep_latest),
-            FINGERPRINT,
+        super().__init__(
+            location, DATASET, max_in_flight=2, buffer_capacity=4, keep_latest=keep_latest
         )
 
     async def submit(self, start: int, stop: int) -> tuple[int, int]:
         return await self.controller.submit(
             [Admission(prompt(i), None) for i in range(start, stop)]
-        )
-
-    async def checkpoint(self):
-        report = await self.checkpointer.checkpoint(Trigger.ON_DEMAND)
-        assert report.outcome is Outcome.COMPLETED, report
-        return report
-
-    async def restore(self):
-        return await restore(
-            self.controller,
-            self.store,
-            self.checkpointer,
-            "latest",
-            FINGERPRINT,
-            Granularity.SIBLING,
         )
 
     def written_submission_bytes(self, sequence: int) -> int:
