@@ -15,9 +15,11 @@ from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import FORMAT_VERSION, GROUP_SCHEMA, SegmentKind
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.group import GroupMeta, GroupState, Position, Prompt
+from rolloutd.domain.group import GroupMeta, GroupState, GroupTable, Position, Prompt, RestoredGroup
 from rolloutd.domain.report import RecoveryState, Trigger
 from tests.checkpoint.data import make_format2 as format2
+from tests.checkpoint.helpers import Location, StoreNode
+from tests.fakes import settle
 
 FORMAT2 = Path(__file__).parent / "data" / "format2"
 
@@ -124,3 +126,63 @@ async def test_a_store_written_in_format_2_restores_and_moves_to_typed_columns(t
     assert {m.group_id: sidecar.to_json(m) for m in snapshot.group_metas()} == {
         int(gid): g["meta"] for gid, g in now.items()
     }
+
+
+def test_a_table_over_the_typed_columns_answers_from_them_and_decodes_each_group_alike():
+    given = metas()
+    keep = np.array([i % 3 != 1 for i in range(len(given))])
+    batches = [
+        (b, keep[i * 5 : i * 5 + 5])
+        for i, b in enumerate(groups.metas_to_batches(given, batch_rows=5))
+    ]
+    live = [m for m, k in zip(given, keep, strict=True) if k]
+    for table in (groups.table_of(batches), GroupTable.of(live)):
+        assert dict(table) == {m.group_id: m for m in live}
+        assert table.counts() == {s: sum(m.state is s for m in live) for s in GroupState}
+        committed = [m for m in live if m.state is GroupState.COMMITTED]
+        by_commit = sorted(committed, key=lambda m: (m.committed_at or 0.0, m.group_id))
+        assert table.committed_order() == [m.group_id for m in by_commit]
+        assert table.generating() == [m.group_id for m in live if m.state is GroupState.GENERATING]
+        assert table.positions_from(1, 12) == [
+            m.position for m in live if m.position is not None and m.position >= Position(1, 12)
+        ]
+        assert table.policy_versions == [m.policy_version for m in live]
+        assert table.holds([live[0].group_id]) and not table.holds([live[0].group_id, 999])
+
+
+async def test_a_restore_decodes_only_the_groups_it_delivers(tmp_path):
+    """Restored groups keep their metadata and rows in the snapshot's columns: restoring,
+    requeueing and evicting stale groups read the table's columns; a delivered group is
+    decoded then, and only it."""
+    node = StoreNode(
+        Location(str(tmp_path / "store")),
+        [Prompt(f"p{i}", f"question {i}") for i in range(12)],
+        max_in_flight=12,
+        buffer_capacity=12,
+        keep_latest=2,
+    )
+    node.controller.start()
+    await settle(lambda: node.controller.status().buffer.committed == 12)
+    await node.checkpoint()
+    await node.controller.stop()
+
+    again = StoreNode(node.location, [], max_in_flight=12, buffer_capacity=12, keep_latest=2)
+    report = await again.restore()
+    assert report.groups[RecoveryState.COMMITTED] == 12
+    buffered = list(again.controller.buffer.groups.values())
+    assert all(isinstance(g, RestoredGroup) for g in buffered)
+    decoded = lambda: {g.group_id for g in buffered if "meta" in g.__dict__}  # noqa: E731
+    read = lambda: {g.group_id for g in buffered if "samples" in g.__dict__}  # noqa: E731
+    assert decoded() == read() == set()
+    assert await again.controller.evict_stale() == 0
+    assert decoded() == set()
+    again.controller.start()
+
+    _, delivered = await again.controller.fetch(1, 0, "t")
+    [group] = delivered
+    assert decoded() == {group.group_id} and read() <= {group.group_id}
+    assert group.meta.prompt.prompt_id in {f"p{i}" for i in range(12)}
+    assert [s.index for s in group.ordered_samples()] == [0, 1]
+    assert read() == {group.group_id}
+    assert again.controller.status().buffer.committed == 11
+    await again.controller.stop()

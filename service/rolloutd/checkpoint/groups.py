@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.format import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2, FormatError
-from rolloutd.domain.group import GroupMeta, GroupState, Position, Prompt
+from rolloutd.domain.group import STATES, GroupMeta, GroupState, GroupTable, Position, Prompt
 
 _META_FIELDS = (
     "group_id",
@@ -60,6 +61,8 @@ for _kind, _expected in (
         )
 
 _STATES = {s.value: s for s in GroupState}
+_STATE_VALUES = pa.array([s.value for s in STATES])
+"""State names in the order of their codes in a :class:`GroupTable`."""
 
 
 def _json(value: Any) -> str:
@@ -168,3 +171,65 @@ def batch_to_metas(
     )
     metas: list[GroupMeta] = _filled(GroupMeta, _META_FIELDS, columns)
     return metas
+
+
+def table_of(batches: Sequence[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]]) -> GroupTable:
+    """The live groups of group-segment batches (those each ``keep`` mask keeps) as a
+    :class:`GroupTable` over their columns, each group's metadata decoded from its row when
+    first read. Batches of format 2 (JSON per group) are decoded whole."""
+    if any(is_legacy(b.schema) for b, _ in batches):
+        return GroupTable.of([m for b, keep in batches for m in batch_to_metas(b, keep)])
+    kept = [b if keep is None else b.filter(pa.array(keep)) for b, keep in batches]
+    for b in kept:
+        if b.schema.remove_metadata() != GROUP_SCHEMA.remove_metadata():
+            raise FormatError(f"group segment schema differs from the group schema: {b.schema}")
+    whole = pa.concat_batches(kept) if kept else pa.RecordBatch.from_pylist([], GROUP_SCHEMA)
+    return _Columns(whole)
+
+
+def _array(column: pa.Array, dtype: type[np.generic], null: Any = None) -> npt.NDArray[Any]:
+    if null is not None:
+        column = column.fill_null(null)
+    return column.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+class _Columns(GroupTable):
+    """:func:`table_of`: a table over one batch of :data:`GROUP_SCHEMA`, answering from numpy
+    views of its columns and decoding a group from its row when it is read. A missing position
+    has epoch -1; a missing commit time is NaN."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        col = batch.column
+        codes = pc.index_in(col("state"), value_set=_STATE_VALUES)
+        if codes.null_count:
+            raise FormatError(f"group segment holds an unknown state: {col('state').unique()}")
+        self._ids = _array(col("group_id"), np.int64)
+        self._states = _array(codes, np.int8)
+        self._epochs = _array(col("epoch"), np.int64, -1)
+        self._offsets = _array(col("offset"), np.int64, -1)
+        self._committed_at = _array(col("committed_at"), np.float64)
+        policy_versions = _array(col("policy_version"), np.int64)
+        super().__init__(self._ids.tolist(), self._states.tolist(), policy_versions.tolist())
+        self._batch = batch
+
+    def meta_at(self, row: int) -> GroupMeta:
+        [meta] = batch_to_metas(self._batch.slice(row, 1))
+        return meta
+
+    def counts(self) -> dict[GroupState, int]:
+        n = np.bincount(self._states, minlength=len(STATES)).tolist()
+        return dict(zip(STATES, n, strict=True))
+
+    def positions_from(self, epoch: int, offset: int) -> list[Position]:
+        e, o = self._epochs, self._offsets
+        at = (e > epoch) | ((e == epoch) & (o >= offset))
+        return [Position(*p) for p in zip(e[at].tolist(), o[at].tolist(), strict=True)]
+
+    def generating(self) -> list[int]:
+        at = self._states == STATES.index(GroupState.GENERATING)
+        return self._ids[at].tolist()  # type: ignore[no-any-return]
+
+    def committed_order(self) -> list[int]:
+        at = self._states == STATES.index(GroupState.COMMITTED)
+        ids, committed = self._ids[at], np.nan_to_num(self._committed_at[at], nan=0.0)
+        return ids[np.lexsort((ids, committed))].tolist()  # type: ignore[no-any-return]

@@ -5,13 +5,16 @@
                         Its small files verify here; its sample segments (nearly all the bytes)
                         start being read and checksummed on the verify threads.
 2. ``dataloader``       the sampler's cursor, submitted and re-admitted prompts, and the groups
-                        (typed columns of the group segments), decoded while those verify.
+                        (a table over the typed columns of the group segments: no object per
+                        group), and the buffer built from them, all while those verify; the
+                        cursor must be ahead of every group's position.
 3. ``buffer``           the live rows of the sample segments indexed, then the wait for their
-                        checksums. A snapshot whose rows do not verify is skipped with its reason
-                        and the next older one is resolved (phases 1-3 again): nothing decoded
-                        from unverified bytes reaches the controller.
-4. ``replay_metadata``  groups, leases, acks and counters from the sidecar; leased-unacked groups
-                        become available again; the cursor must be ahead of every group's position.
+                        checksums; the buffer's groups get their rows. A snapshot whose rows do
+                        not verify is skipped with its reason and the next older one is resolved
+                        (phases 1-3 again): nothing decoded from unverified bytes reaches the
+                        controller.
+4. ``replay_metadata``  the buffer, leases, acks and counters go into the controller; leased-unacked
+                        groups become available again.
 5. ``recovery_ledger``  what was journaled after the snapshot is applied: acks (no acked group is
                         delivered again, no acked position admitted again), live lease grants,
                         accepted submissions and reserved group ids.
@@ -32,9 +35,7 @@ import asyncio
 import enum
 import gc
 import logging
-import operator
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -44,6 +45,7 @@ from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
 from rolloutd.checkpoint.store import CorruptSnapshot, Snapshot, SnapshotReader
+from rolloutd.domain.buffer import restored_groups
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
 from rolloutd.domain.group import GroupState
@@ -148,9 +150,12 @@ async def _run(
         manifest = snapshot.manifest
         with clock.phase(RestorePhase.DATALOADER):
             # cursor, submitted and re-admitted prompts; groups from the group segments
-            state = sidecar.decode(snapshot.sidecar, snapshot.group_metas())
+            state = sidecar.decode(snapshot.sidecar, snapshot.group_table())
             state = submissions.attach(state, snapshot.submitted)
             state = ledger.attach(state, snapshot.finalized_leases)
+            # the buffer is built from the verified group segments while the rows still verify
+            prepared = controller.prepare_restore(state)
+            found = _recovery_counts(state)
 
         with clock.phase(RestorePhase.BUFFER):
             siblings, resumed = await _partials(store, manifest)
@@ -159,6 +164,7 @@ async def _run(
                     {row: (r.resumed_at, r.parts) for row, r in resumed.items()}
                 )
                 await asyncio.to_thread(snapshot.verify)
+                prepared.keep_rows(kept.groups())
             except CorruptSnapshot as exc:
                 problem = SkippedSnapshot(manifest.sequence, "; ".join(exc.problems))
                 log.warning("snapshot %d skipped: %s", problem.sequence, problem.reason)
@@ -174,9 +180,7 @@ async def _run(
                 log.error("no snapshot verifies; starting fresh")
                 return None
             continue
-        state = replace(
-            state, buffer=replace(state.buffer, kept_rows=kept.groups()), partials=siblings
-        )
+        state = replace(state, partials=siblings)
         log.info(
             "restoring snapshot %d: %d rows of %d groups kept in the verified buffers",
             manifest.sequence,
@@ -186,8 +190,8 @@ async def _run(
         break
 
     with clock.phase(RestorePhase.REPLAY_METADATA):
-        report.groups = _recovery_counts(state)
-        await controller.restore(state)
+        report.groups = found
+        await controller.restore(state, prepared)
 
     with clock.phase(RestorePhase.RECOVERY_LEDGER):
         events = await asyncio.to_thread(store.acks_after, manifest.acks_through)
@@ -282,12 +286,9 @@ async def _partials(
     return tuple(siblings), resumed
 
 
-_STATE = operator.attrgetter("state")
-
-
 def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:
     """Groups by the state the snapshot found them in (leases are requeued after)."""
-    found = Counter(map(_STATE, state.buffer.groups.values()))  # a decoded state is whole
+    found = restored_groups(state.buffer.groups).counts()
     counts = {
         RecoveryState(s.value): found[s] for s in GroupState if s is not GroupState.GENERATING
     }

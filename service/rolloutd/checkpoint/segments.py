@@ -31,7 +31,7 @@ from rolloutd.checkpoint.format import (
     SegmentKind,
     batch_to_rows,
 )
-from rolloutd.domain.group import GroupMeta, KeptSamples, Prompt, Sample, SamplePart
+from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample, SamplePart
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ class KeptRows:
 
     Built by one vectorised pass over the ``row_id``, ``group_id`` and ``index`` columns (no
     Python object per row): rows are ordered by (group, sibling index) and each group gets one
-    :class:`KeptGroup` view over its slice of that order. A :class:`Sample` is built from the
-    buffers when it is read, so the buffers (memory-mapped locally) must stay alive as long as a
-    view does; the views hold them.
+    :class:`KeptGroup` view over its slice of that order when it is looked up. A :class:`Sample`
+    is built from the buffers when it is read, so the buffers (memory-mapped locally) must stay
+    alive as long as a view does; the views hold them.
     """
 
     def __init__(
@@ -159,18 +159,19 @@ class KeptRows:
         self._index, self._row_id = index[order], row_id[order]
         group_id = group_id[order]
         starts = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]]) if order.size else empty
-        self._group_ids = group_id[starts].tolist()
+        self.group_ids: list[int] = group_id[starts].tolist()
         self._bounds = np.r_[starts, order.size].tolist()
 
     def __len__(self) -> int:
         return int(self._at.size)
 
-    def groups(self) -> dict[int, KeptSamples]:
-        """One view per group that has live rows, by group id."""
-        bounds = self._bounds
-        return {
-            gid: KeptGroup(self, bounds[i], bounds[i + 1]) for i, gid in enumerate(self._group_ids)
-        }
+    def groups(self) -> Mapping[int, KeptSamples]:
+        """A view per group that has live rows, by group id, each made when it is looked up."""
+        return _KeptGroups(self)
+
+    def view(self, n: int) -> KeptGroup:
+        """The ``n``-th group's rows (in group id order)."""
+        return KeptGroup(self, self._bounds[n], self._bounds[n + 1])
 
     def indices(self, start: int, stop: int) -> list[int]:
         return self._index[start:stop].tolist()  # type: ignore[no-any-return]
@@ -186,6 +187,27 @@ class KeptRows:
         if record is not None:
             sample = replace(sample, resumed_at=record[0], parts=record[1])
         return sample
+
+
+class _KeptGroups(Mapping[int, KeptSamples]):
+    """:meth:`KeptRows.groups`: group id -> a fresh :class:`KeptGroup`, made on lookup (a
+    restore looks up only the groups it delivers or stages into)."""
+
+    def __init__(self, rows: KeptRows) -> None:
+        self._rows = rows
+        self._at = dict(zip(rows.group_ids, range(len(rows.group_ids)), strict=True))
+
+    def __getitem__(self, group_id: int) -> KeptSamples:
+        return self._rows.view(self._at[group_id])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows.group_ids)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._at
 
 
 class KeptGroup(KeptSamples):
@@ -295,6 +317,10 @@ class Snapshot:
                 if segment.removed:
                     keep = ~segment.removed.mask(batch.column(kind.id_column).to_numpy())
                 yield batch, keep
+
+    def group_table(self) -> GroupTable:
+        """Every live group, its metadata left in the group segments' columns until read."""
+        return groups.table_of(list(self._batches(SegmentKind.GROUPS)))
 
     def group_metas(self) -> list[GroupMeta]:
         """Every live group, segment by segment (format 3 typed columns or format 2 JSON)."""

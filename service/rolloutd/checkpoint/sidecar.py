@@ -29,12 +29,12 @@ import json
 import operator
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
-from rolloutd.domain.group import GroupMeta, Position, Prompt
+from rolloutd.domain.group import GroupMeta, GroupTable, Position, Prompt
 from rolloutd.domain.sampler import Admission, SamplerState
 from rolloutd.domain.state import ControllerState, Counters, LostAck, LostLease
 
@@ -232,21 +232,24 @@ def encode(state: ControllerState) -> bytes:
     return json.dumps(head(state), separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(d: Mapping[str, Any], groups: Iterable[GroupMeta] = ()) -> ControllerState:
+def decode(d: Mapping[str, Any], groups: GroupTable | Sequence[GroupMeta] = ()) -> ControllerState:
     """The whole state a sidecar and its snapshot's group segments hold, but for the rows
-    (they are in the segments). ``groups`` is each live group of the group segments."""
+    (they are in the segments). ``groups`` is every live group of the group segments."""
     if d.get("format") != SIDECAR_FORMAT:
         raise ValueError(f"sidecar format {d.get('format')!r}, expected {SIDECAR_FORMAT}")
     c = d["controller"]
     leases = [from_json(Lease, v) for v in d["leases"]]
     acks = [from_json(AckRecord, v) for v in d["acks"]]
-    decode_meta = _decoder(GroupMeta)
-    metas = [*groups, *(decode_meta(v) for v in d.get("groups", ()))]
+    if "groups" in d:  # a sidecar of format 1 (no group segments) held them
+        decode_meta = _decoder(GroupMeta)
+        segments = groups.values() if isinstance(groups, GroupTable) else groups
+        groups = [*segments, *map(decode_meta, d["groups"])]
+    table = groups if isinstance(groups, GroupTable) else GroupTable.of(groups)
     return ControllerState(
         buffer=BufferState(
             new_rows=(),
             removed_rows=[],
-            groups={m.group_id: m for m in metas},
+            groups=table,
             leases={lease.lease_id: lease for lease in leases},
             acks={r.lease_id: r for r in acks},
             # only sidecars of earlier versions hold the ledger (now in ledger pieces)

@@ -14,7 +14,15 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
-from rolloutd.domain.group import Group, GroupMeta, GroupState, KeptSamples, Position, Sample
+from rolloutd.domain.group import (
+    Group,
+    GroupMeta,
+    GroupState,
+    GroupTable,
+    KeptSamples,
+    RestoredGroup,
+    Sample,
+)
 
 ACKED_LEASES_REMEMBERED = 65_536
 """Finalized leases remembered so that a late retry of their ack still succeeds."""
@@ -111,6 +119,8 @@ class RolloutBuffer:
     _finalized_new: OrderedDict[str, int] = field(default_factory=OrderedDict)
     _acked_groups: int = 0
     """Groups listed by ``acks``, kept as a count: admission asks for it before every group."""
+    _table: GroupTable | None = None
+    """The groups a restore loaded, whose rows :meth:`keep_rows` gives them."""
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -136,9 +146,6 @@ class RolloutBuffer:
             n[GroupState.LEASED],
             n[GroupState.ACKED],
         )
-
-    def positions(self) -> set[Position]:
-        return {g.meta.position for g in self.groups.values() if g.meta.position is not None}
 
     # --- mutations -------------------------------------------------------------------------
 
@@ -342,40 +349,49 @@ class RolloutBuffer:
         remember_finalized(self._finalized_new, newer)
 
     def load(self, state: BufferState) -> None:
-        """Rebuilds the buffer from a whole state; nothing is marked as changed. Finished
-        groups keep the rows of ``state.kept_rows`` as they are (no object per row); a
-        generating group's become plain samples, since its missing siblings are staged next."""
+        """Rebuilds the buffer from a whole state; nothing is marked as changed. Each group is a
+        :class:`RestoredGroup` over the state's :class:`GroupTable` (nothing decoded per
+        group); its rows are ``state.kept_rows`` (see :meth:`keep_rows`), which a restore
+        gives once the snapshot's rows have verified, after loading the rest."""
         if self.groups:
             raise InvariantError("restore into a non-empty buffer")
-        kept_rows = state.kept_rows
-        for meta in state.groups.values():
-            if meta is None:
-                raise InvariantError("restore from a state that removes a group")
-            gid = meta.group_id
-            kept = kept_rows.get(gid)
-            if kept is None:
-                self.groups[gid] = Group(meta, {})
-            elif meta.state is GroupState.GENERATING:  # staged into again: rows become objects
-                self.groups[gid] = Group(meta, dict(kept))
-                self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
-            else:
-                self.groups[gid] = Group(meta, kept)
-        if not kept_rows.keys() <= self.groups.keys():
-            raise InvariantError("restore from a state with rows of groups it does not hold")
-        for row_id, gid, sample in state.new_rows:
-            self.groups[gid].samples[sample.index] = sample
-            self._row_ids[(gid, sample.index)] = row_id
+        table = restored_groups(state.groups)
+        self.groups.update(zip(table.ids, RestoredGroup.build(table), strict=True))
+        self._table = table
         self.leases, self.acks = dict(state.leases), dict(state.acks)
         self._acked_groups = sum(len(r.group_ids) for r in self.acks.values())
         self.finalized_leases = OrderedDict(state.finalized_leases)
         self._next_row_id = state.next_row_id
-        committed = GroupState.COMMITTED
-        ready = sorted(
-            (m.committed_at or 0.0, m.group_id)
-            for m in state.groups.values()
-            if m is not None and m.state is committed
-        )
-        self._ready = deque(gid for _, gid in ready)
+        self._ready = deque(table.committed_order())
+        self.keep_rows(state.kept_rows)
+        for row_id, gid, sample in state.new_rows:
+            self.groups[gid].samples[sample.index] = sample
+            self._row_ids[(gid, sample.index)] = row_id
+
+    def keep_rows(self, kept_rows: Mapping[int, KeptSamples]) -> None:
+        """Gives the loaded groups the rows a snapshot kept in its buffers: a finished group
+        reads its own when they are first read (no object per row); a generating group's
+        become plain samples now, since its missing siblings are staged next."""
+        table = self._table
+        if table is None or not table.holds(kept_rows.keys()):
+            raise InvariantError("restore from a state with rows of groups it does not hold")
+        table.kept = kept_rows
+        for gid in table.generating():
+            kept = kept_rows.get(gid)
+            if kept is not None:  # staged into again: rows become objects
+                self.groups[gid].samples = dict(kept)
+                self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
+
+
+def restored_groups(groups: Mapping[int, GroupMeta | None]) -> GroupTable:
+    """The groups of a whole state as a table: a restore's own, or one over metadata decoded
+    already (a state built in memory). A whole state removes no group."""
+    if isinstance(groups, GroupTable):
+        return groups
+    metas = list(groups.values())
+    if any(m is None for m in metas):
+        raise InvariantError("restore from a state that removes a group")
+    return GroupTable.of(metas)  # type: ignore[arg-type]
 
 
 def same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:

@@ -29,7 +29,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.barrier import MutationBarrier
-from rolloutd.domain.buffer import AckRecord, BufferCounts, Lease, RolloutBuffer, same_step
+from rolloutd.domain.buffer import (
+    AckRecord,
+    BufferCounts,
+    Lease,
+    RolloutBuffer,
+    restored_groups,
+    same_step,
+)
 from rolloutd.domain.engine import (
     EngineDeadError,
     EngineError,
@@ -777,7 +784,7 @@ class Controller:
             stale = [
                 g
                 for g in self.buffer.groups.values()
-                if g.meta.policy_version < limit
+                if g.policy_version < limit  # not g.meta: a restored group's stays undecoded
                 and g.state in (GroupState.GENERATING, GroupState.COMMITTED)
             ]
             for g in stale:
@@ -833,28 +840,43 @@ class Controller:
         ``Rewind`` cannot go back further than the rewind window."""
         return state.max_acked_step - self.config.rewind_window
 
-    async def restore(self, state: ControllerState) -> None:
-        """Rebuilds the controller from a whole state, before ``start()``.
+    def prepare_restore(self, state: ControllerState) -> RolloutBuffer:
+        """The buffer of ``state`` without its kept rows, built apart from this controller, so
+        that a restore builds it while the snapshot's rows are still being read and verified
+        (then :meth:`RolloutBuffer.keep_rows`, then :meth:`restore`). Touches nothing here.
 
         Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
-        position (admission would create a second group for a buffered position). Leases that
-        have not expired stay granted (their ack succeeds after the restart); the groups of
-        expired ones become available again. The engine gets the state's weights when it is
-        behind them.
+        position (admission would create a second group for a buffered position).
         """
         cursor = state.sampler.cursor
-        at = (cursor.epoch, cursor.offset)  # a tuple per group, not the two of Position's >=
-        positions = (m.position for m in state.buffer.groups.values() if m is not None)
-        ahead = sorted(str(p) for p in positions if p is not None and (p.epoch, p.offset) >= at)
+        groups = restored_groups(state.buffer.groups)
+        ahead = sorted(map(str, groups.positions_from(cursor.epoch, cursor.offset)))
         if ahead:
             raise RestoreRefused(
                 f"sampler cursor {cursor} is not ahead of restored group positions "
                 + ", ".join(ahead[:10])
                 + (" ..." if len(ahead) > 10 else "")
             )
+        buffer = RolloutBuffer()
+        buffer.load(replace(state.buffer, groups=groups, kept_rows={}))
+        return buffer
+
+    async def restore(self, state: ControllerState, prepared: RolloutBuffer | None = None) -> None:
+        """Rebuilds the controller from a whole state, before ``start()``: its buffer is
+        ``prepared`` (from :meth:`prepare_restore`, its kept rows given) or built here.
+
+        Raises :class:`RestoreRefused` as :meth:`prepare_restore` does. Leases that have not
+        expired stay granted (their ack succeeds after the restart); the groups of expired ones
+        become available again. The engine gets the state's weights when it is behind them.
+        """
+        if self.buffer.groups:
+            raise InvariantError("restore into a non-empty buffer")
+        if prepared is None:
+            prepared = self.prepare_restore(state)
+            prepared.keep_rows(state.buffer.kept_rows)
         async with self.barrier.mutation(MutationKind.RESTORE):
             self.sampler.restore(state.sampler)
-            self.buffer.load(state.buffer)
+            self.buffer = prepared
             self.counters = replace(state.counters)
             self.next_group_id = state.next_group_id
             self.max_acked_step = state.max_acked_step

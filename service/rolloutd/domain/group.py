@@ -5,8 +5,11 @@ from __future__ import annotations
 import enum
 from abc import abstractmethod
 from array import array
-from collections.abc import MutableMapping
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import repeat
 from typing import Any
 
 
@@ -156,6 +159,10 @@ class Group:
         return self.meta.state
 
     @property
+    def policy_version(self) -> int:
+        return self.meta.policy_version
+
+    @property
     def complete(self) -> bool:
         return len(self.samples) == self.meta.group_size
 
@@ -169,3 +176,153 @@ class Group:
     @property
     def generated_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples.values())
+
+
+STATES = tuple(GroupState)
+"""Group states by code: a :class:`GroupTable`'s ``state_codes`` are indices into this."""
+
+
+class GroupTable(Mapping[int, GroupMeta]):
+    """A whole state's groups as a restore reads them: group id -> :class:`GroupMeta`, each
+    decoded only when it is first read, and the questions a restore asks about every group
+    answered without decoding any.
+
+    A snapshot of 100k rows holds about 12k groups; building three objects for each (the meta,
+    its prompt and its position) cost a restore more than reading the snapshot's bytes, and so
+    did a Python loop over them. The buffer keeps a restored group's metadata here until the
+    group is delivered or changes (:class:`RestoredGroup`). ``checkpoint/groups.py`` answers
+    from the group segments' columns; :meth:`of` from metadata already decoded.
+
+    Invariant: ``ids``, ``state_codes`` and ``policy_versions`` have one entry per group, in one
+    order, and ``meta_at(i)`` is the group at ``ids[i]``.
+    """
+
+    def __init__(self, ids: list[int], state_codes: list[int], policy_versions: list[int]) -> None:
+        self.ids, self.state_codes, self.policy_versions = ids, state_codes, policy_versions
+        self.kept: Mapping[int, KeptSamples] = {}
+        """Group id -> the rows a snapshot kept in its verified buffers: set once they verify
+        (:meth:`RolloutBuffer.keep_rows`), read by each group when its samples are first read."""
+        self._index = dict(zip(ids, range(len(ids)), strict=True))
+        if len(self._index) != len(ids):
+            raise ValueError("a group id appears twice among the restored groups")
+
+    @staticmethod
+    def of(metas: Sequence[GroupMeta]) -> GroupTable:
+        """A table of groups already decoded (a state built in memory, an older snapshot)."""
+        return _Decoded(metas)
+
+    @abstractmethod
+    def meta_at(self, row: int) -> GroupMeta:
+        """The group at ``ids[row]``."""
+
+    @abstractmethod
+    def counts(self) -> dict[GroupState, int]:
+        """Groups by state."""
+
+    @abstractmethod
+    def positions_from(self, epoch: int, offset: int) -> list[Position]:
+        """Positions of groups at or after ``(epoch, offset)``."""
+
+    @abstractmethod
+    def committed_order(self) -> list[int]:
+        """Committed groups' ids in delivery order: oldest commit first (none: 0), then by id."""
+
+    def generating(self) -> list[int]:
+        """Ids of the groups that were generating."""
+        code = STATES.index(GroupState.GENERATING)
+        return [gid for gid, c in zip(self.ids, self.state_codes, strict=True) if c == code]
+
+    def holds(self, group_ids: Iterable[int]) -> bool:
+        """Whether every one of ``group_ids`` is a group of the table."""
+        return self._index.keys() >= set(group_ids)
+
+    def __getitem__(self, group_id: int) -> GroupMeta:
+        return self.meta_at(self._index[group_id])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._index
+
+
+class _Decoded(GroupTable):
+    """:meth:`GroupTable.of`: a table over metadata decoded already."""
+
+    def __init__(self, metas: Sequence[GroupMeta]) -> None:
+        code = {s: i for i, s in enumerate(STATES)}
+        super().__init__(
+            [m.group_id for m in metas],
+            [code[m.state] for m in metas],
+            [m.policy_version for m in metas],
+        )
+        self._metas = metas
+
+    def meta_at(self, row: int) -> GroupMeta:
+        return self._metas[row]
+
+    def counts(self) -> dict[GroupState, int]:
+        n = Counter(m.state for m in self._metas)
+        return {s: n[s] for s in STATES}
+
+    def positions_from(self, epoch: int, offset: int) -> list[Position]:
+        at = Position(epoch, offset)
+        return [m.position for m in self._metas if m.position is not None and m.position >= at]
+
+    def committed_order(self) -> list[int]:
+        committed = GroupState.COMMITTED
+        order = sorted(
+            (m.committed_at or 0.0, m.group_id) for m in self._metas if m.state is committed
+        )
+        return [gid for _, gid in order]
+
+
+class RestoredGroup(Group):
+    """A group a restore rebuilt, whose metadata and rows stay in its :class:`GroupTable` until
+    they are first read: the buffer builds one of these per restored group and nothing more.
+    ``meta`` is decoded then and kept in the instance, where the buffer's next change replaces
+    it as it does any group's; ``state`` and ``policy_version`` read the table's columns until
+    then. ``samples`` are
+    the table's kept rows of the group (none: an empty dict)."""
+
+    _table: GroupTable
+    _row: int
+
+    @cached_property
+    def meta(self) -> GroupMeta:  # type: ignore[override]
+        return self._table.meta_at(self._row)
+
+    @cached_property
+    def samples(self) -> MutableMapping[int, Sample]:  # type: ignore[override]
+        kept = self._table.kept.get(self.group_id)
+        return {} if kept is None else kept
+
+    @property
+    def group_id(self) -> int:
+        return self._table.ids[self._row]
+
+    @property
+    def policy_version(self) -> int:
+        meta = self.__dict__.get("meta")
+        return self._table.policy_versions[self._row] if meta is None else meta.policy_version
+
+    @property
+    def state(self) -> GroupState:
+        meta = self.__dict__.get("meta")
+        return STATES[self._table.state_codes[self._row]] if meta is None else meta.state
+
+    @classmethod
+    def build(cls, table: GroupTable) -> list[RestoredGroup]:
+        """One group per row of ``table``. Each instance dict is set directly, in a loop that
+        runs in C (``map``, ``zip``, ``dict``): a Python loop per group would cost a restore
+        about as much again."""
+        n = len(table)
+        rows = map(
+            dict, map(zip, repeat(("_table", "_row")), zip(repeat(table, n), range(n), strict=True))
+        )
+        groups: list[RestoredGroup] = list(map(object.__new__, repeat(cls, n)))
+        deque(map(object.__setattr__, groups, repeat("__dict__"), rows), maxlen=0)
+        return groups
