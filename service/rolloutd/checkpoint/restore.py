@@ -200,7 +200,10 @@ async def _run(
     with clock.phase(RestorePhase.REDISPATCH):
         started = time.perf_counter()
         reused = rerun = tokens_reused = tokens_regenerated = 0
-        for g in controller.generating_groups():
+        # a journal replay can end a group's generation (never start one): the snapshot's
+        # generating groups are all there is to look at
+        unfinished = restored_groups(state.buffer.groups).generating()
+        for g in controller.generating_groups(among=unfinished):
             staged = len(g.samples)
             done = await controller.resume_group(
                 g,

@@ -950,8 +950,12 @@ class Controller:
         if lost:
             self._lost_leased[lease.lease_id] = lost
 
-    def generating_groups(self) -> list[Group]:
-        return [g for g in self.buffer.groups.values() if g.state is GroupState.GENERATING]
+    def generating_groups(self, among: Iterable[int] | None = None) -> list[Group]:
+        """Groups being generated; of ``among`` when given (ids to look at instead of every
+        group: a restore knows which were generating without asking each group)."""
+        groups = self.buffer.groups
+        candidates = groups.values() if among is None else (groups[g] for g in among if g in groups)
+        return [g for g in candidates if g.state is GroupState.GENERATING]
 
     async def resume_group(
         self, group: Group, *, rerun_all: bool, from_tokens: bool = False
