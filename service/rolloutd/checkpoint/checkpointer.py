@@ -64,7 +64,8 @@ class CheckpointerConfig:
     these defaults and meanings."""
 
     interval_s: float = 60.0
-    """Seconds between periodic checkpoints; 0 disables them."""
+    """Seconds from the start of one periodic checkpoint to the start of the next (the next
+    follows at once when one takes longer); 0 disables them."""
     keep_latest: int = 3
     """Newest snapshots kept, tagged or not."""
     keep_tagged: int = 10
