@@ -13,7 +13,8 @@ from dataclasses import replace
 import pyarrow as pa
 import pytest
 
-from rolloutd.checkpoint.format import SAMPLE_SCHEMA, next_manifest, rows_to_table
+from rolloutd.checkpoint import segments
+from rolloutd.checkpoint.format import SAMPLE_SCHEMA, next_manifest, rows_to_batches, rows_to_table
 from rolloutd.checkpoint.store import (
     LATEST,
     CorruptJournal,
@@ -83,6 +84,32 @@ def test_segments_are_plain_arrow_ipc(location: Location):
     table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
     assert table.schema == SAMPLE_SCHEMA
     assert table.column("row_id").to_pylist() == list(range(10))
+
+
+def test_a_segment_reaches_the_sink_in_chunks_with_arrows_own_bytes(location: Location):
+    """Arrow gathers its buffers before they reach the checksum and the sink: a handful of
+    writes per segment, not one per column buffer, and the file is byte for byte what Arrow
+    writes on its own."""
+    store = location.open()
+    rows = make_rows(0, 3000)
+    writes: list[int] = []
+    original = segments.SegmentWriter.write
+
+    def counted(self: segments.SegmentWriter, data: object) -> int:
+        writes.append(original(self, data))
+        return writes[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(segments.SegmentWriter, "write", counted)
+        manifest = publish(store, None, rows)
+    expected = pa.BufferOutputStream()
+    with pa.ipc.new_file(expected, SAMPLE_SCHEMA) as writer:
+        for batch in rows_to_batches(rows):
+            writer.write_batch(batch)
+    data = location.read(manifest.segments[0].file.path)
+    assert data == expected.getvalue().to_pybytes()
+    assert sum(writes) == len(data) == manifest.segments[0].file.size
+    assert len(writes) <= len(data) // segments.WRITE_CHUNK + 2
 
 
 def test_incremental_snapshots_share_segments(location: Location):

@@ -30,7 +30,6 @@ from typing import Any
 from rolloutd.checkpoint import partials, sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import (
-    FileEntry,
     LedgerEntry,
     Manifest,
     SegmentKind,
@@ -65,7 +64,8 @@ class CheckpointerConfig:
     these defaults and meanings."""
 
     interval_s: float = 60.0
-    """Seconds between periodic checkpoints; 0 disables them."""
+    """Seconds from the start of one periodic checkpoint to the start of the next (the next
+    follows at once when one takes longer); 0 disables them."""
     keep_latest: int = 3
     """Newest snapshots kept, tagged or not."""
     keep_tagged: int = 10
@@ -79,6 +79,18 @@ class CheckpointerConfig:
     compact_segments: int = 8
     """A snapshot listing more segments than this has its smallest ones (by live bytes) merged
     into one, leaving half as many; large, mostly live segments are not rewritten."""
+
+
+@dataclass(frozen=True)
+class _Base:
+    """What an attempt's writing builds on, read on the event loop before it is handed off."""
+
+    parent: Manifest | None
+    carried: Mapping[int, GroupMeta]
+    carried_ledger: Mapping[str, int]
+    resumed: Mapping[int, partials.ResumedRow]
+    oldest_step: int
+    """Tagged snapshots for older trainer steps may be retired (see ``_retire``)."""
 
 
 class Checkpointer:
@@ -267,47 +279,64 @@ class Checkpointer:
         acks_through: int,
         report: CheckpointReport,
     ) -> tuple[Manifest, dict[int, partials.ResumedRow]]:
-        delta = capture.buffer
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
             self._next_sequence = (published[0] if published else 0) + 1
         # Never reused: an attempt that timed out may still publish from its worker thread.
         sequence, self._next_sequence = self._next_sequence, self._next_sequence + 1
+        base = _Base(
+            self._parent,
+            self._carried,
+            self._carried_ledger,
+            self._resumed,
+            self.controller.retained_from_step(capture),
+        )
+        return await asyncio.to_thread(
+            self._write_snapshot, clock, sequence, base, capture, acks_through, report
+        )
+
+    def _write_snapshot(
+        self,
+        clock: PhaseClock,
+        sequence: int,
+        base: _Base,
+        capture: ControllerState,
+        acks_through: int,
+        report: CheckpointReport,
+    ) -> tuple[Manifest, dict[int, partials.ResumedRow]]:
+        """Phases 3 to 5 in one worker thread, in one hand-off from the event loop.
+
+        Under 64 trainers the event loop is what limits throughput: each hand-off wakes it
+        twice, and every piece of Python work here (filtering thousands of rows, sorting changed
+        groups, encoding) would be loop time not spent serving RPCs. The capture belongs to this
+        attempt alone, and ``base`` was read on the loop before the hand-off: an attempt that
+        timed out may still be running here while the next one completes and moves the parent."""
+        delta = capture.buffer
         removed = set(delta.removed_rows)
         new_rows = [row for row in delta.new_rows if row[0] not in removed]
         with clock.phase(CheckpointPhase.BUFFER_SAVE):
-            segment = (
-                await asyncio.to_thread(self.store.write_segment, sequence, new_rows)
-                if new_rows
-                else None
-            )
-            resumed = {k: v for k, v in self._resumed.items() if k not in removed}
+            segment = self.store.write_segment(sequence, new_rows) if new_rows else None
+            resumed = {k: v for k, v in base.resumed.items() if k not in removed}
             resumed.update(partials.resumed_rows(new_rows))
             partials_entry = (
-                await asyncio.to_thread(
-                    self.store.write_partials, sequence, capture.partials, resumed
-                )
+                self.store.write_partials(sequence, capture.partials, resumed)
                 if capture.partials or resumed
                 else None
             )
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
-            changed = {**self._carried, **delta.groups}
+            changed = {**base.carried, **delta.groups}
             metas = [meta for _, meta in sorted(changed.items()) if meta is not None]
-            groups = (
-                await asyncio.to_thread(self.store.write_groups, sequence, metas) if metas else None
-            )
-            held = self._parent.submissions if self._parent is not None else ()
+            groups = self.store.write_groups(sequence, metas) if metas else None
+            held = base.parent.submissions if base.parent is not None else ()
             since = capture.sampler.submitted[
                 sum(p.count for p in held) : capture.sampler.submitted_len
             ]
-            pieces = await asyncio.to_thread(self.store.write_submissions, sequence, held, since)
-            ledger = await asyncio.to_thread(
-                self._write_ledger, sequence, capture.buffer.finalized_leases
-            )
-            entry = await asyncio.to_thread(self._write_sidecar, sequence, capture)
+            pieces = self.store.write_submissions(sequence, held, since)
+            ledger = self._write_ledger(sequence, base, capture.buffer.finalized_leases)
+            entry = self.store.write_sidecar_json(sequence, sidecar.encode(capture))
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = next_manifest(
-                self._parent,
+                base.parent,
                 sequence=sequence,
                 created_at=time.time(),
                 sidecar=entry,
@@ -326,23 +355,18 @@ class Checkpointer:
             for kind in SegmentKind:
                 chosen = plan_compaction(manifest, self.config.compact_segments, kind)
                 if chosen:
-                    manifest = await asyncio.to_thread(self.store.compact, manifest, chosen, kind)
-            await asyncio.to_thread(self.store.publish, manifest)
-            oldest_step = self.controller.retained_from_step(capture)
-            await asyncio.to_thread(self._retire, oldest_step)
+                    manifest = self.store.compact(manifest, chosen, kind)
+            self.store.publish(manifest)
+            self._retire(base.oldest_step)
         return manifest, resumed
 
-    # Encoding runs in the worker thread with the write: thousands of changed groups a second
-    # under many trainers made it tens of milliseconds of event-loop time, stalling every RPC.
-
-    def _write_ledger(self, sequence: int, finalized: Mapping[str, int]) -> tuple[LedgerEntry, ...]:
-        if self._carried_ledger:
-            finalized = remember_finalized(OrderedDict(self._carried_ledger), finalized)
-        held = self._parent.ledger if self._parent is not None else ()
+    def _write_ledger(
+        self, sequence: int, base: _Base, finalized: Mapping[str, int]
+    ) -> tuple[LedgerEntry, ...]:
+        if base.carried_ledger:
+            finalized = remember_finalized(OrderedDict(base.carried_ledger), finalized)
+        held = base.parent.ledger if base.parent is not None else ()
         return self.store.write_ledger(sequence, held, finalized)
-
-    def _write_sidecar(self, sequence: int, capture: ControllerState) -> FileEntry:
-        return self.store.write_sidecar_json(sequence, sidecar.encode(capture))
 
     def _retire(self, oldest_step: int | None) -> None:
         """Retention (in a worker thread): the newest ``keep_latest``, the newest

@@ -1,6 +1,9 @@
 """When checkpoints are attempted, and the readiness policy that follows their outcomes.
 
-* Periodic attempts every ``checkpoint.interval_s``; one that finds another attempt running is
+* Periodic attempts every ``checkpoint.interval_s``, measured from the start of one attempt to the
+  start of the next, so the cadence is the configured one and not the interval plus the time an
+  attempt takes (under load, 0.5 s plus attempts of 0.3 s had made it 0.8 s); an attempt longer
+  than the interval is followed at once by the next. One that finds another attempt running is
   skipped (``in_progress``): the next tick comes soon enough.
 * On-demand attempts (``Checkpoint`` RPC, ``POST /v1/checkpoints``) wait for a running attempt and
   then run their own, so a trainer's ``Checkpoint(trainer_step=S)`` always finalizes the acks up
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -50,11 +54,14 @@ class CheckpointScheduler:
         interval_s: float,
         *,
         kept: KeptForSnapshots | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.checkpointer = checkpointer
         self.lifecycle = lifecycle
         self.interval_s = interval_s
         self._kept = kept
+        self._clock, self._sleep = clock, sleep
         self._attempts: set[asyncio.Task[CheckpointReport]] = set()
 
     async def on_demand(self, tag: str = "", trainer_step: int | None = None) -> CheckpointReport:
@@ -63,8 +70,10 @@ class CheckpointScheduler:
     async def run_periodic(self) -> None:
         """The periodic loop (a background task); runs until cancelled. An invariant violation
         ends it: the supervisor stops the service."""
+        due = self._clock() + self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            await self._sleep(max(0.0, due - self._clock()))
+            due = self._clock() + self.interval_s
             await self._attempt(Trigger.PERIODIC)
 
     async def final(self) -> CheckpointReport:
