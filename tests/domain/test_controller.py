@@ -99,6 +99,25 @@ async def test_ack_is_idempotent_and_rewind_window_finalizes(running):
         await c.rewind(1)
 
 
+async def test_an_ack_at_a_step_already_finalized_is_finalized_at_once(running):
+    """A second trainer that counts its steps from 1 while another is far ahead acks below the
+    finalized step: its groups can never be rewound, so they leave the buffer (and its
+    snapshots) at once instead of piling up until its steps catch up."""
+    engine = GatedEngine(auto=True)
+    c = running(engine, rewind_window=1, buffer_capacity=8, max_in_flight=4)
+    for step in (10, 11):
+        lease, _ = await c.fetch(1, 2000, "ahead")
+        await c.ack(lease.lease_id, step)
+    assert c.finalized_through == 10 and c.counters.finalized_groups == 1
+    for step in (1, 2, 3):
+        lease, _ = await c.fetch(1, 2000, "behind")
+        assert not (await c.ack(lease.lease_id, step)).already_acked
+        assert c.counters.finalized_groups == 1 + step
+        assert c.buffer.acked_groups == 1  # only step 11's, inside the window
+        assert lease.group_ids[0] not in c.buffer.groups
+    assert c.finalized_through == 10
+
+
 async def test_rewind_redelivers_exactly_the_groups_acked_after_the_step(running):
     engine = GatedEngine(auto=True)
     c = running(engine, rewind_window=10, buffer_capacity=8, max_in_flight=4)

@@ -625,8 +625,11 @@ class Controller:
             orphan.add_done_callback(self._orphans.discard)
             raise
         await self._notify()  # acked groups no longer count against the buffer's capacity
-        if self.max_acked_step - self.config.rewind_window > self.finalized_through:
-            await self.finalize(self.max_acked_step - self.config.rewind_window)
+        through = max(self.max_acked_step - self.config.rewind_window, self.finalized_through)
+        if through > self.finalized_through or trainer_step <= self.finalized_through:
+            # the window moved on, or this ack is below it (a trainer whose steps lag another's):
+            # no rewind can reach it, so it must not wait in the buffer for the window
+            await self.finalize(through)
         return AckResult(len(pending.ack.record.group_ids), already_acked=False)
 
     async def _settle_ack(self, pending: _PendingAck) -> None:
