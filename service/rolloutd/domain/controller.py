@@ -844,9 +844,10 @@ class Controller:
         return state.max_acked_step - self.config.rewind_window
 
     def prepare_restore(self, state: ControllerState) -> RolloutBuffer:
-        """The buffer of ``state`` without its kept rows, built apart from this controller, so
-        that a restore builds it while the snapshot's rows are still being read and verified
-        (then :meth:`RolloutBuffer.keep_rows`, then :meth:`restore`). Touches nothing here.
+        """The buffer of ``state``, built apart from this controller, so that a restore builds it
+        while the snapshot's rows are still being read and verified (the state holds none of
+        them yet: :meth:`RolloutBuffer.keep_rows` gives them once they verify, then
+        :meth:`restore`). Touches nothing here.
 
         Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
         position (admission would create a second group for a buffered position).
@@ -861,12 +862,13 @@ class Controller:
                 + (" ..." if len(ahead) > 10 else "")
             )
         buffer = RolloutBuffer()
-        buffer.load(replace(state.buffer, groups=groups, kept_rows={}))
+        buffer.load(replace(state.buffer, groups=groups))
         return buffer
 
     async def restore(self, state: ControllerState, prepared: RolloutBuffer | None = None) -> None:
         """Rebuilds the controller from a whole state, before ``start()``: its buffer is
-        ``prepared`` (from :meth:`prepare_restore`, its kept rows given) or built here.
+        ``prepared`` (from :meth:`prepare_restore`, its kept rows given) or built here from
+        ``state`` alone.
 
         Raises :class:`RestoreRefused` as :meth:`prepare_restore` does. Leases that have not
         expired stay granted (their ack succeeds after the restart); the groups of expired ones
@@ -876,7 +878,6 @@ class Controller:
             raise InvariantError("restore into a non-empty buffer")
         if prepared is None:
             prepared = self.prepare_restore(state)
-            prepared.keep_rows(state.buffer.kept_rows)
         async with self.barrier.mutation(MutationKind.RESTORE):
             self.sampler.restore(state.sampler)
             self.buffer = prepared

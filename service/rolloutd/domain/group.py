@@ -285,8 +285,7 @@ class RestoredGroup(Group):
     they are first read: the buffer builds one of these per restored group and nothing more.
     ``meta`` is decoded then and kept in the instance, where the buffer's next change replaces
     it as it does any group's; ``state`` and ``policy_version`` read the table's columns until
-    then. ``samples`` are
-    the table's kept rows of the group (none: an empty dict)."""
+    then. ``samples`` are the table's kept rows of the group (none: an empty dict)."""
 
     _table: GroupTable
     _row: int
