@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 from array import array
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -201,3 +201,21 @@ class StoreNode:
             NODE_FINGERPRINT,
             Granularity.SIBLING,
         )
+
+
+def publish_earlier_layout(
+    node: StoreNode, sequence: int, edit: Callable[[dict[str, Any]], None], **emptied: Any
+) -> Manifest:
+    """Snapshot ``sequence`` published again as the next one, as an earlier version wrote it:
+    its sidecar JSON changed by ``edit``, the manifest fields named in ``emptied`` set to them."""
+    manifest = node.store.load(sequence)
+    data = json.loads(node.location.read(manifest.sidecar.path))
+    edit(data)
+    legacy = replace(
+        manifest,
+        sequence=sequence + 1,
+        sidecar=node.store.write_sidecar_json(sequence + 1, json.dumps(data).encode()),
+        **emptied,
+    )
+    node.store.publish(legacy)
+    return legacy

@@ -15,7 +15,7 @@ from rolloutd.checkpoint.backends import CorruptSnapshot
 from rolloutd.checkpoint.format import ChecksumAlgorithm, Manifest, next_manifest
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SizePart
-from tests.checkpoint.helpers import Location, StoreNode
+from tests.checkpoint.helpers import Location, StoreNode, publish_earlier_layout
 from tests.fakes import settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(40)]
@@ -169,16 +169,11 @@ async def test_a_snapshot_whose_sidecar_holds_the_ledger_restores_and_moves_it_t
     a.controller.start()
     finalized = [await a.finalize(1), await a.finalize(1)]
     old = await a.checkpoint()
-    manifest = a.store.load(old.sequence)
-    data = json.loads(a.location.read(manifest.sidecar.path))
-    data["finalized_leases"] = {lease_id: 1 for lease_id in finalized}
-    legacy = replace(
-        manifest,
-        sequence=old.sequence + 1,
-        sidecar=a.store.write_sidecar_json(old.sequence + 1, json.dumps(data).encode()),
-        ledger=(),
-    )
-    a.store.publish(legacy)
+
+    def with_ledger(data):
+        data["finalized_leases"] = {lease_id: 1 for lease_id in finalized}
+
+    legacy = publish_earlier_layout(a, old.sequence, with_ledger, ledger=())
     await a.controller.stop()
 
     b = node()

@@ -21,7 +21,7 @@ from rolloutd.domain.errors import FailedPrecondition
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SizePart
 from rolloutd.domain.sampler import Admission
-from tests.checkpoint.helpers import Location, StoreNode
+from tests.checkpoint.helpers import Location, StoreNode, publish_earlier_layout
 from tests.fakes import settle
 
 DATASET = [Prompt(f"p{i}", f"question {i}") for i in range(4)]
@@ -222,17 +222,12 @@ async def test_a_snapshot_of_the_earlier_layout_restores_and_moves_its_prompts_t
     a = node(keep_latest=3)
     await a.submit(0, 7)
     old = await a.checkpoint()
-    manifest = a.store.load(old.sequence)
-    data = json.loads(a.location.read(manifest.sidecar.path))
-    del data["sampler"]["submitted_len"]
-    data["sampler"]["submitted"] = [sidecar.to_json(prompt(i)) for i in range(7)]
-    legacy = replace(
-        manifest,
-        sequence=old.sequence + 1,
-        sidecar=a.store.write_sidecar_json(old.sequence + 1, json.dumps(data).encode()),
-        submissions=(),
-    )
-    a.store.publish(legacy)
+
+    def with_prompts(data):
+        del data["sampler"]["submitted_len"]
+        data["sampler"]["submitted"] = [sidecar.to_json(prompt(i)) for i in range(7)]
+
+    legacy = publish_earlier_layout(a, old.sequence, with_prompts, submissions=())
     await a.controller.stop()
 
     b = node(keep_latest=3)
