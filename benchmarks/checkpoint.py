@@ -51,6 +51,7 @@ import numpy as np
 
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord
 from rolloutd.domain.controller import Controller, ControllerConfig
@@ -213,6 +214,7 @@ class Node:
             SyntheticEngine(),
             Sampler(prompts, seed=0),
             journal=self.journal,
+            sealer=ArrowSealer(),
         )
         self.checkpointer = Checkpointer(
             self.controller, self.store, self.journal, CheckpointerConfig(), FINGERPRINT

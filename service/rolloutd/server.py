@@ -33,6 +33,7 @@ from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.claim import Fenced, StoreHeld
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
+from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
@@ -107,6 +108,7 @@ class RolloutService:
             ),
             observer=self.observer,
             journal=self.store.journal,
+            sealer=ArrowSealer(),
         )
         self.fingerprint = config.semantic_fingerprint(dataset_digest, model_id)
         weights = config.weights

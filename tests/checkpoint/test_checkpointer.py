@@ -9,6 +9,7 @@ import pytest
 
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
+from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import GroupState, KeptSamples, Prompt
@@ -32,7 +33,7 @@ FINGERPRINT = {"model": "tiny", "group_size": 2}
 class Node:
     """One controller + store + checkpointer, as a process would have them."""
 
-    def __init__(self, root, *, engine=None, fingerprint=FINGERPRINT, **limits):
+    def __init__(self, root, *, engine=None, fingerprint=FINGERPRINT, sealer=None, **limits):
         cfg = {
             "group_size": 2,
             "max_in_flight": 3,
@@ -49,6 +50,7 @@ class Node:
             self.engine,
             Sampler(PROMPTS, seed=1, epochs=1),
             journal=self.journal,
+            sealer=sealer,
         )
         self.checkpointer = Checkpointer(
             self.controller,
@@ -192,6 +194,71 @@ async def test_restored_rows_stay_in_the_snapshot_buffers_until_delivered(nodes)
     await b.controller.finalize(1)  # removing kept rows reports their row ids
     report = await b.checkpoint()
     assert report.rows[RowKind.REMOVED] == 4 and report.rows[RowKind.LIVE] == 8
+
+
+def _samples(node):
+    return {gid: g.ordered_samples() for gid, g in node.controller.buffer.groups.items()}
+
+
+async def _consume_one(node):
+    """Fetch, ack and finalize the oldest committed group; wait for its replacement."""
+    lease, groups = await node.controller.fetch(1, 100, "t")
+    await node.controller.ack(lease.lease_id, 1)
+    await node.controller.finalize(1)
+    await settle(lambda: node.controller.status().buffer.committed == 6)
+    return groups[0].group_id
+
+
+async def test_sealed_rows_are_delivered_written_and_restored_unchanged(nodes):
+    a = nodes(sealer=ArrowSealer())
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    before = _samples(a)
+    a.controller.buffer.seal()
+    groups = a.controller.buffer.groups
+    assert all(isinstance(g.samples, KeptSamples) for g in groups.values())
+    assert _samples(a) == before  # every field read back from the columns
+
+    consumed = await _consume_one(a)  # sealed, never captured: neither new nor removed
+    first = await a.checkpoint()
+    assert first.rows == {RowKind.NEW: 12, RowKind.REMOVED: 0, RowKind.LIVE: 12}
+    a.controller.buffer.seal()  # the replacement, captured as objects, is sealed afterwards
+    assert consumed not in groups and all(
+        isinstance(g.samples, KeptSamples) for g in groups.values()
+    )
+    await _consume_one(a)  # a captured sealed group leaves: its rows are removed
+    second = await a.checkpoint()
+    assert second.rows == {RowKind.NEW: 2, RowKind.REMOVED: 2, RowKind.LIVE: 12}
+    live = _samples(a)
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    assert _samples(b) == live
+
+
+async def test_a_failed_snapshot_hands_its_sealed_rows_to_the_next(nodes):
+    a = nodes(sealer=ArrowSealer())
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    a.controller.buffer.seal()
+
+    def broken(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    a.store.write_segment = broken
+    assert (await a.checkpoint()).outcome is Outcome.FAILED
+    del a.store.write_segment
+    await _consume_one(a)  # a sealed row handed back and removed is written by no snapshot
+    r = await a.checkpoint()
+    assert r.outcome is Outcome.COMPLETED
+    assert r.rows[RowKind.NEW] == r.rows[RowKind.LIVE] == 12
+    live = _samples(a)
+    await a.controller.stop()
+
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    assert _samples(b) == live
 
 
 async def test_changed_groups_go_to_a_group_segment_and_supersede_their_old_row(nodes):

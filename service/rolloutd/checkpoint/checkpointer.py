@@ -314,8 +314,17 @@ class Checkpointer:
         delta = capture.buffer
         removed = set(delta.removed_rows)
         new_rows = [row for row in delta.new_rows if row[0] not in removed]
+        sealed_ids = (
+            [i for i in delta.new_sealed_ids if i not in removed]
+            if removed
+            else delta.new_sealed_ids
+        )
         with clock.phase(CheckpointPhase.BUFFER_SAVE):
-            segment = self.store.write_segment(sequence, new_rows) if new_rows else None
+            segment = (
+                self.store.write_segment(sequence, new_rows, delta.new_sealed, sealed_ids)
+                if new_rows or sealed_ids
+                else None
+            )
             resumed = {k: v for k, v in base.resumed.items() if k not in removed}
             resumed.update(partials.resumed_rows(new_rows))
             partials_entry = (

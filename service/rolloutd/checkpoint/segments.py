@@ -30,7 +30,9 @@ from rolloutd.checkpoint.format import (
     SegmentEntry,
     SegmentKind,
     batch_to_rows,
+    rows_to_batches,
 )
+from rolloutd.domain.buffer import RowSealer, SealedRows
 from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample, SamplePart
 
 log = logging.getLogger(__name__)
@@ -128,8 +130,9 @@ def open_reader(
     return reader
 
 
-class KeptRows:
-    """The live rows of a snapshot left in its verified record batches, indexed by group.
+class KeptRows(SealedRows):
+    """Rows left in record batches, indexed by group: the live rows of a snapshot in its verified
+    segments, or the rows :class:`ArrowSealer` sealed.
 
     Built by one vectorised pass over the ``row_id``, ``group_id`` and ``index`` columns (no
     Python object per row): rows are ordered by (group, sibling index) and each group gets one
@@ -192,11 +195,36 @@ class KeptRows:
     def sample(self, k: int) -> Sample:
         """The ``k``-th row in (group, index) order, as a fresh :class:`Sample`."""
         batch = self._batches[int(self._batch_no[k])]
-        sample = batch_to_rows(batch.slice(int(self._at[k]), 1))[0][2]
+        return self._resumed(k, batch_to_rows(batch.slice(int(self._at[k]), 1))[0][2])
+
+    def samples(self, start: int, stop: int) -> list[Sample]:
+        """Rows ``[start, stop)`` of the (group, index) order, decoded in one pass when they
+        share a batch (a sealed group's rows do unless a batch boundary falls among them)."""
+        batch_no = self._batch_no[start:stop]
+        if stop - start < 2 or (batch_no != batch_no[0]).any():
+            return [self.sample(k) for k in range(start, stop)]
+        batch = self._batches[int(batch_no[0])]
+        at = self._at[start:stop]
+        contiguous = bool((np.diff(at) == 1).all())
+        rows = batch_to_rows(
+            batch.slice(int(at[0]), stop - start) if contiguous else batch.take(pa.array(at))
+        )
+        return [self._resumed(k, row[2]) for k, row in zip(range(start, stop), rows, strict=True)]
+
+    def _resumed(self, k: int, sample: Sample) -> Sample:
         record = self.resumed.get(int(self._row_id[k]))
         if record is not None:
             sample = replace(sample, resumed_at=record[0], parts=record[1])
         return sample
+
+    def batches_of(self, row_ids: npt.NDArray[np.int64]) -> Iterator[pa.RecordBatch]:
+        """The rows among ``row_ids``, batch by batch: what a snapshot writes of sealed rows."""
+        for batch in self._batches:
+            keep = np.isin(batch.column("row_id").to_numpy(), row_ids)
+            if keep.all():
+                yield batch
+            elif keep.any():
+                yield batch.filter(pa.array(keep))
 
 
 class _KeptGroups(Mapping[int, KeptSamples]):
@@ -246,6 +274,26 @@ class KeptGroup(KeptSamples):
 
     def row_ids(self) -> dict[int, int]:
         return self._rows.row_ids(self._start, self._stop)
+
+    def ordered(self) -> list[Sample]:
+        return self._rows.samples(self._start, self._stop)
+
+
+class ArrowSealer(RowSealer):
+    """Seals committed rows into record batches of the sample schema, as a segment holds them."""
+
+    def seal(self, rows: Sequence[Row]) -> KeptRows:
+        return KeptRows([(batch, None) for batch in rows_to_batches(rows)])
+
+
+def sealed_batches(
+    sealed: Sequence[SealedRows], row_ids: npt.NDArray[np.int64]
+) -> Iterator[pa.RecordBatch]:
+    """The rows among ``row_ids`` of rows an :class:`ArrowSealer` sealed, batch by batch."""
+    for rows in sealed:
+        if not isinstance(rows, KeptRows):
+            raise TypeError(f"rows sealed by {type(rows).__name__}, not by an ArrowSealer")
+        yield from rows.batches_of(row_ids)
 
 
 class Started(NamedTuple):

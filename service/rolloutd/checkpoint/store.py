@@ -31,10 +31,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -78,6 +79,7 @@ from rolloutd.checkpoint.format import (
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
 from rolloutd.checkpoint.segments import Snapshot, Started
+from rolloutd.domain.buffer import SealedRows
 from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import SkippedSnapshot
@@ -140,7 +142,13 @@ class SnapshotWriter(Protocol):
 
     def sequences(self) -> builtins.list[int]: ...
     def list(self) -> builtins.list[Manifest]: ...
-    def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry: ...
+    def write_segment(
+        self,
+        sequence: int,
+        rows: Sequence[Row],
+        sealed: Sequence[SealedRows] = (),
+        sealed_ids: Collection[int] = (),
+    ) -> SegmentEntry: ...
     def write_groups(self, sequence: int, metas: Sequence[GroupMeta]) -> SegmentEntry: ...
     def write_sidecar_json(self, sequence: int, data: bytes) -> FileEntry: ...
     def write_partials(
@@ -212,22 +220,34 @@ class SnapshotStore:
 
     # --- writing ------------------------------------------------------------------------------
 
-    def write_segment(self, sequence: int, rows: Sequence[Row]) -> SegmentEntry:
-        """Write ``rows`` as a new immutable segment of snapshot ``sequence``; not yet published.
+    def write_segment(
+        self,
+        sequence: int,
+        rows: Sequence[Row],
+        sealed: Sequence[SealedRows] = (),
+        sealed_ids: Collection[int] = (),
+    ) -> SegmentEntry:
+        """Write ``rows``, and the rows ``sealed_ids`` of ``sealed`` as they were sealed, as a new
+        immutable segment of snapshot ``sequence``; not yet published.
 
         The file is whole and durable under its final name when this returns; until a manifest
         lists it, it is invisible and :meth:`retire` collects it. Row ids must be unique.
         """
-        if not rows:
-            raise ValueError("a segment needs at least one row")
         ids = np.fromiter((row[0] for row in rows), dtype=np.int64, count=len(rows))
-        row_ids = RowIdSet.from_ids(ids)
-        if len(row_ids) != len(rows):
+        in_sealed = np.fromiter(sealed_ids, dtype=np.int64, count=len(sealed_ids))
+        count = ids.size + in_sealed.size
+        if not count:
+            raise ValueError("a segment needs at least one row")
+        row_ids = RowIdSet.from_ids(np.concatenate([ids, in_sealed]))
+        if len(row_ids) != count:
             raise ValueError("row ids of a segment must be unique")
-        entry = self.write_batches(
-            file_name(sequence, ".arrow"), rows_to_batches(rows), FaultPoint.BUFFER_SAVE_MID
+        batches = itertools.chain(
+            rows_to_batches(rows), segments.sealed_batches(sealed, np.sort(in_sealed))
         )
-        return SegmentEntry(entry, len(rows), row_ids, RowIdSet(), sequence)
+        entry = self.write_batches(
+            file_name(sequence, ".arrow"), batches, FaultPoint.BUFFER_SAVE_MID
+        )
+        return SegmentEntry(entry, count, row_ids, RowIdSet(), sequence)
 
     def write_groups(self, sequence: int, metas: Sequence[GroupMeta]) -> SegmentEntry:
         """Write the metadata of changed groups as a new group segment of snapshot ``sequence``;

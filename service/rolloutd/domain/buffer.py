@@ -9,8 +9,9 @@ groups are shared by reference (a change replaces a group's ``GroupMeta``, never
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
@@ -59,6 +60,34 @@ class AckRecord:
 Row = tuple[int, int, Sample]
 """(row_id, group_id, sample)"""
 
+SEAL_ROWS = 2048
+"""Committed rows the buffer holds as objects before it seals them (see :class:`RowSealer`)."""
+SEAL_VALUES = 1 << 20
+"""... or token ids, logprobs and prompt ids among them, whichever comes first: a seal runs on
+the event loop, and this bounds it to a few milliseconds however long the samples are."""
+
+
+class SealedRows(ABC):
+    """Rows of whole groups that a :class:`RowSealer` encoded into columnar buffers."""
+
+    @abstractmethod
+    def groups(self) -> Mapping[int, KeptSamples]:
+        """Group id -> its rows, read from the buffers."""
+
+
+class RowSealer(ABC):
+    """Encodes committed groups' siblings into the columns a snapshot segment holds.
+
+    A sample as Python objects costs about twice its payload in memory, and 100k of them made a
+    full collection take 150 ms: a pause of the event loop. Sealed, a group keeps one view over
+    the shared buffers (:class:`KeptSamples`), and a checkpoint writes its rows without encoding
+    them again. ``checkpoint/segments.py`` implements it over Arrow record batches.
+    """
+
+    @abstractmethod
+    def seal(self, rows: Sequence[Row]) -> SealedRows:
+        """``rows`` of whole groups, each group's rows together in sibling order."""
+
 
 @dataclass(frozen=True)
 class BufferState:
@@ -78,10 +107,14 @@ class BufferState:
     kept_rows: Mapping[int, KeptSamples] = field(default_factory=dict)
     """In a state to restore from: group id -> the rows a snapshot kept in its buffers (besides
     ``new_rows``, which a restore leaves empty). Never part of a capture."""
+    new_sealed: Sequence[SealedRows] = ()
+    """The sealed rows among which ``new_sealed_ids`` are: staged since the previous capture like
+    ``new_rows``, but held in columns (a snapshot writes them as they are)."""
+    new_sealed_ids: Collection[int] = frozenset()
 
     @property
     def empty(self) -> bool:
-        return not (self.new_rows or self.removed_rows or self.groups)
+        return not (self.new_rows or self.new_sealed_ids or self.removed_rows or self.groups)
 
 
 @dataclass
@@ -98,6 +131,8 @@ class BufferCounts:
 
 @dataclass
 class RolloutBuffer:
+    sealer: RowSealer | None = None
+    """Seals committed rows (none: every row stays an object, as in unit tests)."""
     groups: dict[int, Group] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
     acks: dict[str, AckRecord] = field(default_factory=dict)
@@ -113,6 +148,14 @@ class RolloutBuffer:
     rows instead of holding every sample ever generated."""
     _removed_rows: list[int] = field(default_factory=list)
     """Captured rows removed since the last capture."""
+    _sealed_new: list[SealedRows] = field(default_factory=list)
+    _sealed_new_ids: set[int] = field(default_factory=set)
+    """Rows staged since the last capture and sealed since, still live: ``_new_rows`` for sealed
+    rows (a row is in one or the other)."""
+    _unsealed: list[int] = field(default_factory=list)
+    """Groups committed since the last seal, oldest first."""
+    _unsealed_rows: int = 0
+    _unsealed_values: int = 0
     _dirty: dict[int, Group | None] = field(default_factory=dict)
     _uncaptured_groups: set[int] = field(default_factory=set)
     """Groups added since the last capture; their removal leaves nothing to report."""
@@ -184,7 +227,50 @@ class RolloutBuffer:
             )
         self._change(g, state=GroupState.COMMITTED, committed_at=now)
         self._ready.append(group_id)
+        if self.sealer is not None:
+            self._unsealed.append(group_id)
+            self._unsealed_rows += len(g.samples)
+            self._unsealed_values += sum(
+                2 * len(s.token_ids) + len(s.prompt_token_ids) for s in g.samples.values()
+            )
+            if self._unsealed_rows >= SEAL_ROWS or self._unsealed_values >= SEAL_VALUES:
+                self.seal()
         return g
+
+    def seal(self) -> None:
+        """Seals the rows of the groups committed since the last seal that are still here (a
+        resumed sibling's record of where it was resumed is not a column: its group stays as
+        objects). A sealed row not yet captured moves from ``_new_rows`` to the sealed ones."""
+        unsealed, self._unsealed = self._unsealed, []
+        self._unsealed_rows = self._unsealed_values = 0
+        if self.sealer is None:
+            return
+        groups = [
+            g
+            for g in map(self.groups.get, unsealed)
+            if g is not None
+            and not isinstance(g.samples, KeptSamples)
+            and all(s.resumed_at is None for s in g.samples.values())
+        ]
+        rows = [
+            (self._row_ids[(g.group_id, i)], g.group_id, g.samples[i])
+            for g in groups
+            for i in sorted(g.samples)
+        ]
+        if not rows:
+            return
+        sealed = self.sealer.seal(rows)
+        views = sealed.groups()
+        uncaptured = False
+        for row_id, gid, sample in rows:
+            del self._row_ids[(gid, sample.index)]
+            if self._new_rows.pop(row_id, None) is not None:
+                self._sealed_new_ids.add(row_id)
+                uncaptured = True
+        for g in groups:
+            g.samples = views[g.group_id]
+        if uncaptured:
+            self._sealed_new.append(sealed)
 
     def lease(
         self, lease_id: str, max_groups: int, consumer: str, now: float, timeout_s: float
@@ -316,7 +402,11 @@ class RolloutBuffer:
         self._new_rows[row_id] = (row_id, group_id, sample)
 
     def _forget_row(self, row_id: int) -> None:
-        if self._new_rows.pop(row_id, None) is None:
+        if self._new_rows.pop(row_id, None) is not None:
+            return
+        if row_id in self._sealed_new_ids:
+            self._sealed_new_ids.remove(row_id)
+        else:
             self._removed_rows.append(row_id)
 
     # --- snapshots -------------------------------------------------------------------------
@@ -325,6 +415,8 @@ class RolloutBuffer:
         """Takes the changes since the last capture. O(changes), and no group is copied (its
         metadata is a frozen value): call under the exclusive hold."""
         new_rows, self._new_rows = self._new_rows, {}
+        sealed, self._sealed_new = self._sealed_new, []
+        sealed_ids, self._sealed_new_ids = self._sealed_new_ids, set()
         self._uncaptured_groups.clear()
         removed, self._removed_rows = self._removed_rows, []
         dirty, self._dirty = self._dirty, {}
@@ -337,11 +429,15 @@ class RolloutBuffer:
             dict(self.acks),
             finalized,
             self._next_row_id,
+            new_sealed=sealed,
+            new_sealed_ids=sealed_ids,
         )
 
     def restore_uncaptured(self, delta: BufferState) -> None:
         """Puts a captured delta back (its snapshot failed) so the next capture includes it."""
         self._new_rows = {**{row[0]: row for row in delta.new_rows}, **self._new_rows}
+        self._sealed_new[:0] = delta.new_sealed
+        self._sealed_new_ids.update(delta.new_sealed_ids)
         self._removed_rows[:0] = delta.removed_rows
         for gid in delta.groups:
             self._dirty.setdefault(gid, self.groups.get(gid))

@@ -34,6 +34,7 @@ from rolloutd.domain.buffer import (
     BufferCounts,
     Lease,
     RolloutBuffer,
+    RowSealer,
     restored_groups,
     same_step,
 )
@@ -189,6 +190,7 @@ class Controller:
         *,
         observer: Observer | None = None,
         journal: AckJournal | None = None,
+        sealer: RowSealer | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -198,7 +200,7 @@ class Controller:
         self.journal: AckJournal = journal or NullJournal()
         self.clock = clock
         self.barrier = MutationBarrier(on_blocked=self.observer.mutation_blocked)
-        self.buffer = RolloutBuffer()
+        self.buffer = RolloutBuffer(sealer)
         self.counters = Counters()
         self.policy_version = engine.policy_version
         self.weights_path: str | None = None
@@ -424,9 +426,11 @@ class Controller:
             ):
                 return
             now = self.clock()
+            # read before the commit: it may seal the rows, and reading them would decode them
+            tokens = group.generated_tokens
+            prompt_tokens = len(group.samples[0].prompt_token_ids)
             self.buffer.commit(group.group_id, now)
             self._siblings.pop(group.group_id, None)
-            tokens = group.generated_tokens
             self.counters.committed_groups += 1
             self.counters.committed_tokens += tokens
         self._trace_headers.pop(group.group_id, None)
@@ -436,7 +440,7 @@ class Controller:
                 tokens,
                 exact=True,
                 completion_s=now - group.meta.admitted_at,
-                prompt_tokens=len(group.ordered_samples()[0].prompt_token_ids),
+                prompt_tokens=prompt_tokens,
                 group_size=group.meta.group_size,
             )
         )
@@ -861,7 +865,7 @@ class Controller:
                 + ", ".join(ahead[:10])
                 + (" ..." if len(ahead) > 10 else "")
             )
-        buffer = RolloutBuffer()
+        buffer = RolloutBuffer(self.buffer.sealer)
         buffer.load(replace(state.buffer, groups=groups))
         return buffer
 

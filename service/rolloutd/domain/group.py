@@ -73,18 +73,25 @@ class Sample:
 
 
 class KeptSamples(MutableMapping[int, Sample]):
-    """A restored group's siblings left in the snapshot's verified buffers: sibling index ->
-    :class:`Sample`, each built only when it is read (delivered).
+    """A finished group's siblings kept in columnar buffers: sibling index -> :class:`Sample`,
+    each built only when it is read (delivered).
 
-    A restore builds one of these per group instead of one object per row, so restoring 100k
-    rows costs what reading their bytes costs. Only finished groups keep their rows this way
-    (they are never staged into); writing to one is a bug. ``checkpoint/segments.py`` implements
-    it over Arrow record batches.
+    The buffers are a snapshot's verified segments after a restore, or the batch a
+    :class:`RowSealer` encoded a live group's siblings into once the group was committed. One of
+    these per group instead of one object per row keeps restoring 100k rows as cheap as reading
+    their bytes, and keeps a full live buffer out of the garbage collector's scans. Only finished
+    groups keep their rows this way (they are never staged into); writing to one is a bug.
+    ``checkpoint/segments.py`` implements it over Arrow record batches.
     """
 
     @abstractmethod
     def row_ids(self) -> dict[int, int]:
         """Sibling index -> row id of each kept row (what removing the group reports)."""
+
+    def ordered(self) -> list[Sample]:
+        """Every sibling in index order, as a delivery reads them: an implementation builds them
+        in one pass over the buffers instead of one lookup per sibling."""
+        return [self[i] for i in sorted(self)]
 
     def __setitem__(self, index: int, sample: Sample) -> None:
         raise TypeError("the kept rows of a restored group are read-only")
@@ -171,6 +178,8 @@ class Group:
         return [i for i in range(self.meta.group_size) if i not in self.samples]
 
     def ordered_samples(self) -> list[Sample]:
+        if isinstance(self.samples, KeptSamples):
+            return self.samples.ordered()
         return [self.samples[i] for i in sorted(self.samples)]
 
     @property
