@@ -27,6 +27,7 @@ from rolloutd.checkpoint.format import (
     Hasher,
     Manifest,
     Row,
+    RowIdSet,
     SegmentEntry,
     SegmentKind,
     batch_to_rows,
@@ -58,6 +59,8 @@ class SegmentWriter:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        if self.closed:  # an abandoned file: Arrow flushes its buffer when it is collected
+            return len(view)
         self._hasher.update(view)
         self._sink.write(view)
         self.size += len(view)
@@ -105,6 +108,7 @@ def write_file(
         stream.close()  # hands the last chunk over
         sink.commit()
     except BaseException:
+        out.close()
         sink.abort()
         raise
     return out.entry(path)
@@ -217,10 +221,10 @@ class KeptRows(SealedRows):
             sample = replace(sample, resumed_at=record[0], parts=record[1])
         return sample
 
-    def batches_of(self, row_ids: npt.NDArray[np.int64]) -> Iterator[pa.RecordBatch]:
+    def batches_of(self, row_ids: RowIdSet) -> Iterator[pa.RecordBatch]:
         """The rows among ``row_ids``, batch by batch: what a snapshot writes of sealed rows."""
         for batch in self._batches:
-            keep = np.isin(batch.column("row_id").to_numpy(), row_ids)
+            keep = row_ids.mask(batch.column("row_id").to_numpy())
             if keep.all():
                 yield batch
             elif keep.any():
@@ -286,9 +290,7 @@ class ArrowSealer(RowSealer):
         return KeptRows([(batch, None) for batch in rows_to_batches(rows)])
 
 
-def sealed_batches(
-    sealed: Sequence[SealedRows], row_ids: npt.NDArray[np.int64]
-) -> Iterator[pa.RecordBatch]:
+def sealed_batches(sealed: Sequence[SealedRows], row_ids: RowIdSet) -> Iterator[pa.RecordBatch]:
     """The rows among ``row_ids`` of rows an :class:`ArrowSealer` sealed, batch by batch."""
     for rows in sealed:
         if not isinstance(rows, KeptRows):

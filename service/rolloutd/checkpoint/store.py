@@ -233,17 +233,15 @@ class SnapshotStore:
         The file is whole and durable under its final name when this returns; until a manifest
         lists it, it is invisible and :meth:`retire` collects it. Row ids must be unique.
         """
-        ids = np.fromiter((row[0] for row in rows), dtype=np.int64, count=len(rows))
-        in_sealed = np.fromiter(sealed_ids, dtype=np.int64, count=len(sealed_ids))
-        count = ids.size + in_sealed.size
+        count = len(rows) + len(sealed_ids)
         if not count:
             raise ValueError("a segment needs at least one row")
-        row_ids = RowIdSet.from_ids(np.concatenate([ids, in_sealed]))
+        of_sealed = RowIdSet.from_ids(np.fromiter(sealed_ids, dtype=np.int64))
+        ids = np.fromiter((row[0] for row in rows), dtype=np.int64, count=len(rows))
+        row_ids = RowIdSet.from_ids(ids).union(of_sealed)
         if len(row_ids) != count:
             raise ValueError("row ids of a segment must be unique")
-        batches = itertools.chain(
-            rows_to_batches(rows), segments.sealed_batches(sealed, np.sort(in_sealed))
-        )
+        batches = itertools.chain(rows_to_batches(rows), segments.sealed_batches(sealed, of_sealed))
         entry = self.write_batches(
             file_name(sequence, ".arrow"), batches, FaultPoint.BUFFER_SAVE_MID
         )
