@@ -28,6 +28,7 @@ from rolloutd.checkpoint.format import (
     next_manifest,
     rows_to_batches,
     rows_to_table,
+    sorted_unique,
     table_to_rows,
 )
 from tests.checkpoint.helpers import make_rows
@@ -98,6 +99,12 @@ def test_segment_file_opens_with_plain_pyarrow(tmp_path):
             writer.write_batch(batch)
     table = pa.ipc.open_file(str(path)).read_all()
     assert table.column("row_id").to_pylist() == list(range(20))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 1000])
+def test_sorted_unique_is_numpys_unique(n):
+    ids = np.random.default_rng(n).integers(-5, 40, n)
+    assert sorted_unique(ids).tolist() == np.unique(ids).tolist()
 
 
 def test_row_id_set_ranges_and_membership():

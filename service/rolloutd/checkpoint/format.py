@@ -285,6 +285,15 @@ def table_to_rows(table: pa.Table) -> list[Row]:
 # --- row-id sets ------------------------------------------------------------------------------
 
 
+def sorted_unique(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """``np.unique`` of int64 ids by a sort and a comparison: numpy 2's ``unique`` hashes
+    first and took 7 ms for the 100k ids of a full snapshot (this: under 1 ms)."""
+    values = np.sort(np.asarray(ids, dtype=np.int64), axis=None)
+    if values.size < 2:
+        return values
+    return values[np.concatenate(([True], values[1:] != values[:-1]))]
+
+
 @dataclass(frozen=True)
 class RowIdSet:
     """A set of row ids as sorted, disjoint, non-adjacent half-open ranges ``[start, stop)``.
@@ -304,7 +313,7 @@ class RowIdSet:
 
     @classmethod
     def from_ids(cls, ids: npt.ArrayLike) -> RowIdSet:
-        values = np.unique(np.asarray(ids, dtype=np.int64))
+        values = sorted_unique(ids)
         if values.size == 0:
             return cls()
         breaks = np.flatnonzero(np.diff(values) != 1) + 1
@@ -767,7 +776,7 @@ def _without(
 ) -> tuple[list[SegmentEntry], int]:
     """``segments`` with ``removed`` ids marked removed (ids none holds are ignored) and the
     segments left without a live row dropped; and how many live rows were removed."""
-    removed_ids = np.unique(np.asarray(removed, dtype=np.int64))
+    removed_ids = sorted_unique(removed)
     count = 0
     updated: list[SegmentEntry] = []
     for segment in segments:
