@@ -82,9 +82,7 @@ class SyntheticEngine:
         prompt_ids = _prompt_ids(request.prompt.text)
         prefix = request.prefix
         done = len(prefix) if prefix is not None else 0
-        stream = _stream()
-        start = draws.start + done
-        token_ids, logprobs = stream.tokens(start, length - done)
+        token_ids, logprobs, text = _stream().window(draws.start + done, length - done)
         new = len(token_ids)
         delay = cfg.latency_s * (
             math.exp(draws.gauss() * cfg.latency_sigma) if cfg.latency_sigma else 1
@@ -111,7 +109,7 @@ class SyntheticEngine:
                 index=request.index,
                 token_ids=token_ids,
                 logprobs=logprobs,
-                text=stream.text(start, new),
+                text=text,
                 finish_reason=finish,
                 policy_version=version,
                 prompt_token_ids=prompt_ids,
@@ -239,16 +237,18 @@ class _Stream:
             start = 0
         return runs
 
-    def tokens(self, start: int, count: int) -> tuple[array[int], array[float]]:
+    def window(self, start: int, count: int) -> tuple[array[int], array[float], str]:
+        """Token ids, logprobs and text of ``count`` tokens from stream position ``start``."""
         token_ids, logprobs = array("i"), array("f")
-        for a, b in self._runs(start, count):
+        runs = self._runs(start, count)
+        for a, b in runs:
             token_ids.frombytes(self._ids[4 * a : 4 * b])
             logprobs.frombytes(self._lps[4 * a : 4 * b])
-        return token_ids, logprobs
-
-    def text(self, start: int, count: int) -> str:
         starts, text = self._starts, self._text
-        return "".join(text[starts[a] : starts[b]] for a, b in self._runs(start, count))[:-1]
+        if len(runs) == 1:
+            [(a, b)] = runs
+            return token_ids, logprobs, text[starts[a] : starts[b] - 1]
+        return token_ids, logprobs, "".join(text[starts[a] : starts[b]] for a, b in runs)[:-1]
 
 
 @functools.cache
