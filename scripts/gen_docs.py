@@ -25,7 +25,14 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from rolloutd.config import ENV_PREFIX, Config
-from rolloutd.telemetry.catalogue import CATALOGUE, SECONDS_BUCKETS, Area, Instrument, Kind
+from rolloutd.telemetry.catalogue import (
+    CATALOGUE,
+    COUNTED_FROM_ZERO,
+    SECONDS_BUCKETS,
+    Area,
+    Instrument,
+    Kind,
+)
 from rolloutd.telemetry.prometheus import prometheus_label, prometheus_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +88,7 @@ def _instrument_section(instrument: Instrument) -> list[str]:
         lines.append("- Attributes: none")
     if instrument.valid_doc:
         lines.append(f"- Combinations: {instrument.valid_doc}")
-    if instrument.kind is Kind.COUNTER:
+    if instrument in COUNTED_FROM_ZERO:
         count = len(instrument.attribute_sets())
         lines.append(f"- Series at zero from start-up: {count}")
     if instrument.buckets is not None:

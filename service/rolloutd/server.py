@@ -147,7 +147,7 @@ class RolloutService:
             tls_key=config.grpc.tls_key,
             tls_client_ca=config.grpc.tls_client_ca,
             interceptors=[
-                *server_interceptors(self.telemetry.tracer_provider),
+                *server_interceptors(self.telemetry.tracer_provider, self.telemetry.records_spans),
                 RpcMetricsInterceptor(SERVICE_NAME, self.observer.rpc_finished),
             ],
             weights=self.weights,

@@ -4,11 +4,17 @@ tree the handler records below the server span."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from rolloutd.telemetry.interceptors import (
@@ -16,6 +22,7 @@ from rolloutd.telemetry.interceptors import (
     instrument_channel,
     server_interceptors,
 )
+from rolloutd.telemetry.logs import JsonFormatter
 from rolloutd.telemetry.observer import TelemetryObserver
 from tests.telemetry.reports import checkpoint_report
 
@@ -97,3 +104,58 @@ async def test_client_spans_through_grpc_intercept_channel_record_failures_and_f
     assert clients[CHECKPOINT[1:]].status.status_code is StatusCode.UNSET
     servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
     assert {s.context.trace_id for s in servers} == {s.context.trace_id for s in clients.values()}
+
+
+async def test_while_no_span_would_be_recorded_a_handler_logs_in_the_callers_trace(span_exporter):
+    """No server span is built then, but the caller's trace id still reaches the handler's log
+    lines; once spans are recorded the server span is back."""
+    trainer_provider, trainer_spans = span_exporter
+    server_provider, server_spans = TracerProvider(shutdown_on_exit=False), InMemorySpanExporter()
+    server_provider.add_span_processor(SimpleSpanProcessor(server_spans))
+    recording = False
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("rolloutd.test.rpc")
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+
+    async def step(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        logger.warning("handling %s", request.decode())
+        return b"done"
+
+    server = grpc.aio.server(interceptors=server_interceptors(server_provider, lambda: recording))
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE, {"Step": grpc.unary_unary_rpc_method_handler(step)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = instrument_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), trainer_provider)
+    tracer = trainer_provider.get_tracer("trainer")
+    try:
+        for call in ("unrecorded", "again", "recorded"):
+            recording = call == "recorded"
+            with tracer.start_as_current_span(f"trainer.{call}") as span:
+                reply = await asyncio.to_thread(
+                    channel.unary_unary(f"/{SERVICE}/Step"), call.encode(), timeout=10
+                )
+            assert reply == b"done"
+            line = json.loads(stream.getvalue().splitlines()[-1])
+            assert line["message"] == f"handling {call}"
+            assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+            servers = server_spans.get_finished_spans()
+            assert len(servers) == (call == "recorded"), call
+    finally:
+        channel.close()
+        await server.stop(None)
+        server_provider.shutdown()
+    [server_span] = server_spans.get_finished_spans()
+    [client_span] = [s for s in trainer_spans.get_finished_spans() if s.kind is SpanKind.CLIENT][
+        -1:
+    ]
+    assert server_span.parent is not None
+    assert server_span.parent.span_id == client_span.context.span_id

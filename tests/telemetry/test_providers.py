@@ -11,7 +11,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from prometheus_client import REGISTRY, generate_latest
 
@@ -171,6 +177,19 @@ def test_sdk_providers_are_built_when_enabled(telemetry):
     assert t.enabled
     assert isinstance(t.tracer_provider, SdkTracerProvider)
     assert isinstance(t.meter_provider, SdkMeterProvider)
+
+
+def test_spans_are_recorded_from_the_first_span_processor_on(telemetry):
+    """What the server interceptor asks before it builds a server span for an RPC."""
+    t = telemetry()
+    assert isinstance(t.tracer_provider, SdkTracerProvider)
+    tracer = t.tracer_provider.get_tracer("test")
+    assert not t.records_spans()
+    assert not tracer.start_span("dropped").is_recording()
+    t.tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    assert t.records_spans()
+    assert tracer.start_span("kept").is_recording()
+    assert not telemetry(disabled=True).records_spans()
 
 
 class BlockingExporter(SpanExporter):

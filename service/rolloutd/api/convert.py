@@ -42,40 +42,56 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
     return s
 
 
+_METADATA_JSON = json.JSONEncoder(ensure_ascii=False).encode
+"""``json.dumps(value, ensure_ascii=False)`` without building an encoder on each call."""
+
+
+def _sample_fields(s: Sample) -> dict[str, Any]:
+    """A ``pb.Sample``'s fields; the arrays as lists, which protobuf takes in one pass where
+    it iterates an array element by element."""
+    return {
+        "index": s.index,
+        "token_ids": s.token_ids.tolist(),
+        "logprobs": s.logprobs.tolist(),
+        "text": s.text,
+        "finish_reason": s.finish_reason,
+        "policy_version": s.policy_version,
+        "prompt_token_ids": s.prompt_token_ids.tolist(),
+        "seed": s.seed,
+        "started_at": s.started_at,
+        "finished_at": s.finished_at,
+        "resumed_at": s.resumed_at,
+        "parts": [pb.SamplePart(start=p.start, policy_version=p.policy_version) for p in s.parts],
+    }
+
+
 def sample_to_proto(s: Sample) -> pb.Sample:
-    return pb.Sample(
-        index=s.index,
-        token_ids=s.token_ids,
-        logprobs=s.logprobs,
-        text=s.text,
-        finish_reason=s.finish_reason,
-        policy_version=s.policy_version,
-        prompt_token_ids=s.prompt_token_ids,
-        seed=s.seed,
-        started_at=s.started_at,
-        finished_at=s.finished_at,
-        resumed_at=s.resumed_at,
-        parts=[pb.SamplePart(start=p.start, policy_version=p.policy_version) for p in s.parts],
-    )
+    return pb.Sample(**_sample_fields(s))
 
 
 def group_to_proto(g: Group) -> pb.Group:
+    """The group with its samples built in place (a list of built samples passed to
+    ``pb.Group`` would be copied into it): ``FetchGroups`` builds one per delivered group."""
     m = g.meta
     position = m.position
-    return pb.Group(
+    metadata = m.prompt.metadata
+    group = pb.Group(
         group_id=g.group_id,
         prompt_id=m.prompt.prompt_id,
         epoch=position.epoch if position else 0,
         offset=position.offset if position else 0,
         source=pb.PROMPT_SOURCE_DATASET if position else pb.PROMPT_SOURCE_SUBMITTED,
-        samples=[sample_to_proto(s) for s in g.ordered_samples()],
         prompt_text=m.prompt.text,
-        metadata=_struct(m.prompt.metadata) if isinstance(m.prompt.metadata, dict) else None,
-        metadata_json=json.dumps(m.prompt.metadata, ensure_ascii=False),
+        metadata=_struct(metadata) if isinstance(metadata, dict) else None,
+        metadata_json=_METADATA_JSON(metadata),
         policy_version=m.policy_version,
         admitted_at=m.admitted_at,
         committed_at=m.committed_at or 0.0,
     )
+    add = group.samples.add
+    for s in g.ordered_samples():
+        add(**_sample_fields(s))
+    return group
 
 
 def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:

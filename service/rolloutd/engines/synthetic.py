@@ -2,15 +2,16 @@
 
 Token ids are a pure function of (prompt, seed, policy version), so a re-run of a sibling after a
 restart reproduces it exactly. Time to finish is a latency drawn from a seeded distribution plus
-``tokens / tokens_per_s``. Every draw of a sample comes from one SHAKE-128 stream of that key,
-turned into tokens and logprobs with numpy in a few array operations: at the instant rate of the
-control-plane benchmark the engine must cost the service microseconds per sample, not a Python
-call per token.
+``tokens / tokens_per_s``. A sample's own draws (its length, its latency and where its tokens
+start) come from a SHAKE-128 digest of that key; its tokens, logprobs and text are a window of
+one fixed token stream (:class:`_Stream`), copied out as buffers. At the instant rate of the
+control-plane benchmark the engine must cost the service a few microseconds per sample, not a
+Python call (or a numpy call) per token.
 
 With a delta sink the tokens are handed over in deltas of :data:`DELTA_TOKENS` spread over that
-time. A request with a prefix continues the same stream after the prefix's tokens (the prefix is
-taken as it is), so a sibling resumed on the same weights ends as it would have without a
-restart. Stop strings are not simulated.
+time (all in one delta when there is no time to wait). A request with a prefix continues the
+same window after the prefix's tokens (the prefix is taken as it is), so a sibling resumed on
+the same weights ends as it would have without a restart. Stop strings are not simulated.
 """
 
 from __future__ import annotations
@@ -70,18 +71,18 @@ class SyntheticEngine:
     async def generate(
         self, request: GenerationRequest, on_delta: DeltaSink | None = None
     ) -> Sample:
-        await self._paused.wait()
+        if not self._paused.is_set():
+            await self._paused.wait()
         started = time.time()
         version = self._version
         cfg = self._config
         max_tokens = request.params.max_tokens
-        draws = _Draws(f"{request.prompt.text}|{request.seed}|{version}", max_tokens)
-        length = draws.length(min(cfg.min_tokens, max_tokens))
-        prompt_ids = array("i", _prompt_ids(request.prompt.text))
-        stream_ids, stream_lps = draws.tokens(length)
+        draws = _Draws(f"{request.prompt.text}|{request.seed}|{version}")
+        length = draws.length(min(cfg.min_tokens, max_tokens), max_tokens)
+        prompt_ids = _prompt_ids(request.prompt.text)
         prefix = request.prefix
         done = len(prefix) if prefix is not None else 0
-        token_ids, logprobs = stream_ids[done:], stream_lps[done:]
+        token_ids, logprobs, text = _stream().window(draws.start + done, length - done)
         new = len(token_ids)
         delay = cfg.latency_s * (
             math.exp(draws.gauss() * cfg.latency_sigma) if cfg.latency_sigma else 1
@@ -97,8 +98,10 @@ class SyntheticEngine:
                 await self._emit(token_ids, logprobs, version, delay, on_delta)
             finally:
                 self._running.pop(request.request_id, None)
-        else:  # nothing to wait for, so nothing to abort: no await until the sample is returned
-            await self._emit(token_ids, logprobs, version, delay, on_delta)
+        elif on_delta is not None and token_ids:
+            # nothing to wait for, so nothing to abort and no time to spread deltas over: the
+            # tokens go in one delta, with no await until the sample is returned
+            on_delta(TokenDelta(token_ids, logprobs, version))
         self._generation_tokens += new
         finish = "length" if max(length, done) >= max_tokens else "stop"
         if prefix is None:
@@ -106,7 +109,7 @@ class SyntheticEngine:
                 index=request.index,
                 token_ids=token_ids,
                 logprobs=logprobs,
-                text=_text(token_ids),
+                text=text,
                 finish_reason=finish,
                 policy_version=version,
                 prompt_token_ids=prompt_ids,
@@ -176,17 +179,17 @@ class SyntheticEngine:
 
 
 class _Draws:
-    """The seeded draws of one sample, read from one SHAKE-128 stream of its key: 8 bytes for
-    the length, 8 for the latency, then one 32-bit word per token for its id and one for its
-    logprob (``max_tokens`` of each, so a token's draws do not depend on the length)."""
+    """The seeded draws of one sample, from a SHAKE-128 digest of its key: 8 bytes for the
+    length, 8 for the latency, 8 for where its tokens start in the stream."""
 
-    def __init__(self, key: str, max_tokens: int) -> None:
-        self._max = max_tokens
-        self._raw = hashlib.shake_128(key.encode()).digest(16 + 8 * max_tokens)
+    def __init__(self, key: str) -> None:
+        self._raw = hashlib.shake_128(key.encode()).digest(24)
+        self.start = int.from_bytes(self._raw[16:24], "little") % _STREAM_TOKENS
+        """Stream position of the sample's first token."""
 
-    def length(self, shortest: int) -> int:
-        """Uniform in [shortest, max_tokens]."""
-        return shortest + int.from_bytes(self._raw[:8], "little") % (self._max - shortest + 1)
+    def length(self, shortest: int, longest: int) -> int:
+        """Uniform in [shortest, longest]."""
+        return shortest + int.from_bytes(self._raw[:8], "little") % (longest - shortest + 1)
 
     def gauss(self) -> float:
         """A standard normal draw (Box-Muller on the latency's two 32-bit words)."""
@@ -194,21 +197,72 @@ class _Draws:
         u2 = int.from_bytes(self._raw[12:16], "little") / 2**32
         return math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
 
-    def tokens(self, length: int) -> tuple[array[int], array[float]]:
-        """Token ids uniform in [3, vocabulary) and logprobs -Exp(2), the first ``length``."""
-        words = np.frombuffer(self._raw, np.uint32, 2 * self._max, 16)
-        ids = (words[:length] % (_VOCAB - 3) + 3).astype(np.int32)
-        lps = (np.log1p(-(words[self._max : self._max + length] / 2**32)) / 2).astype(np.float32)
+
+_STREAM_TOKENS = 1 << 18
+"""Tokens in the stream that samples are windows of (it wraps around at the end)."""
+
+
+class _Stream:
+    """A fixed stream of token ids uniform in [3, vocabulary), logprobs -Exp(2) and their text
+    (one word per token, space-separated), drawn once from SHAKE-128.
+
+    A sample is the window of ``length`` tokens from its seeded start, read position by
+    position modulo the stream's length, so token ``i`` of a sample does not depend on the
+    sample's length and a resumed sample continues its window. Reading a window copies buffers
+    and slices one string: its cost does not grow with a Python step per token.
+    """
+
+    def __init__(self) -> None:
+        raw = hashlib.shake_128(b"rolloutd synthetic stream").digest(8 * _STREAM_TOKENS)
+        words = np.frombuffer(raw, np.uint32)
+        ids = (words[:_STREAM_TOKENS] % (_VOCAB - 3) + 3).astype(np.int32)
+        lps = (np.log1p(-(words[_STREAM_TOKENS:] / 2**32)) / 2).astype(np.float32)
+        self._ids = memoryview(ids.tobytes())
+        self._lps = memoryview(lps.tobytes())
+        spelled = [_WORDS[t] for t in ids.tolist()]
+        self._text = " ".join(spelled) + " "  # every word ends with a space, the last one too
+        ends = np.cumsum([len(w) + 1 for w in spelled])
+        self._starts = array("q", [0, *ends.tolist()])
+        """Character offset of each token's word; ``_starts[n]`` is the text's length. An array,
+        not a list: a quarter of a million Python ints would hold about 9 MB."""
+
+    @staticmethod
+    def _runs(start: int, count: int) -> list[tuple[int, int]]:
+        """The window as runs [a, b) of stream positions, split where it wraps around."""
+        runs = []
+        start %= _STREAM_TOKENS
+        while count > 0:
+            end = min(start + count, _STREAM_TOKENS)
+            runs.append((start, end))
+            count -= end - start
+            start = 0
+        return runs
+
+    def window(self, start: int, count: int) -> tuple[array[int], array[float], str]:
+        """Token ids, logprobs and text of ``count`` tokens from stream position ``start``."""
         token_ids, logprobs = array("i"), array("f")
-        token_ids.frombytes(ids.tobytes())
-        logprobs.frombytes(lps.tobytes())
-        return token_ids, logprobs
+        runs = self._runs(start, count)
+        for a, b in runs:
+            token_ids.frombytes(self._ids[4 * a : 4 * b])
+            logprobs.frombytes(self._lps[4 * a : 4 * b])
+        starts, text = self._starts, self._text
+        if len(runs) == 1:
+            [(a, b)] = runs
+            return token_ids, logprobs, text[starts[a] : starts[b] - 1]
+        return token_ids, logprobs, "".join(text[starts[a] : starts[b]] for a, b in runs)[:-1]
+
+
+@functools.cache
+def _stream() -> _Stream:
+    """Built on first use (tens of milliseconds), so importing the engine costs nothing."""
+    return _Stream()
 
 
 @functools.lru_cache(maxsize=4096)
-def _prompt_ids(text: str) -> tuple[int, ...]:
-    """A prompt's token ids, one per byte of its first 512; the siblings of a group share it."""
-    return tuple(text.encode()[:512])
+def _prompt_ids(text: str) -> array[int]:
+    """A prompt's token ids, one per byte of its first 512; the siblings of a group share the
+    array (a sample's buffers are never mutated)."""
+    return array("i", list(text.encode()[:512]))
 
 
 _WORDS = [f"t{t}" for t in range(_VOCAB)]

@@ -132,12 +132,12 @@ PROMPT_TOKENS = Instrument(
     Area.GENERATION, open_attributes=("engine",),
 )  # fmt: skip
 COMMITTED_TOKENS = Instrument(
-    "rolloutd.committed.tokens", Kind.COUNTER, "{token}",
+    "rolloutd.committed.tokens", Kind.OBSERVABLE_COUNTER, "{token}",
     "Generated tokens of groups that became training-ready (usable output).",
     Area.USABLE_OUTPUT, attributes={"estimated": ("false", "true")},
 )  # fmt: skip
 COMMITTED_GROUPS = Instrument(
-    "rolloutd.committed.groups", Kind.COUNTER, "{group}",
+    "rolloutd.committed.groups", Kind.OBSERVABLE_COUNTER, "{group}",
     "Groups that became training-ready.", Area.USABLE_OUTPUT,
 )  # fmt: skip
 GROUP_COMPLETION = Instrument(
@@ -297,3 +297,12 @@ CATALOGUE: tuple[Instrument, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, Instrument)
 )
 BY_NAME: dict[str, Instrument] = {i.name: i for i in CATALOGUE}
+
+COUNTED_FROM_ZERO: tuple[Instrument, ...] = (
+    *(i for i in CATALOGUE if i.kind is Kind.COUNTER),
+    COMMITTED_TOKENS,
+    COMMITTED_GROUPS,
+)
+"""Instruments with a series at zero for every declared attribute set from start-up: the
+counters, and the observable counters the metrics observer counts itself (over plain integers,
+since they move with every committed group)."""

@@ -83,9 +83,11 @@ class MetricsObserver:
     """Implements :class:`rolloutd.domain.observer.Observer` with the catalogue's instruments.
 
     Counters start at zero for every attribute set the catalogue declares, so dashboards and
-    alerts see every series from start-up. Observable instruments read the callbacks given to
-    :meth:`register_sources` (until then they report nothing). Not thread-safe for the observer
-    calls (they come from the event loop); the callbacks run on reader threads.
+    alerts see every series from start-up. The committed groups and tokens, counted for every
+    group, are observable counters over plain integers (from zero as well); the other observable
+    instruments read the callbacks given to :meth:`register_sources` (until then they report
+    nothing). Not thread-safe for the observer calls (they come from the event loop); the
+    callbacks run on reader threads.
     """
 
     def __init__(self, meter_provider: MeterProvider):
@@ -94,9 +96,11 @@ class MetricsObserver:
         """Names of the instruments created, in catalogue order (a test checks one-to-one)."""
         self._sources: _Sources | None = None
         self._last_completed_ns: int | None = None
+        self._committed_groups = 0
+        self._committed_tokens = {"false": 0, "true": 0}
+        """By ``estimated``. Both are added to on the event loop for every committed group and
+        read at collection time: a synchronous counter's add costs microseconds per group."""
 
-        self._committed_tokens = self._counter(cat.COMMITTED_TOKENS)
-        self._committed_groups = self._counter(cat.COMMITTED_GROUPS)
         self._group_completion = self._histogram(cat.GROUP_COMPLETION)
         self._group_queue = self._histogram(cat.GROUP_QUEUE)
         self._checkpoint_duration = self._histogram(cat.CHECKPOINT_DURATION)
@@ -116,6 +120,8 @@ class MetricsObserver:
         self._weights_updates = self._counter(cat.WEIGHTS_UPDATES)
         self._rpc_duration = self._histogram(cat.RPC_SERVER_DURATION)
 
+        self._observable(cat.COMMITTED_TOKENS, self._observe_committed_tokens)
+        self._observable(cat.COMMITTED_GROUPS, self._observe_committed_groups)
         self._observable(cat.GENERATION_TOKENS, self._observe_generation_tokens)
         self._observable(cat.PROMPT_TOKENS, self._observe_prompt_tokens)
         self._observable(cat.CHECKPOINT_CONSECUTIVE_FAILURES, self._observe_failures)
@@ -186,8 +192,6 @@ class MetricsObserver:
 
     def _start_counters_at_zero(self) -> None:
         counters: list[tuple[Counter, Instrument]] = [
-            (self._committed_tokens, cat.COMMITTED_TOKENS),
-            (self._committed_groups, cat.COMMITTED_GROUPS),
             (self._mutation_blocked, cat.MUTATION_BLOCKED),
             (self._checkpoint_attempts, cat.CHECKPOINT_ATTEMPTS),
             (self._recovery_groups, cat.RECOVERY_GROUPS),
@@ -220,10 +224,8 @@ class MetricsObserver:
         self._mutation_wait.record(wait_s, attributes)
 
     def group_committed(self, event: GroupCommitted) -> None:
-        self._committed_groups.add(1)
-        self._committed_tokens.add(
-            event.tokens, self._estimated("false" if event.exact else "true")
-        )
+        self._committed_groups += 1
+        self._committed_tokens["false" if event.exact else "true"] += event.tokens
         self._group_completion.record(event.completion_s)
 
     def groups_leased(self, queue_s: list[float]) -> None:
@@ -277,6 +279,12 @@ class MetricsObserver:
         self._weights_bytes.add(report.bytes, attempt)
 
     # -- observable callbacks (reader threads) --------------------------------------------------
+
+    def _observe_committed_groups(self, _: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._committed_groups)]
+
+    def _observe_committed_tokens(self, _: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, self._estimated(key)) for key, n in self._committed_tokens.items()]
 
     def _engine(self) -> tuple[str, EngineCounters] | None:
         sources = self._sources

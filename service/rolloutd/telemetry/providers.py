@@ -338,7 +338,7 @@ class _ScrapeOnlyMeterProvider(SdkMeterProvider):
 
 @dataclass(frozen=True)
 class _SdkProviders:
-    tracer: SdkTracerProvider
+    tracer: _TracerProvider
     meter: SdkMeterProvider
 
 
@@ -376,6 +376,11 @@ class Telemetry:
     @property
     def enabled(self) -> bool:
         return self._sdk is not None
+
+    def records_spans(self) -> bool:
+        """Whether a span started now could be recorded: false with the SDK disabled and
+        until a span processor is added (no trace exporter configured)."""
+        return self._sdk is not None and self._sdk.tracer.records_spans
 
     def observer(self) -> TelemetryObserver:
         """A new observer over these providers; build one per service (a second one would
@@ -567,6 +572,11 @@ class _TracerProvider(SdkTracerProvider):
     def add_span_processor(self, span_processor: SpanProcessor) -> None:
         super().add_span_processor(span_processor)
         self._gate.processed = True
+
+    @property
+    def records_spans(self) -> bool:
+        """False while every span is dropped for want of a processor."""
+        return self._gate.processed
 
 
 def _describe(export: SignalExport) -> str:
