@@ -6,7 +6,7 @@ from array import array
 from dataclasses import replace
 
 from rolloutd.checkpoint.segments import ArrowSealer
-from rolloutd.domain.buffer import SEAL_ROWS, SEAL_VALUES, RolloutBuffer
+from rolloutd.domain.buffer import SEAL_HELD_ROWS, SEAL_HELD_VALUES, SEAL_ROWS, RolloutBuffer
 from rolloutd.domain.group import Group, GroupMeta, KeptSamples, Prompt, Sample
 
 
@@ -33,31 +33,40 @@ def _commit(buf: RolloutBuffer, gid: int, size: int, tokens: int) -> list[Sample
     return samples
 
 
-def test_rows_stay_objects_until_a_seal_is_due_then_every_committed_row_is_sealed():
+def _sealed(buf: RolloutBuffer) -> list[int]:
+    return [gid for gid, g in buf.groups.items() if isinstance(g.samples, KeptSamples)]
+
+
+def test_the_oldest_rows_are_sealed_once_the_buffer_holds_too_many_as_objects():
     buf = RolloutBuffer(ArrowSealer())
     size = 8
-    groups = SEAL_ROWS // size
-    made = {gid: _commit(buf, gid, size, tokens=3) for gid in range(1, groups)}
-    assert not any(isinstance(g.samples, KeptSamples) for g in buf.groups.values())
-    made[groups] = _commit(buf, groups, size, tokens=3)  # SEAL_ROWS rows now wait
-    assert all(isinstance(g.samples, KeptSamples) for g in buf.groups.values())
+    held = SEAL_HELD_ROWS // size
+    made = {gid: _commit(buf, gid, size, tokens=3) for gid in range(1, held)}
+    buf.remove(1)  # a group that leaves is no longer held
+    made[held] = _commit(buf, held, size, tokens=3)
+    assert not _sealed(buf)
+    made[held + 1] = _commit(buf, held + 1, size, tokens=3)  # SEAL_HELD_ROWS rows held now
+    oldest = list(range(2, 2 + SEAL_ROWS // size))
+    assert _sealed(buf) == oldest  # one batch of the oldest, whole groups
+    del made[1]
     assert {gid: g.ordered_samples() for gid, g in buf.groups.items()} == made
     state = buf.capture()
-    assert not state.new_rows and len(state.new_sealed_ids) == SEAL_ROWS
+    assert len(state.new_rows) == (held - len(oldest)) * size
+    assert len(state.new_sealed_ids) == SEAL_ROWS
 
 
 def test_long_samples_are_sealed_after_fewer_rows():
     buf = RolloutBuffer(ArrowSealer())
-    tokens = SEAL_VALUES // 16  # a row holds 2 x tokens values (+2 prompt ids): eight reach it
+    tokens = SEAL_HELD_VALUES // 16  # a row holds 2 x tokens values (+2 prompt ids): eight reach it
     _commit(buf, 1, 4, tokens)
-    assert not isinstance(buf.groups[1].samples, KeptSamples)
+    assert not _sealed(buf)
     _commit(buf, 2, 4, tokens)
-    assert all(isinstance(g.samples, KeptSamples) for g in buf.groups.values())
+    assert _sealed(buf) == [1]  # the oldest group alone holds SEAL_VALUES
 
 
 def test_without_a_sealer_rows_stay_objects():
     buf = RolloutBuffer()
-    for gid in range(1, SEAL_ROWS // 8 + 2):
+    for gid in range(1, SEAL_HELD_ROWS // 8 + 2):
         _commit(buf, gid, 8, tokens=1)
     assert not any(isinstance(g.samples, KeptSamples) for g in buf.groups.values())
 

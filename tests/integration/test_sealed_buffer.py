@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rolloutd.domain.buffer import SEAL_ROWS
+from rolloutd.domain.buffer import SEAL_HELD_ROWS
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
@@ -19,10 +19,10 @@ from tests.integration.proc import ServeProcess
 pytestmark = pytest.mark.process
 
 GROUP_SIZE = 8
-PROMPTS = 320
+PROMPTS = 2304
 ENV = {
     "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": "0",
-    "ROLLOUTD_ENGINE__MAX_TOKENS": "24",
+    "ROLLOUTD_ENGINE__MAX_TOKENS": "8",
     "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "64",
     "ROLLOUTD_LIMITS__BUFFER_CAPACITY": str(PROMPTS),
     "ROLLOUTD_LIMITS__LEASE_TIMEOUT_S": "1",
@@ -57,7 +57,7 @@ def fetch_all(stub: pb_grpc.RolloutServiceStub) -> dict[int, tuple[str, list[byt
     got: dict[int, tuple[str, list[bytes]]] = {}
     deadline = time.monotonic() + 60
     while len(got) < PROMPTS and time.monotonic() < deadline:
-        r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=64, wait_ms=1000), timeout=15)
+        r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=256, wait_ms=1000), timeout=15)
         for g in r.groups:
             got[g.group_id] = (g.prompt_id, [s.SerializeToString() for s in g.samples])
     assert len(got) == PROMPTS, f"fetched {len(got)} of {PROMPTS} groups"
@@ -65,7 +65,7 @@ def fetch_all(stub: pb_grpc.RolloutServiceStub) -> dict[int, tuple[str, list[byt
 
 
 def test_sealed_rows_are_delivered_and_restored_as_generated(tmp_path):
-    assert PROMPTS * GROUP_SIZE > SEAL_ROWS  # the buffer seals while it fills
+    assert PROMPTS * GROUP_SIZE > SEAL_HELD_ROWS  # the buffer seals its oldest rows as it fills
     p = serve(tmp_path)
     try:
         with grpc.insecure_channel(p.wait_listening()) as channel:

@@ -9,6 +9,7 @@ groups are shared by reference (a change replaces a group's ``GroupMeta``, never
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
@@ -60,11 +61,18 @@ class AckRecord:
 Row = tuple[int, int, Sample]
 """(row_id, group_id, sample)"""
 
+SEAL_HELD_ROWS = 16_384
+"""Rows of finished groups the buffer holds as objects before it seals the oldest (see
+:class:`RowSealer`). Below it a full collection stays short, and a group is delivered as it was
+generated: one sealed is decoded from its batch first (~50 us a group, an eighth of the event
+loop's time per group under 64 trainers), so a buffer that trainers keep drained never seals."""
+SEAL_HELD_VALUES = 8 << 20
+"""... or token ids, logprobs and prompt ids among them (32 MiB), whichever comes first."""
 SEAL_ROWS = 2048
-"""Committed rows the buffer holds as objects before it seals them (see :class:`RowSealer`)."""
+"""Rows one seal takes (the oldest first, whole groups) ..."""
 SEAL_VALUES = 1 << 20
-"""... or token ids, logprobs and prompt ids among them, whichever comes first: a seal runs on
-the event loop, and this bounds it to a few milliseconds however long the samples are."""
+"""... or values, whichever comes first: a seal runs on the event loop, and this bounds it to a
+few milliseconds however long the samples are."""
 
 
 class SealedRows(ABC):
@@ -152,8 +160,8 @@ class RolloutBuffer:
     _sealed_new_ids: set[int] = field(default_factory=set)
     """Rows staged since the last capture and sealed since, still live: ``_new_rows`` for sealed
     rows (a row is in one or the other)."""
-    _unsealed: list[int] = field(default_factory=list)
-    """Groups committed since the last seal, oldest first."""
+    _unsealed: OrderedDict[int, tuple[int, int]] = field(default_factory=OrderedDict)
+    """Finished groups whose rows are objects, oldest commit first: id -> (rows, values)."""
     _unsealed_rows: int = 0
     _unsealed_values: int = 0
     _dirty: dict[int, Group | None] = field(default_factory=dict)
@@ -227,31 +235,36 @@ class RolloutBuffer:
             )
         self._change(g, state=GroupState.COMMITTED, committed_at=now)
         self._ready.append(group_id)
-        if self.sealer is not None:
-            self._unsealed.append(group_id)
-            self._unsealed_rows += len(g.samples)
-            self._unsealed_values += sum(
-                2 * len(s.token_ids) + len(s.prompt_token_ids) for s in g.samples.values()
+        # where a sibling was resumed is not a column: such a group stays as objects
+        if self.sealer is not None and all(s.resumed_at is None for s in g.samples.values()):
+            held = (
+                len(g.samples),
+                sum(2 * len(s.token_ids) + len(s.prompt_token_ids) for s in g.samples.values()),
             )
-            if self._unsealed_rows >= SEAL_ROWS or self._unsealed_values >= SEAL_VALUES:
-                self.seal()
+            self._unsealed[group_id] = held
+            self._unsealed_rows += held[0]
+            self._unsealed_values += held[1]
+            while (
+                self._unsealed_rows >= SEAL_HELD_ROWS or self._unsealed_values >= SEAL_HELD_VALUES
+            ):
+                self.seal(SEAL_ROWS, SEAL_VALUES)
         return g
 
-    def seal(self) -> None:
-        """Seals the rows of the groups committed since the last seal that are still here (a
-        resumed sibling's record of where it was resumed is not a column: its group stays as
-        objects). A sealed row not yet captured moves from ``_new_rows`` to the sealed ones."""
-        unsealed, self._unsealed = self._unsealed, []
-        self._unsealed_rows = self._unsealed_values = 0
+    def seal(self, max_rows: float = math.inf, max_values: float = math.inf) -> None:
+        """Seals the finished groups held as objects, oldest first: whole groups until
+        ``max_rows`` rows or ``max_values`` values are sealed (by default every one). A sealed
+        row not yet captured moves from ``_new_rows`` to the sealed ones."""
         if self.sealer is None:
             return
-        groups = [
-            g
-            for g in map(self.groups.get, unsealed)
-            if g is not None
-            and not isinstance(g.samples, KeptSamples)
-            and all(s.resumed_at is None for s in g.samples.values())
-        ]
+        groups: list[Group] = []
+        sealed_rows = sealed_values = 0
+        while self._unsealed and sealed_rows < max_rows and sealed_values < max_values:
+            gid, (n, v) = self._unsealed.popitem(last=False)
+            groups.append(self.groups[gid])
+            sealed_rows += n
+            sealed_values += v
+        self._unsealed_rows -= sealed_rows
+        self._unsealed_values -= sealed_values
         rows = [
             (self._row_ids[(g.group_id, i)], g.group_id, g.samples[i])
             for g in groups
@@ -372,6 +385,10 @@ class RolloutBuffer:
     def remove(self, group_id: int) -> Group:
         """Removes a group and its rows (finalized or evicted)."""
         g = self.groups.pop(group_id)
+        held = self._unsealed.pop(group_id, None)
+        if held is not None:
+            self._unsealed_rows -= held[0]
+            self._unsealed_values -= held[1]
         if isinstance(g.samples, KeptSamples):
             for row_id in g.samples.row_ids().values():
                 self._forget_row(row_id)
