@@ -70,6 +70,7 @@ from rolloutd.checkpoint.format import (
     SegmentEntry,
     SegmentKind,
     SubmissionsEntry,
+    arrival_for,
     checksum_algorithm,
     checksum_parts,
     checksum_started,
@@ -441,7 +442,9 @@ class SnapshotStore:
         parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
         view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
         algorithm = checksum_algorithm(entry.checksum)
-        return Started(buffer, checksum_started(view, algorithm, parts, _verifiers()))
+        arrival = arrival_for(buffer.size, algorithm, parts)
+        checksum = checksum_started(view, algorithm, parts, _verifiers(), arrival)
+        return Started(buffer, checksum, arrival)
 
     def open(self, manifest: Manifest, *, verify: bool = True) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails.
