@@ -15,7 +15,7 @@ from rolloutd.checkpoint.format import (
     SegmentEntry,
     rows_to_batches,
 )
-from rolloutd.checkpoint.segments import read_batches, write_file
+from rolloutd.checkpoint.segments import KeptRows, read_batches, write_file
 from tests.checkpoint.helpers import make_rows
 
 ROWS = make_rows(0, 600, max_tokens=400)
@@ -89,3 +89,32 @@ def test_bytes_that_do_not_decode_raise_corrupt_snapshot(segment):
     garbled[8:16] = b"\x01" * 8  # the schema message's length prefix
     with pytest.raises(CorruptSnapshot, match="not a readable segment"):
         list(read_batches(pa.py_buffer(garbled), entry, RecordedArrival(len(garbled))))
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_kept_rows_index_each_group_across_batches_in_any_order(shuffled):
+    rows = make_rows(0, 230, max_tokens=4)  # groups of 4: batches of 50 split groups
+    if shuffled:
+        rows = [rows[i] for i in np.random.default_rng(7).permutation(len(rows))]
+    removed = {r[0] for r in rows if r[0] % 9 == 0}
+    batches = []
+    for batch in rows_to_batches(rows, batch_rows=50):
+        ids = batch.column("row_id").to_numpy()
+        keep = ~np.isin(ids, list(removed))
+        batches.append((batch, None if keep.all() else keep))
+    kept = KeptRows(iter(batches), len(rows))
+
+    expected: dict[int, dict[int, int]] = {}
+    for row_id, group_id, sample in rows:
+        if row_id not in removed:
+            expected.setdefault(group_id, {})[sample.index] = row_id
+    groups = kept.groups()
+    assert list(groups) == sorted(expected)
+    assert set(groups.keys()) == set(expected)
+    assert len(kept) == len(rows) - len(removed)
+    by_id = {r[0]: r[2] for r in rows}
+    for group_id, siblings in expected.items():
+        view = groups[group_id]
+        assert view.row_ids() == siblings
+        assert list(view) == sorted(siblings)
+        assert all(view[i] == by_id[row_id] for i, row_id in siblings.items())

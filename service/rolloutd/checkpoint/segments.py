@@ -8,7 +8,7 @@ backend's sink; reading checks the schema and that the rows are those the manife
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -193,38 +193,57 @@ class KeptRows:
     def __init__(
         self,
         batches: Iterable[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]],
+        capacity: int,
         resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None,
     ) -> None:
         self._batches: list[pa.RecordBatch] = []
         self.resumed = dict(resumed or {})
         """Row id -> (resumed_at, parts) of the rows whose samples were resumed: row segments do
         not hold where a sample was resumed, the snapshot's partials file does."""
-        parts: list[tuple[np.ndarray, ...]] = []
-        for n, (batch, keep) in enumerate(batches):  # each as it arrives (Snapshot.kept_rows)
+        # Each batch is indexed as it arrives (Snapshot.kept_rows) into columns allocated for
+        # ``capacity`` rows (all the segments hold): a full snapshot is written in (group,
+        # index) order, so its groups are found batch by batch and nothing is left to do
+        # after the last one but a check; rows in another order are sorted at the end.
+        cols = np.empty((5, capacity), dtype=np.int64)  # batch, at, group_id, index, row_id
+        ordered = True
+        self.group_ids: list[int] = []
+        self.position: dict[int, int] = {}
+        """Group id -> its place in :attr:`group_ids`."""
+        starts: list[int] = []
+        count = 0
+        for n, (batch, keep) in enumerate(batches):
             self._batches.append(batch)
             at = np.arange(batch.num_rows) if keep is None else np.flatnonzero(keep)
-            parts.append(
-                (
-                    np.full(at.size, n, dtype=np.int64),
-                    at,
-                    batch.column("group_id").to_numpy()[at],
-                    batch.column("index").to_numpy()[at],
-                    batch.column("row_id").to_numpy()[at],
+            end = count + at.size
+            cols[0, count:end] = n
+            cols[1, count:end] = at
+            cols[2, count:end] = batch.column("group_id").to_numpy()[at]
+            cols[3, count:end] = batch.column("index").to_numpy()[at]
+            cols[4, count:end] = batch.column("row_id").to_numpy()[at]
+            since = max(count - 1, 0)  # the previous batch's last row, to compare across
+            group_id, index = cols[2, since:end], cols[3, since:end]
+            ordered = ordered and _ordered(group_id, index)
+            if ordered and end > count:
+                new = (np.flatnonzero(group_id[1:] != group_id[:-1]) + since + 1).tolist()
+                new = [0, *new] if count == 0 else new
+                ids = cols[2, new].tolist()
+                self.position.update(
+                    zip(ids, range(len(starts), len(starts) + len(new)), strict=True)
                 )
-            )
-        empty = np.zeros(0, dtype=np.int64)
-        cols = [np.concatenate(c) if parts else empty for c in zip(*parts, strict=True)] or [
-            empty
-        ] * 5
-        batch_no, at, group_id, index, row_id = cols
-        if not _ordered(group_id, index):  # a full snapshot is written in this order
+                starts.extend(new)
+                self.group_ids.extend(ids)
+            count = end
+        batch_no, at, group_id, index, row_id = cols[:, :count]
+        if not ordered:
             order = np.lexsort((index, group_id))
             batch_no, at, group_id = batch_no[order], at[order], group_id[order]
             index, row_id = index[order], row_id[order]
+            first_rows = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]][:count])
+            starts = first_rows.tolist()
+            self.group_ids = group_id[first_rows].tolist()
+            self.position = dict(zip(self.group_ids, range(len(starts)), strict=True))
         self._batch_no, self._at, self._index, self._row_id = batch_no, at, index, row_id
-        starts = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]]) if at.size else empty
-        self.group_ids: list[int] = group_id[starts].tolist()
-        self._bounds = np.r_[starts, at.size].tolist()
+        self._bounds = [*starts, count]
 
     def __len__(self) -> int:
         return int(self._at.size)
@@ -265,7 +284,10 @@ class _KeptGroups(Mapping[int, KeptSamples]):
 
     def __init__(self, rows: KeptRows) -> None:
         self._rows = rows
-        self._at = dict(zip(rows.group_ids, range(len(rows.group_ids)), strict=True))
+        self._at = rows.position
+
+    def keys(self) -> KeysView[int]:
+        return self._at.keys()
 
     def __getitem__(self, group_id: int) -> KeptSamples:
         return self._rows.view(self._at[group_id])
@@ -436,7 +458,8 @@ class Snapshot:
     ) -> KeptRows:
         """Live rows left in the verified buffers, indexed by group (what a restore keeps), with
         the resume records of ``resumed`` (row id -> (resumed_at, parts)) put back when read."""
-        return KeptRows(self._batches(), resumed)
+        capacity = sum(s.rows for s in self.manifest.segments)
+        return KeptRows(self._batches(), capacity, resumed)
 
     def table(self) -> pa.Table:
         """Live rows as one Arrow table of :data:`SAMPLE_SCHEMA`."""

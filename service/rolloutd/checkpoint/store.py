@@ -434,9 +434,9 @@ class SnapshotStore:
         return segments.open_reader(verified, segment, kind)
 
     def _start(self, entry: FileEntry) -> Started:
-        """Maps ``entry`` (asking the kernel to read all of it ahead) and starts its checksum
-        on the verify threads, in parts of at least :data:`_VERIFY_PART`."""
-        buffer = self.backend.read(entry.path)
+        """Maps ``entry`` to be read in order and starts its checksum on the verify threads, in
+        parts of at least :data:`_VERIFY_PART`, each read front to back (see :class:`Arrival`)."""
+        buffer, read = self.backend.read_in_order(entry.path)
         if buffer.size != entry.size:
             raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
         parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
@@ -444,7 +444,14 @@ class SnapshotStore:
         algorithm = checksum_algorithm(entry.checksum)
         arrival = arrival_for(buffer.size, algorithm, parts)
         checksum = checksum_started(view, algorithm, parts, _verifiers(), arrival)
-        return Started(buffer, checksum, arrival)
+
+        def checked() -> str:
+            try:
+                return checksum()
+            finally:
+                read()
+
+        return Started(buffer, checked, arrival)
 
     def open(self, manifest: Manifest, *, verify: bool = True) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails.
