@@ -8,8 +8,9 @@
                         (a table over the typed columns of the group segments: no object per
                         group), and the buffer built from them, all while those verify; the
                         cursor must be ahead of every group's position.
-3. ``buffer``           the live rows of the sample segments indexed, then the wait for their
-                        checksums; the buffer's groups get their rows. A snapshot whose rows do
+3. ``buffer``           the live rows of the sample segments indexed batch by batch as the
+                        checksum reads them (front to back), then the wait for the checksums;
+                        the buffer's groups get their rows. A snapshot whose rows do
                         not verify is skipped with its reason and the next older one is resolved
                         (phases 1-3 again): nothing decoded from unverified bytes reaches the
                         controller.
