@@ -259,7 +259,7 @@ class LocalBackend:
         if os.path.getsize(full) == 0:
             return pa.py_buffer(b""), _nothing
         with open(full, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if not _HINT_READAHEAD:
             return pa.py_buffer(mapped), _nothing
         mapped.madvise(mmap.MADV_SEQUENTIAL)
