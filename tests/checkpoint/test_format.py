@@ -14,15 +14,20 @@ import pyarrow as pa
 import pytest
 
 from rolloutd.checkpoint.format import (
+    ARRIVAL_STEP,
     SAMPLE_SCHEMA,
+    Arrival,
     ChecksumAlgorithm,
     FileEntry,
     FormatError,
+    Hasher,
     Manifest,
     RowIdSet,
     SegmentEntry,
+    arrival_for,
     checksum_of,
     checksum_parts,
+    checksum_started,
     crc32_combine,
     fingerprint_diff,
     next_manifest,
@@ -214,3 +219,44 @@ def test_a_checksum_in_parts_is_the_checksum_of_the_whole():
             checksum_of(data)
         )
     assert crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cde"), 3) == zlib.crc32(b"abcde")
+
+
+def test_arrival_is_the_prefix_every_part_before_has_finished():
+    data = memoryview(os.urandom(3 * ARRIVAL_STEP + 5))
+    with ThreadPoolExecutor(3) as pool:
+        for parts in (1, 3):
+            arrival = arrival_for(len(data), ChecksumAlgorithm.CRC32, parts)
+            result = checksum_started(data, ChecksumAlgorithm.CRC32, parts, pool, arrival)
+            arrival.wait(len(data) + 1)  # beyond the end: returns once all of it arrived
+            assert arrival.through() == len(data)
+            assert result() == checksum_of(data)
+    arrival = Arrival([10, 10, 10])
+    arrival.advance(1, 10)  # a later part done first does not count
+    assert arrival.through() == 0
+    arrival.advance(0, 10)
+    arrival.advance(2, 4)
+    assert arrival.through() == 24
+
+
+def test_a_waiter_wakes_when_the_part_it_needs_arrives():
+    arrival = Arrival([100])
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(arrival.wait, 60)
+        arrival.advance(0, 30)
+        assert not waiting.done()  # 30 of the 60 bytes it waits for
+        arrival.advance(0, 60)
+        waiting.result(timeout=30)
+
+
+def test_a_failing_checksum_still_reports_its_part_done(monkeypatch):
+    def fail(self: Hasher, data: memoryview) -> None:
+        raise OSError("read failed")
+
+    monkeypatch.setattr(Hasher, "update", fail)
+    data = memoryview(os.urandom(2 * ARRIVAL_STEP))
+    arrival = arrival_for(len(data), ChecksumAlgorithm.CRC32, 2)
+    with ThreadPoolExecutor(2) as pool:
+        result = checksum_started(data, ChecksumAlgorithm.CRC32, 2, pool, arrival)
+        arrival.wait(len(data))  # would hang if a part that raised never said it was done
+        with pytest.raises(OSError, match="read failed"):
+            result()

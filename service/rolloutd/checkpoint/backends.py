@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
+import mmap
 import os
 import secrets
 import sys
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import fsspec
@@ -45,6 +47,10 @@ _HINT_WRITEBACK = sys.platform.startswith("linux")
 """``posix_fadvise(DONTNEED)`` starts writeback on Linux; elsewhere it may not exist."""
 _HINT_READAHEAD = _HINT_WRITEBACK
 """``posix_fadvise(WILLNEED)`` reads a file ahead on Linux."""
+
+
+def _nothing() -> None:
+    pass
 
 
 class StoreError(OSError):
@@ -125,6 +131,11 @@ class Backend(Protocol):
         ...
 
     def read(self, path: str) -> pa.Buffer: ...
+    def read_in_order(self, path: str) -> tuple[pa.Buffer, Callable[[], None]]:
+        """The whole file, for a caller about to read all of it once, front to back, and what
+        it calls when it has."""
+        ...
+
     def chunks(self, path: str) -> Iterator[memoryview]: ...
     def size(self, path: str) -> int: ...
     def listdir(self, path: str) -> list[str]: ...
@@ -236,6 +247,24 @@ class LocalBackend:
         with pa.memory_map(full, "r") as mapped:
             return mapped.read_buffer()
 
+    def read_in_order(self, path: str) -> tuple[pa.Buffer, Callable[[], None]]:
+        """The whole file, memory-mapped with the kernel told it is read in order
+        (``MADV_SEQUENTIAL``): faults then read ahead as a sequential ``read()`` does, in the
+        device's read-ahead window, which read a cold 64 MB segment here as fast as ``read()``
+        (~30 ms), where asking for all of it at once (``WILLNEED``, :meth:`read`) took ~35 ms.
+        The returned callable takes the hint back once the file has been read: a mapping read
+        in order has its pages reclaimed first, and a restore keeps using them.
+        """
+        full = self._path(path)
+        if os.path.getsize(full) == 0:
+            return pa.py_buffer(b""), _nothing
+        with open(full, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if not _HINT_READAHEAD:
+            return pa.py_buffer(mapped), _nothing
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+        return pa.py_buffer(mapped), functools.partial(mapped.madvise, mmap.MADV_NORMAL)
+
     def chunks(self, path: str) -> Iterator[memoryview]:
         buffer = self.read(path)
         view = memoryview(buffer).cast("B")
@@ -329,6 +358,9 @@ class ObjectBackend:
     def read(self, path: str) -> pa.Buffer:
         with self.io(f"read {path}"):
             return pa.py_buffer(self.fs.cat_file(self._path(path)))
+
+    def read_in_order(self, path: str) -> tuple[pa.Buffer, Callable[[], None]]:
+        return self.read(path), _nothing
 
     def read_many(self, paths: Sequence[str]) -> builtins.list[bytes]:
         """Small objects fetched concurrently, in the order of ``paths``."""

@@ -24,6 +24,7 @@ import enum
 import hashlib
 import itertools
 import json
+import threading
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -381,6 +382,11 @@ class Hasher:
             self._sha.update(data)
 
     @property
+    def crc(self) -> int:
+        """The CRC-32 so far, as a number (to combine parts of a file checksummed apart)."""
+        return self._crc
+
+    @property
     def value(self) -> str:
         digest = f"{self._crc:08x}" if self._sha is None else self._sha.hexdigest()
         return f"{self.algorithm.value}:{digest}"
@@ -447,24 +453,101 @@ def checksum_parts(
     return checksum_started(view, algorithm, parts, pool)()
 
 
+ARRIVAL_STEP = 4 << 20
+"""Bytes checksummed between two reports of :class:`Arrival`: small enough that decoding follows
+the read closely, large enough that the checksum thread rarely waits for the GIL between them."""
+
+
+class Arrival:
+    """How much of a file, from its start, has been read and checksummed, while that goes on.
+
+    A restore decodes a sample segment's record batches as their bytes arrive rather than after
+    the whole file: touching a memory-mapped page the sequential read has not reached yet reads
+    the disk out of order and slowed the whole read by half. ``lengths`` are the parts checksummed
+    at once; each reports its own progress and the prefix that is done is what has arrived.
+    Decoding what has arrived is not trusting it: the checksum still decides whether it is used.
+    """
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self._lengths = list(lengths)
+        self._done = [0] * len(self._lengths)
+        self._changed = threading.Condition()
+
+    def advance(self, part: int, done: int) -> None:
+        """Part ``part`` has been read and checksummed through its ``done``-th byte."""
+        with self._changed:
+            self._done[part] = done
+            self._changed.notify_all()
+
+    def through(self) -> int:
+        """Bytes from the file's start that have arrived."""
+        total = 0
+        for length, done in zip(self._lengths, self._done, strict=True):
+            total += done
+            if done < length:
+                break
+        return total
+
+    def wait(self, offset: int) -> None:
+        """Returns once the first ``offset`` bytes (or the whole file) have arrived, or their
+        checksum has failed: a part reports itself done whatever happens to it."""
+        offset = min(offset, sum(self._lengths))
+        with self._changed:
+            self._changed.wait_for(lambda: self.through() >= offset)
+
+
+def _checksum_part(view: memoryview, hasher: Hasher, arrival: Arrival | None, part: int) -> Hasher:
+    try:
+        for start in range(0, len(view), ARRIVAL_STEP):
+            hasher.update(view[start : start + ARRIVAL_STEP])
+            if arrival is not None:
+                arrival.advance(part, min(start + ARRIVAL_STEP, len(view)))
+    finally:
+        if arrival is not None:
+            arrival.advance(part, len(view))
+    return hasher
+
+
 def checksum_started(
-    view: memoryview, algorithm: ChecksumAlgorithm, parts: int, pool: Executor
+    view: memoryview,
+    algorithm: ChecksumAlgorithm,
+    parts: int,
+    pool: Executor,
+    arrival: Arrival | None = None,
 ) -> Callable[[], str]:
     """Starts the checksum of ``view`` on ``pool`` (in ``parts`` slices for CRC-32) and returns
-    what waits for it: the caller decodes while the pool reads and checks the same bytes."""
+    what waits for it: the caller decodes while the pool reads and checks the same bytes, each
+    slice front to back, reporting to ``arrival`` (made by :func:`arrival_for`) as it goes."""
     if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
-        return pool.submit(checksum_of, view, algorithm).result
-    step = -(-len(view) // parts)
-    slices = [view[i : i + step] for i in range(0, len(view), step)]
-    futures = [pool.submit(zlib.crc32, piece) for piece in slices]
+        future = pool.submit(_checksum_part, view, Hasher(algorithm), arrival, 0)
+        return lambda: future.result().value
+    slices = _slices(view, parts)
+    futures = [
+        pool.submit(_checksum_part, piece, Hasher(algorithm), arrival, n)
+        for n, piece in enumerate(slices)
+    ]
 
     def result() -> str:
-        crc = futures[0].result()
+        crc = futures[0].result().crc
         for piece, future in zip(slices[1:], futures[1:], strict=True):
-            crc = crc32_combine(crc, future.result(), len(piece))
+            crc = crc32_combine(crc, future.result().crc, len(piece))
         return f"{algorithm.value}:{crc:08x}"
 
     return result
+
+
+def _slices(view: memoryview, parts: int) -> list[memoryview]:
+    step = -(-len(view) // parts)
+    return [view[i : i + step] for i in range(0, len(view), step)]
+
+
+def arrival_for(size: int, algorithm: ChecksumAlgorithm, parts: int) -> Arrival:
+    """The :class:`Arrival` of a file of ``size`` bytes checksummed by :func:`checksum_started`
+    with the same ``algorithm`` and ``parts``."""
+    if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
+        return Arrival([size])
+    step = -(-size // parts)
+    return Arrival([min(step, size - i) for i in range(0, size, step)])
 
 
 def checksum_of(

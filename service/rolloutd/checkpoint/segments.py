@@ -8,7 +8,7 @@ backend's sink; reading checks the schema and that the rows are those the manife
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -22,6 +22,7 @@ from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.format import (
     SAMPLE_SCHEMA,
+    Arrival,
     ChecksumAlgorithm,
     FileEntry,
     Hasher,
@@ -126,12 +127,63 @@ def open_reader(
         ids = [reader.get_batch(i).column(kind.id_column) for i in range(reader.num_record_batches)]
     except (pa.ArrowInvalid, KeyError) as exc:
         raise CorruptSnapshot(-1, [f"{path}: not a readable segment: {exc}"]) from exc
-    if reader.schema.remove_metadata() not in [s.remove_metadata() for s in kind.schemas]:
-        raise CorruptSnapshot(-1, [f"{path}: schema differs from the {kind.value} schema"])
+    _check_schema(path, reader.schema, kind)
     row_ids = np.concatenate([a.to_numpy() for a in ids]) if ids else np.zeros(0, np.int64)
     if row_ids.size != segment.rows or not segment.row_ids.mask(row_ids).all():
         raise CorruptSnapshot(-1, [f"{path}: rows disagree with the manifest"])
     return reader
+
+
+_FILE_MAGIC = 8
+"""Bytes before the stream in an Arrow IPC file ("ARROW1" and padding)."""
+_HEADER_MARGIN = 64 << 10
+"""Bytes a record batch's message header is awaited with: its metadata (a few hundred bytes a
+column) must have arrived before it is read, and its body before it is used."""
+
+
+def read_batches(
+    buffer: pa.Buffer,
+    segment: SegmentEntry,
+    arrival: Arrival,
+    kind: SegmentKind = SegmentKind.SAMPLES,
+) -> Iterator[pa.RecordBatch]:
+    """A segment's record batches, each yielded once ``arrival`` says its bytes are in; schema
+    and row ids are checked as :func:`open_reader` does (which must wait for the whole file), the
+    row count once the last batch is read.
+
+    An Arrow IPC file is the stream format between a magic number and a footer, so reading it
+    as a stream goes front to back like the read itself and needs no footer (at the end): what
+    has arrived is decoded while the rest is on its way, and no page is asked for out of order.
+    Like :func:`open_reader`, this only raises on bytes that do not decode, never trusts them."""
+    path = segment.file.path
+    rows = 0
+    try:
+        source = pa.BufferReader(buffer)
+        source.seek(_FILE_MAGIC)
+        arrival.wait(_FILE_MAGIC + _HEADER_MARGIN)
+        reader = pa.ipc.open_stream(source)
+        _check_schema(path, reader.schema, kind)
+        while True:
+            arrival.wait(source.tell() + _HEADER_MARGIN)
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            arrival.wait(source.tell())
+            ids = batch.column(kind.id_column).to_numpy()
+            rows += ids.size
+            if rows > segment.rows or not segment.row_ids.mask(ids).all():
+                raise CorruptSnapshot(-1, [f"{path}: rows disagree with the manifest"])
+            yield batch
+    except (pa.ArrowException, KeyError) as exc:
+        raise CorruptSnapshot(-1, [f"{path}: not a readable segment: {exc}"]) from exc
+    if rows != segment.rows:
+        raise CorruptSnapshot(-1, [f"{path}: rows disagree with the manifest"])
+
+
+def _check_schema(path: str, schema: pa.Schema, kind: SegmentKind) -> None:
+    if schema.remove_metadata() not in [s.remove_metadata() for s in kind.schemas]:
+        raise CorruptSnapshot(-1, [f"{path}: schema differs from the {kind.value} schema"])
 
 
 class KeptRows(SealedRows):
@@ -147,37 +199,58 @@ class KeptRows(SealedRows):
 
     def __init__(
         self,
-        batches: Sequence[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]],
+        batches: Iterable[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]],
+        capacity: int,
         resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None,
     ) -> None:
-        self._batches = [batch for batch, _ in batches]
+        self._batches: list[pa.RecordBatch] = []
         self.resumed = dict(resumed or {})
         """Row id -> (resumed_at, parts) of the rows whose samples were resumed: row segments do
         not hold where a sample was resumed, the snapshot's partials file does."""
-        parts: list[tuple[np.ndarray, ...]] = []
+        # Each batch is indexed as it arrives (Snapshot.kept_rows) into columns allocated for
+        # ``capacity`` rows (all the segments hold): a full snapshot is written in (group,
+        # index) order, so its groups are found batch by batch and nothing is left to do
+        # after the last one but a check; rows in another order are sorted at the end.
+        cols = np.empty((5, capacity), dtype=np.int64)  # batch, at, group_id, index, row_id
+        ordered = True
+        self.group_ids: list[int] = []
+        self.position: dict[int, int] = {}
+        """Group id -> its place in :attr:`group_ids`."""
+        starts: list[int] = []
+        count = 0
         for n, (batch, keep) in enumerate(batches):
+            self._batches.append(batch)
             at = np.arange(batch.num_rows) if keep is None else np.flatnonzero(keep)
-            parts.append(
-                (
-                    np.full(at.size, n, dtype=np.int64),
-                    at,
-                    batch.column("group_id").to_numpy()[at],
-                    batch.column("index").to_numpy()[at],
-                    batch.column("row_id").to_numpy()[at],
+            end = count + at.size
+            cols[0, count:end] = n
+            cols[1, count:end] = at
+            cols[2, count:end] = batch.column("group_id").to_numpy()[at]
+            cols[3, count:end] = batch.column("index").to_numpy()[at]
+            cols[4, count:end] = batch.column("row_id").to_numpy()[at]
+            since = max(count - 1, 0)  # the previous batch's last row, to compare across
+            group_id, index = cols[2, since:end], cols[3, since:end]
+            ordered = ordered and _ordered(group_id, index)
+            if ordered and end > count:
+                new = (np.flatnonzero(group_id[1:] != group_id[:-1]) + since + 1).tolist()
+                new = [0, *new] if count == 0 else new
+                ids = cols[2, new].tolist()
+                self.position.update(
+                    zip(ids, range(len(starts), len(starts) + len(new)), strict=True)
                 )
-            )
-        empty = np.zeros(0, dtype=np.int64)
-        cols = [np.concatenate(c) if parts else empty for c in zip(*parts, strict=True)] or [
-            empty
-        ] * 5
-        batch_no, at, group_id, index, row_id = cols
-        order = np.lexsort((index, group_id))
-        self._batch_no, self._at = batch_no[order], at[order]
-        self._index, self._row_id = index[order], row_id[order]
-        group_id = group_id[order]
-        starts = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]]) if order.size else empty
-        self.group_ids: list[int] = group_id[starts].tolist()
-        self._bounds = np.r_[starts, order.size].tolist()
+                starts.extend(new)
+                self.group_ids.extend(ids)
+            count = end
+        batch_no, at, group_id, index, row_id = cols[:, :count]
+        if not ordered:
+            order = np.lexsort((index, group_id))
+            batch_no, at, group_id = batch_no[order], at[order], group_id[order]
+            index, row_id = index[order], row_id[order]
+            first_rows = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]][:count])
+            starts = first_rows.tolist()
+            self.group_ids = group_id[first_rows].tolist()
+            self.position = dict(zip(self.group_ids, range(len(starts)), strict=True))
+        self._batch_no, self._at, self._index, self._row_id = batch_no, at, index, row_id
+        self._bounds = [*starts, count]
 
     def __len__(self) -> int:
         return int(self._at.size)
@@ -231,13 +304,22 @@ class KeptRows(SealedRows):
                 yield batch.filter(pa.array(keep))
 
 
+def _ordered(group_id: npt.NDArray[np.int64], index: npt.NDArray[np.int64]) -> bool:
+    """Whether rows are already in (group, index) order: checking is linear, sorting is not."""
+    same = group_id[1:] == group_id[:-1]
+    return bool(np.all((group_id[1:] > group_id[:-1]) | (same & (index[1:] > index[:-1]))))
+
+
 class _KeptGroups(Mapping[int, KeptSamples]):
     """:meth:`KeptRows.groups`: group id -> a fresh :class:`KeptGroup`, made on lookup (a
     restore looks up only the groups it delivers or stages into)."""
 
     def __init__(self, rows: KeptRows) -> None:
         self._rows = rows
-        self._at = dict(zip(rows.group_ids, range(len(rows.group_ids)), strict=True))
+        self._at = rows.position
+
+    def keys(self) -> KeysView[int]:
+        return self._at.keys()
 
     def __getitem__(self, group_id: int) -> KeptSamples:
         return self._rows.view(self._at[group_id])
@@ -287,7 +369,7 @@ class ArrowSealer(RowSealer):
     """Seals committed rows into record batches of the sample schema, as a segment holds them."""
 
     def seal(self, rows: Sequence[Row]) -> KeptRows:
-        return KeptRows([(batch, None) for batch in rows_to_batches(rows)])
+        return KeptRows(((batch, None) for batch in rows_to_batches(rows)), len(rows))
 
 
 def sealed_batches(sealed: Sequence[SealedRows], row_ids: RowIdSet) -> Iterator[pa.RecordBatch]:
@@ -300,10 +382,11 @@ def sealed_batches(sealed: Sequence[SealedRows], row_ids: RowIdSet) -> Iterator[
 
 class Started(NamedTuple):
     """A file whose reading and checksum have started: its bytes (memory-mapped locally, so
-    they fill in as the disk delivers them) and what waits for the checksum."""
+    they fill in as the disk delivers them), what waits for the checksum, and how far it got."""
 
     buffer: pa.Buffer
     checksum: Callable[[], str]
+    arrival: Arrival
 
 
 @dataclass
@@ -319,7 +402,7 @@ class Snapshot:
 
     manifest: Manifest
     sidecar: dict[str, Any]
-    _segments: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(repr=False)
+    _segments: list[tuple[SegmentEntry, list[pa.RecordBatch]]] = field(repr=False)
     _groups: list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]] = field(
         default_factory=list, repr=False
     )
@@ -331,8 +414,8 @@ class Snapshot:
     _pending: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
     """Sample segments being read and checksummed, each with what their reading started."""
     _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
-    """Sample segments not opened yet: opening one reads its row ids from all over the file,
-    which would wait for the disk before anything else is decoded."""
+    """Sample segments whose record batches are not read yet: :meth:`kept_rows` reads them as
+    their bytes arrive (:func:`read_batches`)."""
 
     def verify(self) -> None:
         """Waits for the checksums still being computed and opens every sample segment;
@@ -356,23 +439,42 @@ class Snapshot:
             )
         self._readers()
 
-    def _readers(self) -> list[tuple[SegmentEntry, pa.ipc.RecordBatchFileReader]]:
-        unopened, self._unopened = self._unopened, []
-        for segment, started in unopened:
-            try:
-                self._segments.append((segment, open_reader(started.result().buffer, segment)))
-            except CorruptSnapshot as exc:
-                self.verify()  # a checksum that differs says more than bytes that do not decode
-                raise CorruptSnapshot(self.manifest.sequence, exc.problems) from exc
+    def _readers(self) -> list[tuple[SegmentEntry, list[pa.RecordBatch]]]:
+        """Every sample segment's record batches, reading those not read yet."""
+        for _, batches in self._sample_segments():
+            for _ in batches:
+                pass
         return self._segments
+
+    def _sample_segments(self) -> Iterator[tuple[SegmentEntry, Iterable[pa.RecordBatch]]]:
+        yield from list(self._segments)
+        while self._unopened:
+            segment, started = self._unopened.pop(0)
+            yield segment, self._arriving(segment, started.result())
+
+    def _arriving(self, segment: SegmentEntry, begun: Started) -> Iterator[pa.RecordBatch]:
+        """A segment's batches as they arrive (:func:`read_batches`); kept once all are read."""
+        batches = []
+        try:
+            for batch in read_batches(begun.buffer, segment, begun.arrival):
+                batches.append(batch)
+                yield batch
+        except CorruptSnapshot as exc:
+            self.verify()  # a checksum that differs says more than bytes that do not decode
+            raise CorruptSnapshot(self.manifest.sequence, exc.problems) from exc
+        self._segments.append((segment, batches))
 
     def _batches(
         self, kind: SegmentKind = SegmentKind.SAMPLES
     ) -> Iterator[tuple[pa.RecordBatch, np.ndarray | None]]:
-        readers = self._readers() if kind is SegmentKind.SAMPLES else self._groups
-        for segment, reader in readers:
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
+        if kind is SegmentKind.SAMPLES:
+            sources = self._sample_segments()
+        else:
+            sources = (
+                (s, (r.get_batch(i) for i in range(r.num_record_batches))) for s, r in self._groups
+            )
+        for segment, batches in sources:
+            for batch in batches:
                 keep = None
                 if segment.removed:
                     keep = ~segment.removed.mask(batch.column(kind.id_column).to_numpy())
@@ -406,7 +508,8 @@ class Snapshot:
     ) -> KeptRows:
         """Live rows left in the verified buffers, indexed by group (what a restore keeps), with
         the resume records of ``resumed`` (row id -> (resumed_at, parts)) put back when read."""
-        return KeptRows(list(self._batches()), resumed)
+        capacity = sum(s.rows for s in self.manifest.segments)
+        return KeptRows(self._batches(), capacity, resumed)
 
     def table(self) -> pa.Table:
         """Live rows as one Arrow table of :data:`SAMPLE_SCHEMA`."""

@@ -71,6 +71,7 @@ from rolloutd.checkpoint.format import (
     SegmentEntry,
     SegmentKind,
     SubmissionsEntry,
+    arrival_for,
     checksum_algorithm,
     checksum_parts,
     checksum_started,
@@ -121,8 +122,13 @@ def _verifiers() -> ThreadPoolExecutor:
 @functools.cache
 def _openers() -> ThreadPoolExecutor:
     """Maps sample segments and starts their checksums: mapping a large file and asking for
-    all of it ahead takes milliseconds that restore spends decoding instead."""
+    all of it ahead (see :meth:`SnapshotStore._start`) takes milliseconds that restore spends
+    decoding instead."""
     return ThreadPoolExecutor(1, thread_name_prefix="rolloutd-open")
+
+
+def _nothing() -> None:
+    pass
 
 
 class SnapshotNotFound(LookupError):
@@ -451,15 +457,32 @@ class SnapshotStore:
         return segments.open_reader(verified, segment, kind)
 
     def _start(self, entry: FileEntry) -> Started:
-        """Maps ``entry`` (asking the kernel to read all of it ahead) and starts its checksum
-        on the verify threads, in parts of at least :data:`_VERIFY_PART`."""
-        buffer = self.backend.read(entry.path)
+        """Maps ``entry`` and starts its checksum on the verify threads, in parts of at least
+        :data:`_VERIFY_PART`, each read front to back (see :class:`Arrival`).
+
+        A file checksummed in one part is mapped to be read in order (``read_in_order``: 30 ms
+        for 64 MB here, where asking for all of it ahead took 35 ms); one in several parts is
+        asked for all at once (``read``), since parts read in order from several offsets at
+        once restored the 1.6 GB full run in ~730 ms against ~520 ms."""
+        parts = min(_VERIFY_THREADS, -(-entry.size // _VERIFY_PART))
+        if parts > 1:
+            buffer, read = self.backend.read(entry.path), _nothing
+        else:
+            buffer, read = self.backend.read_in_order(entry.path)
         if buffer.size != entry.size:
             raise CorruptSnapshot(-1, [f"{entry.path}: {buffer.size} bytes, expected {entry.size}"])
-        parts = min(_VERIFY_THREADS, -(-buffer.size // _VERIFY_PART))
         view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
         algorithm = checksum_algorithm(entry.checksum)
-        return Started(buffer, checksum_started(view, algorithm, parts, _verifiers()))
+        arrival = arrival_for(buffer.size, algorithm, parts)
+        checksum = checksum_started(view, algorithm, parts, _verifiers(), arrival)
+
+        def checked() -> str:
+            try:
+                return checksum()
+            finally:
+                read()
+
+        return Started(buffer, checked, arrival)
 
     def open(self, manifest: Manifest, *, verify: bool = True) -> Snapshot:
         """Read and verify every file of ``manifest`` once; :class:`CorruptSnapshot` if any fails.
