@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import replace
 
 import pytest
 
+from rolloutd.checkpoint import restore as restore_module
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, RestoreRefused, restore
-from rolloutd.checkpoint.segments import ArrowSealer
+from rolloutd.checkpoint.segments import ArrowSealer, Snapshot
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import GroupState, KeptSamples, Prompt
@@ -259,6 +262,43 @@ async def test_a_failed_snapshot_hands_its_sealed_rows_to_the_next(nodes):
     b = nodes(engine=GatedEngine())
     await b.restore()
     assert _samples(b) == live
+
+
+async def test_a_long_restore_logs_its_progress_while_the_loop_stays_free(
+    nodes, monkeypatch, caplog
+):
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    await a.checkpoint()
+    await a.controller.stop()
+    indexing = Snapshot.kept_rows
+
+    def slow(self, *args):  # the rows of a large snapshot take a while to arrive
+        time.sleep(0.3)
+        return indexing(self, *args)
+
+    monkeypatch.setattr(Snapshot, "kept_rows", slow)
+    monkeypatch.setattr(restore_module, "PROGRESS_S", 0.02)
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.create_task(tick())
+    b = nodes(engine=GatedEngine())
+    with caplog.at_level(logging.INFO, logger="rolloutd.checkpoint.restore"):
+        await b.restore()
+    ticking.cancel()
+    assert ticks >= 10  # the event loop ran while the rows were read
+    progress = [
+        r.getMessage() for r in caplog.records if "rows read and verified" in r.getMessage()
+    ]
+    assert len(progress) >= 3
+    assert "(100%)" in progress[-1]
 
 
 async def test_changed_groups_go_to_a_group_segment_and_supersede_their_old_row(nodes):

@@ -33,12 +33,13 @@ the fresh controller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -172,10 +173,14 @@ async def _run(
         with clock.phase(RestorePhase.BUFFER):
             siblings, resumed = await _partials(store, manifest)
             try:
-                kept = snapshot.kept_rows(
-                    {row: (r.resumed_at, r.parts) for row, r in resumed.items()}
-                )
-                await asyncio.to_thread(snapshot.verify)
+                # on threads: the rows are indexed as their bytes arrive, and a snapshot of many
+                # GB takes a while; the loop meanwhile answers status and health, and logs progress
+                async with _progress(snapshot):
+                    kept = await asyncio.to_thread(
+                        snapshot.kept_rows,
+                        {row: (r.resumed_at, r.parts) for row, r in resumed.items()},
+                    )
+                    await asyncio.to_thread(snapshot.verify)
                 prepared.keep_rows(kept.groups())
             except CorruptSnapshot as exc:
                 problem = SkippedSnapshot(manifest.sequence, "; ".join(exc.problems))
@@ -235,6 +240,40 @@ async def _run(
 
     checkpointer.adopt(manifest, state, resumed)
     return manifest
+
+
+PROGRESS_S = 2.0
+"""Seconds between two progress lines while a snapshot's rows are read and verified."""
+
+
+@contextlib.asynccontextmanager
+async def _progress(snapshot: Snapshot) -> AsyncIterator[None]:
+    """Logs how much of the snapshot's rows has been read and checksummed, every
+    :data:`PROGRESS_S` while the body runs (a restore of many GB takes minutes)."""
+
+    async def report() -> None:
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            done, total = snapshot.progress()
+            elapsed = time.monotonic() - started
+            log.info(
+                "restoring snapshot %d: %.0f of %.0f MB of rows read and verified (%.0f%%), "
+                "%.0f MB/s",
+                snapshot.manifest.sequence,
+                done / 1e6,
+                total / 1e6,
+                100 * done / max(total, 1),
+                done / 1e6 / elapsed,
+            )
+
+    task = asyncio.create_task(report())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _resolve(

@@ -416,6 +416,18 @@ class Snapshot:
     _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
     """Sample segments whose record batches are not read yet: :meth:`kept_rows` reads them as
     their bytes arrive (:func:`read_batches`)."""
+    _started: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
+    """Every sample segment whose reading was started, for :meth:`progress`."""
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes of the sample segments read and checksummed so far, and in all (a file still
+        being opened, or fetched whole from an object store, counts nothing yet)."""
+        done = total = 0
+        for segment, started in self._started:
+            total += segment.file.size
+            if started.done() and started.exception() is None:
+                done += started.result().arrival.through()
+        return done, total
 
     def verify(self) -> None:
         """Waits for the checksums still being computed and opens every sample segment;

@@ -521,6 +521,7 @@ class SnapshotStore:
             finalized,
             _pending=started,
             _unopened=list(started),
+            _started=list(started),
         )
         if verify:
             snapshot.verify()
