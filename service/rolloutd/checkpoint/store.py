@@ -494,12 +494,13 @@ class SnapshotStore:
         problems = self.check_sizes(manifest)
         if problems:
             raise CorruptSnapshot(manifest.sequence, problems)
-        # The small files are asked for first, so that their reads do not queue behind the
-        # sample segments'; then the sample segments start (the long pole), and the small files
-        # are checked on this thread while the verify threads read them.
+        # The sample segments start first: their read is the long pole, and a restore ends
+        # ~1.5 ms after their last byte. The small files read and checked here meanwhile are
+        # decoded long before that (64 MB quick snapshot, two runs of three restores: 35-41 ms,
+        # and 40-52 ms with the small files asked for first; raw reads 28-30 ms).
+        started = [(s, _openers().submit(self._start, s.file)) for s in manifest.segments]
         small = {g.file.path: self.backend.read(g.file.path) for g in manifest.groups}
         sidecar_buffer = self.backend.read(manifest.sidecar.path)
-        started = [(s, _openers().submit(self._start, s.file)) for s in manifest.segments]
         try:
             group_segments = [
                 (s, self.open_segment(s, SegmentKind.GROUPS, buffer=small[s.file.path]))
