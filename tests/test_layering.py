@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     # the pure core: owns its ports (engine protocol, observer and report types, state)
     "domain": set(),
     # adapters around the domain
-    "checkpoint": {"domain", "pyarrow", "fsspec", "numpy", "botocore"},
+    "checkpoint": {"domain", "pyarrow", "fsspec", "numpy", "botocore", "zlib_ng"},
     "engines": {
         "domain",
         "config",

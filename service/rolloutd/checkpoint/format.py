@@ -11,8 +11,10 @@ ones, each listing also the ids of its rows that are no longer live.
 Encoding and decoding work on whole buffers (one ``bytes.join`` per column and batch on write, one
 slice per row on read), never token by token, so they run near memory speed.
 
-Checksums are CRC-32 (the zlib/gzip/zip polynomial) by default: it is in the standard library, runs
-at ~4 GB/s here against ~1.7 GB/s for SHA-256 with SHA-NI, and the corruption it guards against is
+Checksums are CRC-32 (the zlib/gzip/zip polynomial) by default, computed by zlib-ng: the same
+values as the standard library's ``zlib.crc32`` at ~30 GB/s here against ~6 GB/s (2 ms for a
+64 MB segment instead of 11, on the path of every save and restore), and ~1.7 GB/s for SHA-256 with
+SHA-NI. The corruption it guards against is
 accidental (torn writes, truncation, bit rot), not adversarial; sizes are checked separately. The
 algorithm is part of every checksum string (``crc32:1a2b3c4d``), so SHA-256 is available as an
 option and a future algorithm needs no format change.
@@ -25,7 +27,6 @@ import hashlib
 import itertools
 import json
 import threading
-import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+from zlib_ng import zlib_ng
 
 from rolloutd.domain.group import Sample
 
@@ -377,7 +379,7 @@ class Hasher:
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         if self._sha is None:
-            self._crc = zlib.crc32(data, self._crc)
+            self._crc = zlib_ng.crc32(data, self._crc)
         else:
             self._sha.update(data)
 
