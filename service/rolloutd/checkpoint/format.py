@@ -520,14 +520,15 @@ def checksum_started(
     """Starts the checksum of ``view`` on ``pool`` (in ``parts`` slices for CRC-32) and returns
     what waits for it: the caller decodes while the pool reads and checks the same bytes, each
     slice front to back, reporting to ``arrival`` (made by :func:`arrival_for`) as it goes."""
-    if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
-        future = pool.submit(_checksum_part, view, Hasher(algorithm), arrival, 0)
-        return lambda: future.result().value
-    slices = _slices(view, parts)
+    lengths = _part_lengths(len(view), algorithm, parts)
+    starts = itertools.accumulate(lengths, initial=0)
+    slices = [view[start : start + n] for start, n in zip(starts, lengths, strict=False)]
     futures = [
         pool.submit(_checksum_part, piece, Hasher(algorithm), arrival, n)
         for n, piece in enumerate(slices)
     ]
+    if len(futures) == 1:
+        return lambda: futures[0].result().value
 
     def result() -> str:
         crc = futures[0].result().crc
@@ -538,18 +539,19 @@ def checksum_started(
     return result
 
 
-def _slices(view: memoryview, parts: int) -> list[memoryview]:
-    step = -(-len(view) // parts)
-    return [view[i : i + step] for i in range(0, len(view), step)]
+def _part_lengths(size: int, algorithm: ChecksumAlgorithm, parts: int) -> list[int]:
+    """How a file of ``size`` bytes is checksummed at once: ``parts`` about equal slices for
+    CRC-32 (whose values combine), whole for any other algorithm or a single part."""
+    if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
+        return [size]
+    step = -(-size // parts)
+    return [min(step, size - i) for i in range(0, size, step)]
 
 
 def arrival_for(size: int, algorithm: ChecksumAlgorithm, parts: int) -> Arrival:
     """The :class:`Arrival` of a file of ``size`` bytes checksummed by :func:`checksum_started`
     with the same ``algorithm`` and ``parts``."""
-    if algorithm is not ChecksumAlgorithm.CRC32 or parts < 2:
-        return Arrival([size])
-    step = -(-size // parts)
-    return Arrival([min(step, size - i) for i in range(0, size, step)])
+    return Arrival(_part_lengths(size, algorithm, parts))
 
 
 def checksum_of(

@@ -411,13 +411,18 @@ class Snapshot:
     finalized_leases: Mapping[str, int] = field(default_factory=dict, repr=False)
     """The finalized-lease ledger of the snapshot's ledger pieces, oldest first (ledger.py);
     empty when its sidecar holds the ledger itself (earlier versions)."""
-    _pending: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
-    """Sample segments being read and checksummed, each with what their reading started."""
-    _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
+    _started: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
+    """Every sample segment whose reading and checksum were started, each with what that
+    started: being read and checksummed (``_pending``) and not read yet (``_unopened``) at
+    first, and always counted by :meth:`progress`."""
+    _pending: list[tuple[SegmentEntry, Future[Started]]] = field(init=False, repr=False)
+    """Sample segments whose checksum :meth:`verify` has not waited for yet."""
+    _unopened: list[tuple[SegmentEntry, Future[Started]]] = field(init=False, repr=False)
     """Sample segments whose record batches are not read yet: :meth:`kept_rows` reads them as
     their bytes arrive (:func:`read_batches`)."""
-    _started: list[tuple[SegmentEntry, Future[Started]]] = field(default_factory=list, repr=False)
-    """Every sample segment whose reading was started, for :meth:`progress`."""
+
+    def __post_init__(self) -> None:
+        self._pending, self._unopened = list(self._started), list(self._started)
 
     def progress(self) -> tuple[int, int]:
         """Bytes of the sample segments read and checksummed so far, and in all (a file still

@@ -520,9 +520,7 @@ class SnapshotStore:
             group_segments,
             submitted,
             finalized,
-            _pending=started,
-            _unopened=list(started),
-            _started=list(started),
+            started,
         )
         if verify:
             snapshot.verify()
