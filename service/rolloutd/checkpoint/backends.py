@@ -51,8 +51,8 @@ _HINT_READAHEAD = _HINT_WRITEBACK
 """``posix_fadvise(WILLNEED)`` reads a file ahead on Linux."""
 
 
-def _nothing() -> None:
-    pass
+def nothing() -> None:
+    """What :meth:`Backend.read_in_order` returns to call when there is nothing to take back."""
 
 
 class StoreError(OSError):
@@ -259,11 +259,11 @@ class LocalBackend:
         """
         full = self._path(path)
         if os.path.getsize(full) == 0:
-            return pa.py_buffer(b""), _nothing
+            return pa.py_buffer(b""), nothing
         with open(full, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if not _HINT_READAHEAD:
-            return pa.py_buffer(mapped), _nothing
+            return pa.py_buffer(mapped), nothing
         mapped.madvise(mmap.MADV_SEQUENTIAL)
         return pa.py_buffer(mapped), functools.partial(mapped.madvise, mmap.MADV_NORMAL)
 
@@ -362,7 +362,7 @@ class ObjectBackend:
             return pa.py_buffer(self.fs.cat_file(self._path(path)))
 
     def read_in_order(self, path: str) -> tuple[pa.Buffer, Callable[[], None]]:
-        return self.read(path), _nothing
+        return self.read(path), nothing
 
     def read_many(self, paths: Sequence[str]) -> builtins.list[bytes]:
         """Small objects fetched concurrently, in the order of ``paths``."""
