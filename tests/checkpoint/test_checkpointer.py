@@ -620,3 +620,32 @@ async def test_a_skip_with_no_changes_counts_as_fresh(nodes):
     assert a.checkpointer.since_success_s() < 0.2
     assert a.checkpointer.last_success_at == completed_at  # still the last snapshot written
     await a.controller.stop()
+
+
+async def test_a_slow_attempt_logs_how_long_each_phase_took(nodes, monkeypatch, caplog):
+    from rolloutd.checkpoint import checkpointer as checkpointer_module
+
+    a = nodes()
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    real_write = a.store.write_segment
+
+    def slow_write(*args):  # a segment's fsync waiting on a busy disk
+        time.sleep(0.3)
+        return real_write(*args)
+
+    monkeypatch.setattr(checkpointer_module, "SLOW_S", 0.25)
+    a.store.write_segment = slow_write
+    with caplog.at_level(logging.INFO, logger="rolloutd.checkpoint.checkpointer"):
+        slow = await a.checkpoint()
+        a.store.write_segment = real_write
+        await a.controller.fetch(1, 100, "t")
+        quick = await a.checkpoint()
+    assert slow.outcome is quick.outcome is Outcome.COMPLETED
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage().startswith(f"checkpoint seq={slow.sequence} took 0.")
+    phases = dict(
+        part.rsplit(" ", 2)[:2] for part in warning.getMessage().split(": ", 1)[1].split(", ")
+    )
+    assert list(phases) == [p.value for p in CheckpointPhase]
+    assert int(phases[CheckpointPhase.BUFFER_SAVE.value]) >= 300

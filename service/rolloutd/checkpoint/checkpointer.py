@@ -57,6 +57,9 @@ from rolloutd.domain.state import ControllerState
 
 log = logging.getLogger(__name__)
 
+SLOW_S = 1.0
+"""An attempt that takes this long also logs how long each of its phases took."""
+
 
 @dataclass(frozen=True)
 class CheckpointerConfig:
@@ -415,6 +418,13 @@ class Checkpointer:
                 report.rows.get(RowKind.NEW, 0),
                 report.size_bytes.get(SizePart.TOTAL, 0),
             )
+            if report.seconds >= SLOW_S:
+                log.warning(
+                    "checkpoint seq=%s took %.1f s: %s",
+                    report.sequence,
+                    report.seconds,
+                    ", ".join(f"{p.phase.value} {p.seconds * 1e3:.0f} ms" for p in report.phases),
+                )
         self.observer.checkpoint_attempted(report)
         return report
 
