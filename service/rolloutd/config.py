@@ -120,6 +120,11 @@ class VLLMSettings(_Section):
     it from gpu_memory_utilization; on CPU rolloutd reserves room for every sibling that may
     generate at once (limits.max_in_flight x group_size sequences of max_model_len tokens, at most
     4 GiB). vLLM's own VLLM_CPU_KVCACHE_SPACE variable, if set, overrides both."""
+    cpu_threads_bind: str | None = None
+    """CPU only: how vLLM binds its worker's OpenMP threads (its VLLM_CPU_OMP_THREADS_BIND:
+    auto, nobind, or CPU lists such as 0-3). Unset: that variable if the environment sets it;
+    else nobind on a machine of 2 usable CPUs or fewer, where binding left the service's fsyncs
+    stalled while the worker generated, and vLLM's auto on larger ones."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Logprob reported for each sampled token: under the model's own distribution (raw), or
     under the distribution actually sampled from, after temperature and top-p (processed)."""

@@ -1,4 +1,5 @@
-"""KV-cache sizing on CPU and the one-line explanation of a failed vLLM start (no engine needed)."""
+"""KV-cache sizing and thread binding on CPU, and the one line that explains a failed vLLM start
+(no engine needed)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from rolloutd.engines.vllm_start import (
     CPU_KV_CACHE_CAP_GIB,
     GIB,
+    THREADS_BIND_ENV,
+    cpu_threads_bind,
     explain_start_failure,
     kv_bytes_per_token,
     output_to,
@@ -129,3 +132,12 @@ def test_output_goes_to_the_file_and_comes_back(tmp_path, capfd):
     assert path.read_text() == "to stdout\nto stderr\n"
     assert (tmp_path / "logs" / "vllm.log.1").read_text() == "previous start\n"
     assert "back on the terminal" in capfd.readouterr().err
+
+
+def test_cpu_threads_are_unbound_on_two_cpus_unless_told_otherwise():
+    assert cpu_threads_bind(None, {}, cpus=2) == "nobind"
+    assert cpu_threads_bind(None, {}, cpus=1) == "nobind"
+    assert cpu_threads_bind(None, {}, cpus=3) is None  # vLLM's own auto binding
+    assert cpu_threads_bind(None, {THREADS_BIND_ENV: "0"}, cpus=2) is None  # the environment's
+    assert cpu_threads_bind("0-1", {THREADS_BIND_ENV: "0"}, cpus=2) == "0-1"
+    assert cpu_threads_bind("auto", {}, cpus=2) == "auto"

@@ -72,7 +72,14 @@ from rolloutd.domain.engine import (
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.partial import PartialSibling, TokenDelta, join_parts
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
-from rolloutd.engines.vllm_start import GIB, explain_start_failure, output_to, plan_cpu_kv_cache
+from rolloutd.engines.vllm_start import (
+    GIB,
+    THREADS_BIND_ENV,
+    cpu_threads_bind,
+    explain_start_failure,
+    output_to,
+    plan_cpu_kv_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +273,17 @@ class VLLMEngine:
             self._model_path,
             f"; its output goes to {log_path}" if log_path else "",
         )
+        if current_platform.is_cpu():
+            bind = cpu_threads_bind(
+                settings.cpu_threads_bind, os.environ, len(os.sched_getaffinity(0))
+            )
+            if bind is not None:  # the engine processes vLLM starts inherit the environment
+                os.environ[THREADS_BIND_ENV] = bind
+                logger.info(
+                    "vLLM CPU threads: %s=%s (engine.vllm.cpu_threads_bind sets it)",
+                    THREADS_BIND_ENV,
+                    bind,
+                )
         started = time.monotonic()
         reaper = _ReaperClient(settings.shutdown_grace_s)
         with output_to(Path(log_path)) if log_path else contextlib.nullcontext():

@@ -7,6 +7,14 @@ Kept free of vLLM imports so that it can be tested, and read, without an engine.
   machine whose memory is in use (a browser, the page cache an install leaves behind). rolloutd
   instead asks for what its own limits can use: one full-length sequence per sibling that may be
   generating at once. vLLM then skips the fraction check altogether.
+- **OpenMP thread binding on a small CPU machine.** vLLM's CPU backend binds its worker's threads
+  to all cores but one, which it reserves for everything else. On a machine of two CPUs that is
+  the worker's OpenMP threads pinned to one core and rolloutd, vLLM's engine core and the kernel's
+  own work sharing the other. There, while the worker generated, the service's fsyncs (snapshots,
+  acks, the store claim) were seen to stall for as long as generation lasted (20 to 88 s), and
+  starting a process stalled with them; unbound, stalls were a few seconds and snapshots kept
+  being published. rolloutd leaves the threads unbound on such machines (``nobind``) unless told
+  otherwise.
 - **Its output in a file.** vLLM's engine processes write hundreds of lines while they start, and
   a failure arrives as several interleaved tracebacks. They go to a log file; the service prints
   one line with the root cause and the setting to change, and names the file.
@@ -87,6 +95,24 @@ def plan_cpu_kv_cache(
         tokens_per_sequence=max_model_len,
         capped=wanted > cap,
     )
+
+
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+SMALL_MACHINE_CPUS = 2
+"""On this many usable CPUs or fewer, vLLM's CPU worker threads are left unbound by default."""
+
+
+def cpu_threads_bind(configured: str | None, environ: Mapping[str, str], cpus: int) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` to start vLLM's CPU backend with; None leaves it as is.
+
+    ``engine.vllm.cpu_threads_bind`` wins, then the variable already in the environment; else
+    ``nobind`` on a machine of ``SMALL_MACHINE_CPUS`` usable CPUs or fewer, and vLLM's own
+    ``auto`` on a larger one (see the module docstring)."""
+    if configured:
+        return configured
+    if THREADS_BIND_ENV in environ or cpus > SMALL_MACHINE_CPUS:
+        return None
+    return "nobind"
 
 
 @contextlib.contextmanager
