@@ -116,10 +116,15 @@ def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path
 def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missing(
     tmp_path, cache_dir
 ):
-    data = dataset(tmp_path / "prompts.jsonl", 256)  # generation outlasts the search below
+    # Generation outlasts the search below: the buffer holds every group of the data set, so it
+    # does not fill, and stop generation, before a snapshot has caught a group partly generated.
+    # On a loaded 2-core machine one snapshot can take seconds (its fsyncs wait on the disk);
+    # the default capacity of 256 groups fills in about 20 s there.
+    data = dataset(tmp_path / "prompts.jsonl", 1024)
     env = {
         "ROLLOUTD_ENGINE__VLLM__MAX_NUM_SEQS": "6",
         "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
+        "ROLLOUTD_LIMITS__BUFFER_CAPACITY": "1024",
         "ROLLOUTD_ENGINE__TEMPERATURE": "1.0",
     }
     shape = ["--dataset", str(data), "--group-size", "4", "--max-tokens", "96"]
@@ -164,10 +169,17 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
             seen = {}
             while not set(unfinished) <= set(seen):
                 r = stub.FetchGroups(
-                    pb.FetchGroupsRequest(max_groups=16, wait_ms=60_000), timeout=120
+                    pb.FetchGroupsRequest(max_groups=64, wait_ms=60_000),
+                    timeout=300,
+                    wait_for_ready=True,
                 )
                 seen.update({g.group_id: g for g in r.groups})
-                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
+                # An ack is durable before it is answered: its journal fsync waits on the disk.
+                stub.AckGroups(
+                    pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1),
+                    timeout=300,
+                    wait_for_ready=True,
+                )
         for gid in unfinished:
             for s in seen[gid].samples:
                 if (gid, s.index) in rows:  # a reused sibling comes back exactly as it was staged
