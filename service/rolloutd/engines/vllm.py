@@ -274,9 +274,7 @@ class VLLMEngine:
             f"; its output goes to {log_path}" if log_path else "",
         )
         if current_platform.is_cpu():
-            bind = cpu_threads_bind(
-                settings.cpu_threads_bind, os.environ, len(os.sched_getaffinity(0))
-            )
+            bind = cpu_threads_bind(settings.cpu_threads_bind, os.environ, _usable_cpus())
             if bind is not None:  # the engine processes vLLM starts inherit the environment
                 os.environ[THREADS_BIND_ENV] = bind
                 logger.info(
@@ -720,6 +718,13 @@ def _eos_ids(path: Path, llm: AsyncLLM) -> frozenset[int]:
     found = config.get("eos_token_id")
     ids.update([found] if isinstance(found, int) else found or [])
     return frozenset(ids)
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _read_model_config(path: Path) -> dict[str, Any]:
