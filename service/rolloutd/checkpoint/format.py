@@ -406,45 +406,6 @@ def checksum_algorithm(checksum: str) -> ChecksumAlgorithm:
     return algorithm
 
 
-def _gf2_times(matrix: list[int], vector: int) -> int:
-    total, i = 0, 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return total
-
-
-def _gf2_square(matrix: list[int]) -> list[int]:
-    return [_gf2_times(matrix, row) for row in matrix]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)`` (zlib's
-    ``crc32_combine``, which Python's zlib does not expose): appending ``len2`` zero bytes to
-    ``a`` is a linear map over GF(2), applied by repeated squaring in O(log len2)."""
-    if len2 == 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)  # the next power of two, in bytes
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
-
-
 def checksum_parts(
     view: memoryview, algorithm: ChecksumAlgorithm, parts: int, pool: Executor
 ) -> str:
@@ -533,7 +494,7 @@ def checksum_started(
     def result() -> str:
         crc = futures[0].result().crc
         for piece, future in zip(slices[1:], futures[1:], strict=True):
-            crc = crc32_combine(crc, future.result().crc, len(piece))
+            crc = zlib_ng.crc32_combine(crc, future.result().crc, len(piece))
         return f"{algorithm.value}:{crc:08x}"
 
     return result
