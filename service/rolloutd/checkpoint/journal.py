@@ -367,9 +367,9 @@ class Journal:
         with self._lock:
             return self._files.prune(through)
 
-    # --- the domain's AckJournal port -------------------------------------------------------
+    # --- the domain's DeliveryJournal port -------------------------------------------------
 
-    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+    def ack(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
         """Queues an ack with the admission of each of its groups (no I/O); the future
         resolves once it is durable."""
         return self.enqueue(encode_ack(record, admissions))
@@ -387,7 +387,7 @@ class Journal:
         """Journals that group ids up to ``through`` may be handed out; durable on return."""
         await self.enqueue({"kind": IDS, "through": through})
 
-    def acks_after(self, after: int) -> list[Journaled]:
+    def events_after(self, after: int) -> list[Journaled]:
         """The events journaled after position ``after``, in order."""
         return [decode(entry.record) for entry in self.read(after)]
 

@@ -152,7 +152,7 @@ async def _run(
             log.error("no snapshot verifies; starting fresh")
             return None
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
-            events = await asyncio.to_thread(store.acks_after, 0)
+            events = await asyncio.to_thread(store.events_after, 0)
             await controller.replay(events)
         log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
         return None
@@ -211,7 +211,7 @@ async def _run(
         await controller.restore(state, prepared)
 
     with clock.phase(RestorePhase.RECOVERY_LEDGER):
-        events = await asyncio.to_thread(store.acks_after, manifest.acks_through)
+        events = await asyncio.to_thread(store.events_after, manifest.acks_through)
         await controller.replay(events)
 
     with clock.phase(RestorePhase.REDISPATCH):

@@ -316,10 +316,10 @@ class RolloutBuffer:
         unheld one.
         """
         if record.lease_id in self.acks:
-            same_step(record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step)
+            check_same_step(record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step)
             return None
         if record.lease_id in self.finalized_leases:
-            same_step(record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step)
+            check_same_step(record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step)
             return None
         for gid in record.group_ids:
             if gid in self.groups and self.groups[gid].state is GroupState.GENERATING:
@@ -507,7 +507,7 @@ def restored_groups(groups: Mapping[int, GroupMeta | None]) -> GroupTable:
     return GroupTable.of(metas)  # type: ignore[arg-type]
 
 
-def same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:
+def check_same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:
     """A repeated ack is idempotent only at the step it was first made at."""
     if acked_step != trainer_step:
         raise FailedPrecondition(

@@ -36,7 +36,7 @@ from rolloutd.domain.buffer import (
     RolloutBuffer,
     RowSealer,
     restored_groups,
-    same_step,
+    check_same_step,
 )
 from rolloutd.domain.engine import (
     EngineDeadError,
@@ -59,7 +59,7 @@ from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObse
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.sampler import Admission, Sampler
 from rolloutd.domain.state import (
-    AckJournal,
+    DeliveryJournal,
     ControllerState,
     Counters,
     IdReservation,
@@ -189,7 +189,7 @@ class Controller:
         sampler: Sampler,
         *,
         observer: Observer | None = None,
-        journal: AckJournal | None = None,
+        journal: DeliveryJournal | None = None,
         sealer: RowSealer | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -197,7 +197,7 @@ class Controller:
         self.engine = engine
         self.sampler = sampler
         self.observer: Observer = observer or NullObserver()
-        self.journal: AckJournal = journal or NullJournal()
+        self.journal: DeliveryJournal = journal or NullJournal()
         self.clock = clock
         self.barrier = MutationBarrier(on_blocked=self.observer.mutation_blocked)
         self.buffer = RolloutBuffer(sealer)
@@ -599,14 +599,14 @@ class Controller:
         async with self.barrier.mutation(MutationKind.ACK):
             known = self.buffer.acks.get(lease_id)
             if known is not None:
-                same_step(lease_id, known.trainer_step, trainer_step)
+                check_same_step(lease_id, known.trainer_step, trainer_step)
                 return AckResult(len(known.group_ids), already_acked=True)
             if lease_id in self.buffer.finalized_leases:
-                same_step(lease_id, self.buffer.finalized_leases[lease_id], trainer_step)
+                check_same_step(lease_id, self.buffer.finalized_leases[lease_id], trainer_step)
                 return AckResult(0, already_acked=True)
             pending = self._acking.get(lease_id)
             if pending is not None:
-                same_step(lease_id, pending.ack.record.trainer_step, trainer_step)
+                check_same_step(lease_id, pending.ack.record.trainer_step, trainer_step)
             else:
                 lease = self.buffer.leases.get(lease_id)
                 if lease is None:
@@ -617,7 +617,7 @@ class Controller:
                 )
                 admissions = {**self._admissions(lease.group_ids), **lost}
                 pending = _PendingAck(
-                    JournaledAck(record, lost), self.journal.append(record, admissions)
+                    JournaledAck(record, lost), self.journal.ack(record, admissions)
                 )
                 self._acking[lease_id] = pending
         try:

@@ -115,19 +115,19 @@ Journaled = JournaledAck | JournaledLease | JournaledSubmission | IdReservation
 """One event of the journal, in the order it was made durable."""
 
 
-class AckJournal(Protocol):
+class DeliveryJournal(Protocol):
     """Makes what a client is told durable before the RPC returns: acks, lease grants, accepted
     submissions, and the group ids reserved for admission (checkpoint/journal.py implements it;
     concurrent writes share one sync)."""
 
-    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+    def ack(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
         """Queues an ack without I/O, so that the ack's mutation need not wait for the sync;
         the future resolves (with the record's journal position) once the ack is durable, or
         fails with the sync's error."""
         ...
 
     def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
-        """Queues a lease grant without I/O, like :meth:`append`."""
+        """Queues a lease grant without I/O, like :meth:`ack`."""
         ...
 
     async def submit(self, prompts: Sequence[Prompt]) -> None: ...
@@ -145,7 +145,7 @@ def _kept() -> asyncio.Future[int]:
 class NullJournal:
     """Keeps nothing: for a controller without a store."""
 
-    def append(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
+    def ack(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
         return _kept()
 
     def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
