@@ -254,6 +254,7 @@ class Node:
             async with ctl.barrier.mutation(MutationKind.COMMIT_GROUP):
                 now = ctl.clock()
                 for group in groups:
+                    ctl.buffer.finish(group.group_id)
                     ctl.buffer.commit(group.group_id, now)
                     ctl.counters.committed_groups += 1
                     ctl.counters.committed_tokens += group.generated_tokens

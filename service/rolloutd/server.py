@@ -123,6 +123,7 @@ class RolloutService:
             concurrency=weights.fetch_concurrency,
             observer=self.observer,
         )
+        self.lifecycle = Lifecycle(self._state_changed)
         self.checkpointer = Checkpointer(
             self.controller,
             self.store,
@@ -130,8 +131,8 @@ class RolloutService:
             config.checkpointer(),
             self.fingerprint,
             observer=self.observer,
+            lifecycle=self.lifecycle,
         )
-        self.lifecycle = Lifecycle(self._state_changed)
         self.scheduler = CheckpointScheduler(
             self.checkpointer, self.lifecycle, ckpt.interval_s, kept=self.weights
         )
@@ -218,7 +219,6 @@ class RolloutService:
         await self.engine.start()
         if self.config.restore != "none":
             await self.lifecycle.enter(ServingState.RESTORING)
-            self.checkpointer.restoring = True
             await restore(
                 self.controller,
                 self.store,
@@ -226,8 +226,8 @@ class RolloutService:
                 self.config.restore,
                 self.fingerprint,
                 Granularity(self.config.recovery.granularity),
+                observer=self.observer,
             )
-            self.checkpointer.restoring = False
             if self.controller.weights_path is not None:
                 self.weights.restored(self.controller.weights_path)
         if self.config.restore == "none":

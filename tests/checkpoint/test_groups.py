@@ -15,7 +15,16 @@ from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import FORMAT_VERSION, GROUP_SCHEMA, SegmentKind
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.group import GroupMeta, GroupState, GroupTable, Position, Prompt, RestoredGroup
+from rolloutd.domain.group import (
+    BUFFERED,
+    UNFINISHED,
+    GroupMeta,
+    GroupState,
+    GroupTable,
+    Position,
+    Prompt,
+    RestoredGroup,
+)
 from rolloutd.domain.report import RecoveryState, Trigger
 from tests.checkpoint.data import make_format2 as format2
 from tests.checkpoint.helpers import Location, StoreNode
@@ -25,7 +34,7 @@ FORMAT2 = Path(__file__).parent / "data" / "format2"
 
 
 def metas() -> list[GroupMeta]:
-    """A group in every state, with every optional field set and unset."""
+    """A group in every state it can be buffered in, with every optional field set and unset."""
     prompts = [
         Prompt("plain", "question"),
         Prompt("meta", "q \u00e9", metadata={"answer": [1, 2.5, None], "s": 'quote " \\'}),
@@ -33,7 +42,7 @@ def metas() -> list[GroupMeta]:
         Prompt("chat", "", messages=({"role": "user", "content": "hi"}, {"role": "x", "c": ""})),
     ]
     out = []
-    for i, state in enumerate(GroupState):
+    for i, state in enumerate(BUFFERED):
         for j, prompt in enumerate(prompts):
             gid = 10 * i + j
             out.append(
@@ -142,7 +151,7 @@ def test_a_table_over_the_typed_columns_answers_from_them_and_decodes_each_group
         committed = [m for m in live if m.state is GroupState.COMMITTED]
         by_commit = sorted(committed, key=lambda m: (m.committed_at or 0.0, m.group_id))
         assert table.committed_order() == [m.group_id for m in by_commit]
-        assert table.generating() == [m.group_id for m in live if m.state is GroupState.GENERATING]
+        assert table.unfinished() == [m.group_id for m in live if m.state in UNFINISHED]
         assert table.positions_from(1, 12) == [
             m.position for m in live if m.position is not None and m.position >= Position(1, 12)
         ]

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.domain.buffer import SEAL_HELD_ROWS, SEAL_HELD_VALUES, SEAL_ROWS, RolloutBuffer
-from rolloutd.domain.group import Group, GroupMeta, KeptSamples, Prompt, Sample
+from rolloutd.domain.group import Group, GroupMeta, GroupState, KeptSamples, Prompt, Sample
 
 
 def _commit(buf: RolloutBuffer, gid: int, size: int, tokens: int) -> list[Sample]:
@@ -29,6 +29,7 @@ def _commit(buf: RolloutBuffer, gid: int, size: int, tokens: int) -> list[Sample
     ]
     for s in samples:
         buf.stage(gid, s)
+    buf.finish(gid)
     buf.commit(gid, float(gid))
     return samples
 
@@ -42,7 +43,7 @@ def test_the_oldest_rows_are_sealed_once_the_buffer_holds_too_many_as_objects():
     size = 8
     held = SEAL_HELD_ROWS // size
     made = {gid: _commit(buf, gid, size, tokens=3) for gid in range(1, held)}
-    buf.remove(1)  # a group that leaves is no longer held
+    buf.remove(1, GroupState.EVICTED)  # a group that leaves is no longer held
     made[held] = _commit(buf, held, size, tokens=3)
     assert not _sealed(buf)
     made[held + 1] = _commit(buf, held + 1, size, tokens=3)  # SEAL_HELD_ROWS rows held now
@@ -78,6 +79,7 @@ def test_a_group_with_a_resumed_sibling_stays_objects():
     plain = Sample(0, array("i", [1]), array("f", [0.0]), "x", "stop", 0, array("i"), 0, 0.0, 0.0)
     buf.stage(1, plain)
     buf.stage(1, replace(plain, index=1, resumed_at=1))
+    buf.finish(1)
     buf.commit(1, 0.0)
     _commit(buf, 2, 2, tokens=1)
     buf.seal()

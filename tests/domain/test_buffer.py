@@ -14,6 +14,7 @@ def _finalized(buf: RolloutBuffer, group_id: int, lease_id: str, step: int) -> N
     buf.add(Group(GroupMeta(group_id, Prompt(f"p{group_id}", "q"), None, 1, 0, 0.0, group_id)))
     sample = Sample(0, array("i", [1]), array("f", [0.0]), "x", "stop", 0, array("i"), 0, 0.0, 0.0)
     buf.stage(group_id, sample)
+    buf.finish(group_id)
     buf.commit(group_id, 0.0)
     buf.lease(lease_id, 1, "t", 0.0, 60.0)
     buf.ack(AckRecord(lease_id, (group_id,), step, 0.0))
@@ -50,6 +51,7 @@ def _acked(buf: RolloutBuffer, group_ids: list[int], lease_id: str, step: int) -
             0, array("i", [1]), array("f", [0.0]), "x", "stop", 0, array("i"), 0, 0.0, 0.0
         )
         buf.stage(gid, sample)
+        buf.finish(gid)
         buf.commit(gid, 0.0)
     buf.lease(lease_id, len(group_ids), "t", 0.0, 60.0)
     buf.ack(AckRecord(lease_id, tuple(group_ids), step, 0.0))

@@ -42,6 +42,7 @@ from rolloutd.domain.buffer import remember_finalized
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import GroupMeta
+from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.report import (
     CheckpointPhase,
@@ -106,8 +107,12 @@ class Checkpointer:
         fingerprint: Mapping[str, Any],
         *,
         observer: Observer | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
+        """``lifecycle``: the service's serving state; an attempt while it is RESTORING is
+        skipped (``restoring``). None: never restoring (a checkpointer without a service)."""
         self.controller = controller
+        self.lifecycle = lifecycle
         self.store = store
         self.journal = journal
         self.config = config
@@ -128,7 +133,6 @@ class Checkpointer:
         self._parent: Manifest | None = None
         self._next_sequence: int | None = None
         """Sequence of the next attempt; read once from the store (its newest manifest)."""
-        self.restoring = False
         self.shutting_down = False
         self.consecutive_failures = 0
         self.last_attempt: CheckpointReport | None = None
@@ -218,7 +222,7 @@ class Checkpointer:
             return self._report(report)
 
     def _skip_reason(self, trigger: Trigger) -> Reason | None:
-        if self.restoring:
+        if self.lifecycle is not None and self.lifecycle.state is ServingState.RESTORING:
             return Reason.RESTORING
         if self.shutting_down and trigger is not Trigger.SHUTDOWN:
             return Reason.SHUTTING_DOWN

@@ -28,7 +28,15 @@ import pyarrow.compute as pc
 
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.format import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2, FormatError
-from rolloutd.domain.group import STATES, GroupMeta, GroupState, GroupTable, Position, Prompt
+from rolloutd.domain.group import (
+    STATES,
+    UNFINISHED,
+    GroupMeta,
+    GroupState,
+    GroupTable,
+    Position,
+    Prompt,
+)
 
 _META_FIELDS = (
     "group_id",
@@ -225,8 +233,8 @@ class _Columns(GroupTable):
         at = (e > epoch) | ((e == epoch) & (o >= offset))
         return [Position(*p) for p in zip(e[at].tolist(), o[at].tolist(), strict=True)]
 
-    def generating(self) -> list[int]:
-        at = self._states == STATES.index(GroupState.GENERATING)
+    def unfinished(self) -> list[int]:
+        at = np.isin(self._states, [STATES.index(s) for s in UNFINISHED])
         return self._ids[at].tolist()  # type: ignore[no-any-return]
 
     def committed_order(self) -> list[int]:

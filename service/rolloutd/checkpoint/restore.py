@@ -24,45 +24,44 @@
                         from their first token (``sibling``), or the whole group generated
                         again (``group``).
 
-This module only orchestrates and times the phases: the sidecar decodes the state, the
-controller restores it (``Controller.restore``) and replays the journal (``Controller.replay``).
-A store is never empty while it has a journal: without a snapshot, the journal is replayed into
-the fresh controller.
+This module resolves, verifies, reads and times phases 1-3, then hands the controller what it
+read in one value (``Controller.recover``), which runs and times phases 4-6 itself. A store is
+never empty while it has a journal: without a snapshot, the journal is replayed into the fresh
+controller. The restored snapshot is handed to the checkpointer (``adopt``) so that the next
+checkpoint continues incrementally from it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import functools
 import gc
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from rolloutd.checkpoint import ledger, sidecar, submissions
-from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.format import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
 from rolloutd.checkpoint.store import CorruptSnapshot, Snapshot, SnapshotReader
-from rolloutd.domain.buffer import restored_groups
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
-from rolloutd.domain.group import GroupState
+from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.partial import PartialSibling
+from rolloutd.domain.recovery import Granularity, Recovered
 from rolloutd.domain.report import (
-    Disposition,
     PhaseClock,
-    RecoveryState,
     RestorePhase,
     RestoreReport,
     SkippedSnapshot,
-    TokenDisposition,
 )
 from rolloutd.domain.state import ControllerState
+
+__all__ = ["Granularity", "RestoreRefused", "restore"]
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +73,13 @@ decoding the state holds it for ~10 ms; at Python's default (5 ms) they waited f
 they checksummed and the 64 MB quick snapshot took ~5 ms longer to read. Nothing else runs then."""
 
 
-class Granularity(enum.Enum):
-    TOKEN = "token"
-    SIBLING = "sibling"
-    GROUP = "group"
+class Continuation(Protocol):
+    """What continues from the restored snapshot: the checkpointer's next snapshot is
+    incremental over it."""
+
+    def adopt(
+        self, manifest: Manifest, state: ControllerState, resumed: Mapping[int, ResumedRow]
+    ) -> None: ...
 
 
 def differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -91,12 +93,16 @@ def differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list
 async def restore(
     controller: Controller,
     store: SnapshotReader,
-    checkpointer: Checkpointer,
+    continuation: Continuation,
     spec: str,
     fingerprint: Mapping[str, Any],
     granularity: Granularity,
+    *,
+    observer: Observer | None = None,
 ) -> RestoreReport:
-    """Restores into a fresh controller (before ``controller.start()``); raises RestoreRefused."""
+    """Restores into a fresh controller (before ``controller.start()``); raises RestoreRefused.
+    ``observer`` hears the report (also of a failed restore)."""
+    observer = observer or NullObserver()
     clock = PhaseClock()
     report = RestoreReport(started_ns=time.time_ns(), ended_ns=0, phases=clock.phases)
     # A restore only builds objects that live on (a group's metadata, its view of the kept
@@ -107,12 +113,12 @@ async def restore(
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     try:
         manifest = await _run(
-            controller, store, checkpointer, spec, fingerprint, granularity, clock, report
+            controller, store, continuation, spec, fingerprint, granularity, clock, report
         )
     except BaseException as exc:
         report.error = exc
         report.ended_ns = time.time_ns()
-        checkpointer.observer.restored(report)
+        observer.restored(report)
         raise
     finally:
         sys.setswitchinterval(switching)
@@ -132,14 +138,14 @@ async def restore(
             {k.value: v for k, v in report.tokens.items()},
             [(s.sequence, s.reason) for s in report.skipped],
         )
-    checkpointer.observer.restored(report)
+    observer.restored(report)
     return report
 
 
 async def _run(
     controller: Controller,
     store: SnapshotReader,
-    checkpointer: Checkpointer,
+    continuation: Continuation,
     spec: str,
     fingerprint: Mapping[str, Any],
     granularity: Granularity,
@@ -151,10 +157,9 @@ async def _run(
         if report.skipped:
             log.error("no snapshot verifies; starting fresh")
             return None
-        with clock.phase(RestorePhase.RECOVERY_LEDGER):
-            events = await asyncio.to_thread(store.events_after, 0)
-            await controller.replay(events)
-        log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
+        journal = functools.partial(store.events_after, 0)
+        counts = await controller.recover(Recovered(None, None, journal, granularity), clock)
+        log.info("no snapshot to restore (%s); replayed %d journal records", spec, counts.events)
         return None
 
     while True:
@@ -168,7 +173,6 @@ async def _run(
             state = ledger.attach(state, snapshot.finalized_leases)
             # the buffer is built from the verified group segments while the rows still verify
             prepared = controller.prepare_restore(state)
-            found = _recovery_counts(state)
 
         with clock.phase(RestorePhase.BUFFER):
             siblings, resumed = await _partials(store, manifest)
@@ -206,39 +210,11 @@ async def _run(
         )
         break
 
-    with clock.phase(RestorePhase.REPLAY_METADATA):
-        report.groups = found
-        await controller.restore(state, prepared)
-
-    with clock.phase(RestorePhase.RECOVERY_LEDGER):
-        events = await asyncio.to_thread(store.events_after, manifest.acks_through)
-        await controller.replay(events)
-
-    with clock.phase(RestorePhase.REDISPATCH):
-        started = time.perf_counter()
-        reused = rerun = tokens_reused = tokens_regenerated = 0
-        # a journal replay can end a group's generation (never start one): the snapshot's
-        # generating groups are all there is to look at
-        unfinished = restored_groups(state.buffer.groups).generating()
-        for g in controller.generating_groups(among=unfinished):
-            staged = len(g.samples)
-            done = await controller.resume_group(
-                g,
-                rerun_all=granularity is Granularity.GROUP,
-                from_tokens=granularity is Granularity.TOKEN,
-            )
-            rerun += len(done.rerun)
-            reused += staged if granularity is not Granularity.GROUP else 0
-            tokens_reused += done.reused_tokens
-            tokens_regenerated += done.regenerated_tokens
-        report.siblings = {Disposition.REUSED: reused, Disposition.RERUN: rerun}
-        report.tokens = {
-            TokenDisposition.REUSED: tokens_reused,
-            TokenDisposition.REGENERATED: tokens_regenerated,
-        }
-        report.redispatch_s = time.perf_counter() - started
-
-    checkpointer.adopt(manifest, state, resumed)
+    journal = functools.partial(store.events_after, manifest.acks_through)
+    counts = await controller.recover(Recovered(state, prepared, journal, granularity), clock)
+    report.groups, report.siblings, report.tokens = counts.groups, counts.siblings, counts.tokens
+    report.redispatch_s = counts.redispatch_s
+    continuation.adopt(manifest, state, resumed)
     return manifest
 
 
@@ -338,12 +314,3 @@ async def _partials(
         log.error("partial siblings of snapshot %d are lost: %s", manifest.sequence, exc)
         return (), {}
     return tuple(siblings), resumed
-
-
-def _recovery_counts(state: ControllerState) -> dict[RecoveryState, int]:
-    """Groups by the state the snapshot found them in (leases are requeued after)."""
-    found = restored_groups(state.buffer.groups).counts()
-    counts = {
-        RecoveryState(s.value): found[s] for s in GroupState if s is not GroupState.GENERATING
-    }
-    return {**counts, RecoveryState.UNFINISHED: found[GroupState.GENERATING]}

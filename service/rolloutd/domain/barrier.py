@@ -36,10 +36,6 @@ class MutationBarrier:
         self._on_blocked = on_blocked
 
     @property
-    def active_mutations(self) -> int:
-        return self._active
-
-    @property
     def exclusive_held(self) -> bool:
         return self._writer_active
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
 from rolloutd.domain.group import (
+    TERMINAL,
+    UNFINISHED,
     Group,
     GroupMeta,
     GroupState,
@@ -24,6 +26,7 @@ from rolloutd.domain.group import (
     KeptSamples,
     RestoredGroup,
     Sample,
+    check_transition,
 )
 
 ACKED_LEASES_REMEMBERED = 65_536
@@ -131,10 +134,11 @@ class BufferCounts:
     committed: int = 0
     leased: int = 0
     acked: int = 0
+    finishing: int = 0
 
     @property
     def total(self) -> int:
-        return self.generating + self.committed + self.leased + self.acked
+        return self.generating + self.finishing + self.committed + self.leased + self.acked
 
 
 @dataclass
@@ -196,12 +200,17 @@ class RolloutBuffer:
             n[GroupState.COMMITTED],
             n[GroupState.LEASED],
             n[GroupState.ACKED],
+            n[GroupState.FINISHING],
         )
 
     # --- mutations -------------------------------------------------------------------------
 
     def _change(self, g: Group, **fields: object) -> None:
-        """Every metadata change goes through here: a new frozen value, marked for the capture."""
+        """Every metadata change goes through here: a new frozen value, marked for the capture.
+        A change of state must be one of the life cycle's :data:`TRANSITIONS`."""
+        state = fields.get("state")
+        if state is not None:
+            check_transition(g.group_id, g.state, state)  # type: ignore[arg-type]
         g.meta = g.meta.evolve(**fields)
         self._dirty[g.group_id] = g
 
@@ -226,12 +235,22 @@ class RolloutBuffer:
         self._dirty[group_id] = g
         return g
 
-    def commit(self, group_id: int, now: float) -> Group:
+    def finish(self, group_id: int) -> Group:
+        """A generating group whose siblings are all staged goes to the finishing stage."""
         g = self.get(group_id)
-        if not g.complete or g.state is not GroupState.GENERATING:
+        if not g.complete:
             raise InvariantError(
-                f"group {group_id} committed with {len(g.samples)}/{g.meta.group_size} "
-                f"siblings in state {g.state.value}"
+                f"group {group_id} finished with {len(g.samples)}/{g.meta.group_size} siblings"
+            )
+        self._change(g, state=GroupState.FINISHING)
+        return g
+
+    def commit(self, group_id: int, now: float) -> Group:
+        """A finished group becomes training-ready."""
+        g = self.get(group_id)
+        if not g.complete:
+            raise InvariantError(
+                f"group {group_id} committed with {len(g.samples)}/{g.meta.group_size} siblings"
             )
         self._change(g, state=GroupState.COMMITTED, committed_at=now)
         self._ready.append(group_id)
@@ -311,19 +330,23 @@ class RolloutBuffer:
         and acked after the snapshot a restore started from.
 
         Live, every group of the lease is LEASED. In replay a group may also be COMMITTED (its
-        lease was granted after the snapshot) or GENERATING: it finished, was leased and acked
+        lease was granted after the snapshot) or GENERATING or FINISHING: it finished, was leased and acked
         after the snapshot, but its siblings were never all durable, so it is gone like an
         unheld one.
         """
         if record.lease_id in self.acks:
-            check_same_step(record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step)
+            check_same_step(
+                record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step
+            )
             return None
         if record.lease_id in self.finalized_leases:
-            check_same_step(record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step)
+            check_same_step(
+                record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step
+            )
             return None
         for gid in record.group_ids:
-            if gid in self.groups and self.groups[gid].state is GroupState.GENERATING:
-                self.remove(gid)
+            if gid in self.groups and self.groups[gid].state in UNFINISHED:
+                self.remove(gid, GroupState.LOST)
         present = tuple(gid for gid in record.group_ids if gid in self.groups)
         for gid in present:
             g = self.groups[gid]
@@ -360,7 +383,7 @@ class RolloutBuffer:
         for record in done:
             del self.acks[record.lease_id]
             self._acked_groups -= len(record.group_ids)
-            dropped.extend(self.remove(gid) for gid in record.group_ids)
+            dropped.extend(self.remove(gid, GroupState.FINALIZED) for gid in record.group_ids)
         ledger = {r.lease_id: r.trainer_step for r in done}
         remember_finalized(self.finalized_leases, ledger)
         remember_finalized(self._finalized_new, ledger)
@@ -382,9 +405,13 @@ class RolloutBuffer:
         self._ready.extendleft(reversed([g.group_id for g in groups]))
         return groups
 
-    def remove(self, group_id: int) -> Group:
-        """Removes a group and its rows (finalized or evicted)."""
-        g = self.groups.pop(group_id)
+    def remove(self, group_id: int, fate: GroupState) -> Group:
+        """Removes a group and its rows; ``fate`` is the terminal state it leaves in."""
+        g = self.groups[group_id]
+        if fate not in TERMINAL:
+            raise InvariantError(f"group {group_id} removed as {fate.value}, not a terminal state")
+        check_transition(group_id, g.state, fate)
+        del self.groups[group_id]
         held = self._unsealed.pop(group_id, None)
         if held is not None:
             self._unsealed_rows -= held[0]
@@ -489,7 +516,7 @@ class RolloutBuffer:
         if table is None or not table.holds(kept_rows.keys()):
             raise InvariantError("restore from a state with rows of groups it does not hold")
         table.kept = kept_rows
-        for gid in table.generating():
+        for gid in table.unfinished():
             kept = kept_rows.get(gid)
             if kept is not None:  # staged into again: rows become objects
                 self.groups[gid].samples = dict(kept)

@@ -12,6 +12,8 @@ from functools import cached_property
 from itertools import repeat
 from typing import Any
 
+from rolloutd.domain.errors import InvariantError
+
 
 @dataclass(frozen=True, order=True)
 class Position:
@@ -101,12 +103,87 @@ class KeptSamples(MutableMapping[int, Sample]):
 
 
 class GroupState(enum.Enum):
-    """Lifecycle of a group; a group is in exactly one state."""
+    """The life cycle of a group: it is in exactly one state, and moves only along
+    :data:`TRANSITIONS` (docs/design.md, "The life of a group").
+
+    A group enters the buffer GENERATING (admission) and leaves it in one of the terminal states
+    (:data:`TERMINAL`); only the states in between are ever buffered or written to a snapshot.
+    The order of the members is the order of their codes: new states are added at the end.
+    """
 
     GENERATING = "generating"
+    """Siblings are being produced by the sibling runner."""
     COMMITTED = "committed"
+    """Training-ready: waiting to be leased."""
     LEASED = "leased"
     ACKED = "acked"
+    """Consumed by a trainer step; waits for ``Checkpoint``/the rewind window to finalize."""
+    FINISHING = "finishing"
+    """Every sibling is staged (durable with the next snapshot); the finishing stage decides
+    whether the group is committed or dropped. Runs again after a restore."""
+    DROPPED = "dropped"
+    """Terminal: the finishing stage or an engine error dropped it; its prompt position counts as
+    consumed."""
+    EVICTED = "evicted"
+    """Terminal: too stale (policy versions behind); its prompt is admitted again."""
+    FINALIZED = "finalized"
+    """Terminal: acked at a trainer step the trainer checkpointed (or out of the rewind window)."""
+    LOST = "lost"
+    """Terminal, in journal replay only: a lease or ack journaled after the snapshot names a group
+    whose siblings the snapshot did not hold whole; the journal's record stands in for it."""
+
+
+TRANSITIONS: frozenset[tuple[GroupState, GroupState]] = frozenset(
+    (a, b)
+    for a, targets in {
+        GroupState.GENERATING: (
+            GroupState.FINISHING,  # the last sibling is staged
+            GroupState.DROPPED,  # an engine error outlasted its retries
+            GroupState.EVICTED,
+            GroupState.LOST,
+        ),
+        GroupState.FINISHING: (
+            GroupState.COMMITTED,
+            GroupState.DROPPED,
+            GroupState.EVICTED,
+            GroupState.LOST,
+        ),
+        GroupState.COMMITTED: (
+            GroupState.LEASED,
+            GroupState.ACKED,  # journal replay: leased and acked after the snapshot
+            GroupState.EVICTED,
+        ),
+        GroupState.LEASED: (
+            GroupState.ACKED,
+            GroupState.COMMITTED,  # requeue: the lease expired
+        ),
+        GroupState.ACKED: (
+            GroupState.FINALIZED,
+            GroupState.COMMITTED,  # rewind: the trainer restarted from an earlier step
+        ),
+    }.items()
+    for b in targets
+)
+"""Every allowed change of state; any other raises :class:`InvariantError`. Admission is the
+entry into GENERATING, and a restore loads groups in the states their snapshot holds."""
+
+TERMINAL = frozenset(
+    {GroupState.DROPPED, GroupState.EVICTED, GroupState.FINALIZED, GroupState.LOST}
+)
+"""States in which a group leaves the buffer."""
+
+BUFFERED = tuple(s for s in GroupState if s not in TERMINAL)
+"""States in which a group is held in the buffer (and written to snapshots)."""
+
+UNFINISHED = frozenset({GroupState.GENERATING, GroupState.FINISHING})
+"""States of a group not training-ready yet: a restore resumes them, and they count as in
+flight."""
+
+
+def check_transition(group_id: int, before: GroupState, after: GroupState) -> None:
+    """Raises :class:`InvariantError` unless ``before -> after`` is in :data:`TRANSITIONS`."""
+    if (before, after) not in TRANSITIONS:
+        raise InvariantError(f"group {group_id} cannot go from {before.value} to {after.value}")
 
 
 @dataclass(frozen=True)
@@ -236,10 +313,10 @@ class GroupTable(Mapping[int, GroupMeta]):
     def committed_order(self) -> list[int]:
         """Committed groups' ids in delivery order: oldest commit first (none: 0), then by id."""
 
-    def generating(self) -> list[int]:
-        """Ids of the groups that were generating."""
-        code = STATES.index(GroupState.GENERATING)
-        return [gid for gid, c in zip(self.ids, self.state_codes, strict=True) if c == code]
+    def unfinished(self) -> list[int]:
+        """Ids of the groups that were generating or finishing (:data:`UNFINISHED`)."""
+        codes = {STATES.index(s) for s in UNFINISHED}
+        return [gid for gid, c in zip(self.ids, self.state_codes, strict=True) if c in codes]
 
     def holds(self, group_ids: Iterable[int]) -> bool:
         """Whether every one of ``group_ids`` is a group of the table."""

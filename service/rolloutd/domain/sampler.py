@@ -78,10 +78,6 @@ class Sampler:
         """Every configured epoch has been admitted (never true without an epoch limit)."""
         return self._epochs is not None and self._cursor.epoch >= self._epochs
 
-    @property
-    def dataset_size(self) -> int:
-        return len(self._prompts)
-
     def order(self, epoch: int) -> list[int]:
         if epoch != self._order_epoch:
             order = list(range(len(self._prompts)))

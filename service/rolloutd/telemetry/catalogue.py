@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rolloutd.domain.group import GroupState
+from rolloutd.domain.group import BUFFERED
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
     CheckpointPhase,
@@ -226,7 +226,7 @@ CHECKPOINT_SIZE = Instrument(
 BUFFER_GROUPS = Instrument(
     "rolloutd.buffer.groups", Kind.OBSERVABLE_GAUGE, "{group}",
     "Groups held by the service, by state.", Area.DRILL_DOWN,
-    attributes={"state": _values(GroupState)},
+    attributes={"state": tuple(s.value for s in BUFFERED)},
 )  # fmt: skip
 INFLIGHT_SAMPLES = Instrument(
     "rolloutd.inflight.samples", Kind.OBSERVABLE_GAUGE, "{sample}",

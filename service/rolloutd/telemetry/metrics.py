@@ -25,7 +25,7 @@ from opentelemetry.metrics import (
 
 from rolloutd import __version__
 from rolloutd.domain.engine import EngineCounters
-from rolloutd.domain.group import GroupState
+from rolloutd.domain.group import BUFFERED
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
@@ -328,7 +328,7 @@ class MetricsObserver:
             return []
         return [
             Observation(status.groups.get(state, 0), self._group_state(state))
-            for state in GroupState
+            for state in BUFFERED
         ]
 
     def _observe_inflight(self, _: CallbackOptions) -> Iterable[Observation]:

@@ -50,6 +50,7 @@ def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
     return StatusSnapshot(
         groups={
             GroupState.GENERATING: b.generating,
+            GroupState.FINISHING: b.finishing,
             GroupState.COMMITTED: b.committed,
             GroupState.LEASED: b.leased,
             GroupState.ACKED: b.acked,

@@ -91,6 +91,7 @@ async def stage(ctl: Controller, group: Group, indices: range, commit: bool) -> 
             ctl.buffer.stage(group.group_id, sample(i, 4 + 3 * group.group_id + i))
     if commit:
         async with ctl.barrier.mutation(MutationKind.COMMIT_GROUP):
+            ctl.buffer.finish(group.group_id)
             ctl.buffer.commit(group.group_id, 1_700_000_100.0 + group.group_id)
 
 

@@ -1,0 +1,154 @@
+"""The controller's shared core: what its rooms (generation, delivery, recovery) all work on.
+
+The buffer, the barrier every change goes through, the sampler, the counters, the policy
+version, the delivery ledger (acks' high-water marks, what the journal holds for groups no
+snapshot held), the wake-ups that admission and fetches wait on, and the one way the controller
+dies. The rooms hold a reference to one :class:`Core` and nothing of each other's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rolloutd.domain.barrier import MutationBarrier
+from rolloutd.domain.buffer import RolloutBuffer, RowSealer
+from rolloutd.domain.engine import GenerationEngine, SamplingParams
+from rolloutd.domain.errors import Unavailable
+from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.state import Counters, DeliveryJournal, LostAck, NullJournal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """The controller's settings; ``config.py`` exposes them as keys (``limits.*``,
+    ``group_size``) with these defaults and meanings."""
+
+    group_size: int = 4
+    """Siblings per prompt (N in GRPO)."""
+    max_in_flight: int = 16
+    """Most groups generating or finishing at once."""
+    buffer_capacity: int = 256
+    """Most groups generating, finishing, ready or leased. Acked groups waiting for finalization
+    are not counted (else a trainer could stall admission for good); ``rewind_window`` bounds
+    them."""
+    max_staleness: int = 4
+    """Groups more than this many policy versions old are evicted."""
+    lease_timeout_s: float = 300.0
+    """An unacknowledged lease expires after this long and its groups become available again."""
+    rewind_window: int = 8
+    """Acked groups wait at most this many trainer steps for Checkpoint before finalizing."""
+    max_fetch_groups: int = 1024
+    """Largest max_groups a FetchGroups request may ask for."""
+    max_wait_ms: int = 600_000
+    """Longest wait_ms a FetchGroups request may ask for."""
+    seed: int = 0
+    """Root of every group's and sibling's seed."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sibling_retries: int = 2
+    """Attempts after a recoverable engine error before the group is dropped."""
+    reap_interval_s: float = 1.0
+    """How often expired leases are looked for."""
+    replica: int = 0
+    """This replica's index in the fleet, from 0 (``--replica``; in Kubernetes the pod's
+    ordinal). It owns the dataset rows whose index modulo ``fleet.replicas`` is this one, and it
+    is the high bits of every group id the replica issues, so ids are unique across the fleet."""
+    replicas: int = 1
+    """Replicas sharing one dataset (``--replicas``): each prompt is owned by one of them, so the
+    fleet delivers each prompt once an epoch. A store restores only under the fleet size (and
+    replica index) it was written with."""
+    capture_partials: bool = True
+    """Stream each sibling's tokens into a staging area that checkpoints capture, so a restart
+    continues unfinished siblings from their tokens (``recovery.granularity: token``)."""
+
+
+class Core:
+    """State every room of the controller shares; see the module docstring."""
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        engine: GenerationEngine,
+        sampler: Sampler,
+        *,
+        observer: Observer | None,
+        journal: DeliveryJournal | None,
+        sealer: RowSealer | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.sampler = sampler
+        self.observer: Observer = observer or NullObserver()
+        self.journal: DeliveryJournal = journal or NullJournal()
+        self.clock = clock
+        self.barrier = MutationBarrier(on_blocked=self.observer.mutation_blocked)
+        self.buffer = RolloutBuffer(sealer)
+        self.counters = Counters()
+        self.policy_version = engine.policy_version
+        self.weights_path: str | None = None
+        self.next_group_id = 1
+        """The replica-local counter of the next group id (see ``generation.ID_BITS``)."""
+        self.ids_reserved_through = 0
+        """Local ids up to this one are journaled as reserved and may be issued."""
+        self.max_acked_step = -1
+        self.finalized_through = -1
+        self.lost_acks: list[LostAck] = []
+        """Acks journaled for groups no snapshot held (found by a restore)."""
+        self.lost_leased: dict[str, dict[int, Admission]] = {}
+        """Live leases restored from the journal whose groups no snapshot held, by lease id: the
+        admissions of those groups, skipped by the sampler until the lease is acked or expires."""
+        self.admitting = False
+        self.draining = False
+        self.fatal: BaseException | None = None
+        self._dead = asyncio.Event()
+        self.changed = asyncio.Condition()
+        """Admission waits on it for room; every change notifies it."""
+        self.fetchable = asyncio.Condition()
+        """Fetches wait on it for ready groups: a change wakes as many of them as there are
+        ready groups (all of them when draining or failed), not every waiting trainer."""
+
+    async def notify(self) -> None:
+        """Wakes admission, and as many waiting fetches as there are ready groups."""
+        async with self.changed:
+            self.changed.notify_all()
+        async with self.fetchable:
+            if self.draining or self.fatal is not None:
+                self.fetchable.notify_all()
+            else:
+                self.fetchable.notify(self.buffer.ready_count)
+
+    def watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """A task of the controller whose unexpected error ends the controller (never silently:
+        the service waits on :meth:`wait_dead`)."""
+
+        def ended(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                self.die(t.exception())  # type: ignore[arg-type]
+
+        task.add_done_callback(ended)
+        return task
+
+    def die(self, exc: BaseException) -> None:
+        if self.fatal is None:
+            log.critical("controller cannot go on: %s", exc)
+            self.fatal = exc
+            self.admitting = False
+            self._dead.set()
+
+    async def wait_dead(self) -> BaseException:
+        await self._dead.wait()
+        assert self.fatal is not None
+        return self.fatal
+
+    def check_serving(self) -> None:
+        if self.fatal is not None:
+            raise Unavailable(f"the service failed: {self.fatal}")
+        if self.draining:
+            raise Unavailable("the service is draining (shutting down); fetch from another replica")

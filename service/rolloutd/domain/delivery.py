@@ -1,0 +1,350 @@
+"""Delivery: what trainers do with training-ready groups (docs/design.md, "The delivery contract").
+
+``fetch`` leases committed groups, ``ack`` consumes a lease at a trainer step, ``finalize(step)``
+drops groups acked at steps <= step, ``rewind(step)`` makes groups acked after ``step`` available
+again, the lease reaper requeues the groups of expired leases, and ``submit`` queues
+trainer-supplied prompts.
+
+What a client is told is journaled before it is told: acks, lease grants and accepted
+submissions, each inside its mutation so that a snapshot's journal position and its cut agree.
+An ack is durable before ``ack`` returns and is idempotent (also across a restart); acks older
+than ``rewind_window`` steps finalize by themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rolloutd.domain.buffer import AckRecord, Lease, check_same_step
+from rolloutd.domain.core import Core
+from rolloutd.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantError,
+    NotFound,
+    Unavailable,
+)
+from rolloutd.domain.group import Group
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.sampler import Admission
+from rolloutd.domain.state import JournaledAck, LostAck
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _PendingAck:
+    """An ack between its journal record being queued and being applied."""
+
+    ack: JournaledAck
+    durable: asyncio.Future[int]
+    """Resolves once the record is durable (the journal's position covers it)."""
+
+
+@dataclass(frozen=True)
+class AckResult:
+    acked_groups: int
+    already_acked: bool
+
+
+@dataclass(frozen=True)
+class RewindResult:
+    redelivered_groups: int
+    readmitted_prompts: int
+
+
+class Delivery:
+    """Leases, acks, finalization, rewind and submissions; see the module docstring."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._acking: dict[str, _PendingAck] = {}
+        """Acks queued for the journal and not applied yet, by lease id."""
+        self._orphans: set[asyncio.Future[None]] = set()
+        """Settlements of acks whose callers went away, kept until done."""
+        self._submitting = asyncio.Lock()
+        """Serialises submissions: check, journal, accept, with no other in between."""
+
+    # --- leases ----------------------------------------------------------------------------
+
+    async def fetch(
+        self, max_groups: int, wait_ms: int, consumer: str
+    ) -> tuple[Lease, list[Group]] | None:
+        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``.
+
+        The grant is journaled before it is returned, but the LEASE mutation only queues the
+        record: a checkpoint may capture the grant while it syncs. Replay grants it again when
+        the record is durable; when the sync fails the groups are requeued and the call fails
+        ``Unavailable``, and a snapshot captured in between holds a grant nobody received,
+        which after a restart from it expires like any unacked lease (its groups come back
+        after ``lease_timeout_s``; none is lost or delivered twice).
+        """
+        core = self.core
+        cfg = core.config
+        if not 1 <= max_groups <= cfg.max_fetch_groups:
+            raise InvalidArgument(
+                "max_groups", f"must be between 1 and {cfg.max_fetch_groups}, got {max_groups}"
+            )
+        if not 0 <= wait_ms <= cfg.max_wait_ms:
+            raise InvalidArgument(
+                "wait_ms", f"must be between 0 and {cfg.max_wait_ms}, got {wait_ms}"
+            )
+        if len(consumer) > 256:
+            raise InvalidArgument("consumer", "must be at most 256 characters")
+        core.check_serving()
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            if core.buffer.ready_count:
+                async with core.barrier.mutation(MutationKind.LEASE):
+                    now = core.clock()
+                    lease = core.buffer.lease(
+                        uuid.uuid4().hex, max_groups, consumer, now, cfg.lease_timeout_s
+                    )
+                    groups = (
+                        [] if lease is None else [core.buffer.groups[g] for g in lease.group_ids]
+                    )
+                    if lease is not None:
+                        durable = core.journal.lease(lease, self.admissions(lease.group_ids))
+                if lease is not None:
+                    try:
+                        await durable
+                    except OSError as exc:
+                        async with core.barrier.mutation(MutationKind.REQUEUE):
+                            if lease.lease_id in core.buffer.leases:
+                                core.buffer.requeue(lease.lease_id)
+                        await core.notify()
+                        raise Unavailable(f"the lease could not be made durable: {exc}") from exc
+                    core.observer.groups_leased(
+                        [now - (g.meta.committed_at or now) for g in groups]
+                    )
+                    return lease, groups
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            async with core.fetchable:
+                try:
+                    await asyncio.wait_for(
+                        core.fetchable.wait_for(self._fetch_may_proceed),
+                        remaining,
+                    )
+                except TimeoutError:
+                    return None
+            core.check_serving()
+
+    def admissions(self, group_ids: Iterable[int]) -> dict[int, Admission]:
+        """What a journal record keeps of each group: enough to never admit it again."""
+        groups = self.core.buffer.groups
+        return {
+            gid: Admission(g.meta.prompt, g.meta.position)
+            for gid in group_ids
+            for g in (groups[gid],)
+        }
+
+    def _fetch_may_proceed(self) -> bool:
+        core = self.core
+        return core.buffer.ready_count > 0 or core.fatal is not None or core.draining
+
+    async def reap_expired_leases(self) -> None:
+        """The lease reaper's loop: the groups of an expired lease become available again."""
+        core = self.core
+        while True:
+            await asyncio.sleep(core.config.reap_interval_s)
+            expired = core.buffer.expired_leases(core.clock())
+            if not expired:
+                continue
+            async with core.barrier.mutation(MutationKind.REQUEUE):
+                for lease in core.buffer.expired_leases(core.clock()):
+                    requeued = self.requeue(lease.lease_id)
+                    core.counters.requeued_groups += len(requeued)
+                    core.counters.expired_leases += 1
+                    log.info(
+                        "lease %s of %s expired; %d groups available again",
+                        lease.lease_id,
+                        lease.consumer or "?",
+                        len(requeued),
+                    )
+            await core.notify()
+
+    def requeue(self, lease_id: str) -> list[int]:
+        """An expired lease's groups become available again, and the prompts of its groups that
+        no snapshot held may be admitted again (inside a REQUEUE or RESTORE mutation)."""
+        for admission in self.core.lost_leased.pop(lease_id, {}).values():
+            self.core.sampler.unskip(admission)
+        return self.core.buffer.requeue(lease_id)
+
+    # --- acks ------------------------------------------------------------------------------
+
+    async def ack(self, lease_id: str, trainer_step: int) -> AckResult:
+        """Consumes a lease at ``trainer_step``; durable (journaled) before it returns, and
+        idempotent: acking a lease acked before (also before a restart) succeeds again.
+
+        The record is queued for the journal inside the ACK mutation, but the mutation does not
+        wait for the sync: a checkpoint may come in between. The ack is applied once durable,
+        by :meth:`_settle` or by the capture of a checkpoint that finds it durable first
+        (:meth:`apply_durable_acks`), so a snapshot holds an ack exactly when its
+        ``acks_through`` covers the record. A failed sync applies nothing: the lease stays
+        granted and the call fails ``Unavailable``, to be retried. A second ack of the lease
+        while the first is pending waits for the same record.
+        """
+        core = self.core
+        if not lease_id:
+            raise InvalidArgument("lease_id", "must not be empty")
+        if trainer_step < 0:
+            raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
+        async with core.barrier.mutation(MutationKind.ACK):
+            known = core.buffer.acks.get(lease_id)
+            if known is not None:
+                check_same_step(lease_id, known.trainer_step, trainer_step)
+                return AckResult(len(known.group_ids), already_acked=True)
+            if lease_id in core.buffer.finalized_leases:
+                check_same_step(lease_id, core.buffer.finalized_leases[lease_id], trainer_step)
+                return AckResult(0, already_acked=True)
+            pending = self._acking.get(lease_id)
+            if pending is not None:
+                check_same_step(lease_id, pending.ack.record.trainer_step, trainer_step)
+            else:
+                lease = core.buffer.leases.get(lease_id)
+                if lease is None:
+                    raise NotFound(f"lease {lease_id!r} is unknown or expired")
+                lost = core.lost_leased.get(lease_id, {})
+                record = AckRecord(
+                    lease_id, lease.group_ids + tuple(lost), trainer_step, core.clock()
+                )
+                admissions = {**self.admissions(lease.group_ids), **lost}
+                pending = _PendingAck(
+                    JournaledAck(record, lost), core.journal.ack(record, admissions)
+                )
+                self._acking[lease_id] = pending
+        try:
+            await self._settle(pending)
+        except asyncio.CancelledError:
+            # the caller went away: a durable ack is applied all the same
+            orphan = asyncio.ensure_future(self._settle(pending))
+            self._orphans.add(orphan)
+            orphan.add_done_callback(self._orphans.discard)
+            raise
+        await core.notify()  # acked groups no longer count against the buffer's capacity
+        through = max(core.max_acked_step - core.config.rewind_window, core.finalized_through)
+        if through > core.finalized_through or trainer_step <= core.finalized_through:
+            # the window moved on, or this ack is below it (a trainer whose steps lag another's):
+            # no rewind can reach it, so it must not wait in the buffer for the window
+            await self.finalize(through)
+        return AckResult(len(pending.ack.record.group_ids), already_acked=False)
+
+    async def _settle(self, pending: _PendingAck) -> None:
+        """Waits for the ack's record outside the barrier, then applies it (once, whoever of
+        its callers or a capture comes first)."""
+        lease_id = pending.ack.record.lease_id
+        try:
+            await asyncio.shield(pending.durable)  # shared by every caller of this ack
+        except OSError as exc:
+            if self._acking.get(lease_id) is pending:
+                del self._acking[lease_id]
+            raise Unavailable(f"the ack could not be made durable: {exc}") from exc
+        async with self.core.barrier.mutation(MutationKind.ACK):
+            self._apply_pending(pending)
+
+    def _apply_pending(self, pending: _PendingAck) -> None:
+        """Applies a durable ack once (inside an ACK mutation or the exclusive hold)."""
+        lease_id = pending.ack.record.lease_id
+        if self._acking.get(lease_id) is not pending:
+            return  # a capture applied it already
+        del self._acking[lease_id]
+        self.core.lost_leased.pop(lease_id, None)
+        self.apply_ack(pending.ack)
+
+    def apply_durable_acks(self) -> None:
+        """Under the exclusive hold, before a capture: applies every ack whose record the
+        journal's position already covers, so the snapshot agrees with its ``acks_through``.
+        Acks still syncing are left to :meth:`_settle` and to replay."""
+        for pending in list(self._acking.values()):
+            durable = pending.durable
+            if durable.done() and not durable.cancelled() and durable.exception() is None:
+                self._apply_pending(pending)
+
+    def apply_ack(self, ack: JournaledAck) -> None:
+        """The one ack path, live and in journal replay; inside an ACK or RESTORE mutation.
+
+        Groups of the ack that the buffer does not hold (admitted and acked after the snapshot
+        a restore started from) are never admitted again, but remembered so that a ``Rewind``
+        to before the ack re-admits them.
+        """
+        core = self.core
+        record = ack.record
+        lost = core.buffer.ack(record)
+        if lost is None:
+            return  # acked already: idempotent
+        core.counters.acked_groups += len(record.group_ids)
+        core.max_acked_step = max(core.max_acked_step, record.trainer_step)
+        if lost:
+            if not ack.admissions:
+                raise InvariantError(f"live ack of lease {record.lease_id} lost groups {lost}")
+            admissions = tuple(ack.admissions[gid] for gid in lost)
+            for admission in admissions:
+                core.sampler.skip(admission)
+            core.lost_acks.append(LostAck(record.trainer_step, admissions))
+
+    # --- the trainer's checkpoints ---------------------------------------------------------
+
+    async def finalize(self, through_step: int) -> int:
+        """Drops groups acked at steps <= ``through_step``; returns how many."""
+        core = self.core
+        async with core.barrier.mutation(MutationKind.FINALIZE):
+            dropped = core.buffer.finalize(through_step)
+            core.finalized_through = max(core.finalized_through, through_step)
+            core.counters.finalized_groups += len(dropped)
+        if dropped:
+            await core.notify()
+        return len(dropped)
+
+    async def rewind(self, trainer_step: int) -> RewindResult:
+        """Groups acked after ``trainer_step`` become available again, and the prompts of acked
+        groups no snapshot held are admitted again."""
+        core = self.core
+        if trainer_step < 0:
+            raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
+        if trainer_step < core.finalized_through:
+            raise FailedPrecondition(
+                f"acks through trainer step {core.finalized_through} are finalized; cannot rewind "
+                f"to {trainer_step} (limits.rewind_window={core.config.rewind_window})"
+            )
+        async with core.barrier.mutation(MutationKind.REQUEUE):
+            groups = core.buffer.rewind(trainer_step)
+            readmitted = 0
+            keep: list[LostAck] = []
+            for lost in core.lost_acks:
+                if lost.trainer_step > trainer_step:
+                    for a in lost.admissions:
+                        core.sampler.readmit(a)
+                    readmitted += len(lost.admissions)
+                else:
+                    keep.append(lost)
+            core.lost_acks = keep
+            core.counters.requeued_groups += len(groups)
+            core.max_acked_step = min(core.max_acked_step, trainer_step)
+        await core.notify()
+        return RewindResult(len(groups), readmitted)
+
+    # --- submissions -----------------------------------------------------------------------
+
+    async def submit(self, admissions: list[Admission]) -> tuple[int, int]:
+        """Queues trainer-supplied prompts; the accepted ones are journaled (durable) before
+        this returns, and a prompt id accepted before, also before a restart, is a duplicate."""
+        core = self.core
+        core.check_serving()
+        prompts = [a.prompt for a in admissions]
+        async with self._submitting, core.barrier.mutation(MutationKind.ADMIT):
+            fresh = core.sampler.fresh(prompts)
+            if fresh:
+                try:
+                    await core.journal.submit(fresh)
+                except OSError as exc:
+                    raise Unavailable(f"the prompts could not be made durable: {exc}") from exc
+            accepted, duplicates = core.sampler.submit(prompts)
+        await core.notify()
+        return accepted, duplicates

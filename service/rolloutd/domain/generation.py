@@ -1,0 +1,392 @@
+"""Generation: admission, dispatch of siblings to the sibling runner, the finishing stage, commit.
+
+One background loop admits prompts while there is room. Each admitted group's siblings run as
+tasks of their own (each its own engine request and seed, through the :class:`SiblingRunner`),
+so siblings finish independently and a restart reuses each finished one. The task that stages
+a group's last sibling moves the group to FINISHING in the same mutation and then asks the
+:class:`FinishingStage` for a verdict outside the barrier; the verdict commits or drops the group
+in a mutation of its own. Weight updates and eviction of stale groups are here too: they decide
+what is generated next.
+
+Every change to the buffer or the sampler happens inside a barrier mutation of one kind, so a
+checkpoint's exclusive hold sees a consistent cut. Aborting the siblings of a group being
+dropped or evicted happens inside one (the engine only cancels requests there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from rolloutd.domain.core import Core
+from rolloutd.domain.engine import (
+    EngineDeadError,
+    EngineError,
+    GenerationRequest,
+)
+from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
+from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
+from rolloutd.domain.group import Group, GroupMeta, GroupState
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.domain.partial import PartialSibling, TokenDelta
+from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
+from rolloutd.domain.sampler import Admission
+from rolloutd.domain.weights import WeightsTimeline
+
+log = logging.getLogger(__name__)
+
+ID_BITS = 40
+"""Low bits of a group id count within a replica; the bits above are the replica's index, so ids
+are unique across a fleet (replica 0's ids are the plain counter)."""
+ID_BLOCK = 1024
+"""Group ids reserved in the journal at a time: one durable write per this many admissions."""
+
+
+def local_id(group_id: int) -> int:
+    """The replica-local counter of a group id."""
+    return group_id & ((1 << ID_BITS) - 1)
+
+
+def request_id(group_id: int, index: int) -> str:
+    return f"g{group_id}-s{index}"
+
+
+class Generation:
+    """Admits groups, runs their siblings and finishes them; see the module docstring."""
+
+    def __init__(
+        self,
+        core: Core,
+        runner: SiblingRunner | None = None,
+        stage: FinishingStage | None = None,
+    ) -> None:
+        self.core = core
+        self.runner: SiblingRunner = runner or EngineRunner()
+        self.stage: FinishingStage = stage or CommitAll()
+        self.siblings: dict[int, dict[int, asyncio.Task[None]]] = {}
+        """Groups in flight (generating or finishing) -> their siblings still running."""
+        self._finishing: dict[int, asyncio.Task[None]] = {}
+        """Groups whose finishing stage runs -> the task that runs it."""
+        self._trace_headers: dict[int, Mapping[str, str]] = {}
+        """Trace context of each group whose generation the observer was told about."""
+        self.staging: dict[tuple[int, int], list[TokenDelta]] = {}
+        """(group id, index) -> the deltas of a generating sibling so far, its restored prefix
+        first. Append-only while the sibling generates; removed in the mutation that stages the
+        sibling's sample or drops its group, so a capture never holds both."""
+
+    # --- admission -------------------------------------------------------------------------
+
+    def can_admit(self) -> bool:
+        core = self.core
+        buffer = core.buffer
+        return (
+            core.admitting
+            and len(self.siblings) < core.config.max_in_flight
+            and len(buffer.groups) - buffer.acked_groups < core.config.buffer_capacity
+            and core.sampler.has_next()
+        )
+
+    async def admission_loop(self) -> None:
+        core = self.core
+        while True:
+            async with core.changed:
+                await core.changed.wait_for(self.can_admit)
+            if core.next_group_id > core.ids_reserved_through:
+                try:
+                    await self._reserve_ids()
+                except OSError as exc:
+                    log.error("cannot reserve group ids in the journal: %s; retrying", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+            async with core.barrier.mutation(MutationKind.ADMIT):
+                if not self.can_admit() or core.next_group_id > core.ids_reserved_through:
+                    continue
+                admission = core.sampler.next()
+                if admission is None:
+                    continue
+                group = self._new_group(admission)
+                core.buffer.add(group)
+                core.counters.admitted_groups += 1
+            self.dispatch(group, group.missing)
+
+    async def _reserve_ids(self) -> None:
+        """Journals the next block of ids before any of it is handed out."""
+        through = self.core.next_group_id + ID_BLOCK - 1
+        await self.core.journal.reserve_ids(through)
+        self.core.ids_reserved_through = through
+
+    def _new_group(self, admission: Admission) -> Group:
+        core = self.core
+        if core.next_group_id > core.ids_reserved_through:
+            raise InvariantError(f"group id {core.next_group_id} issued before it was reserved")
+        gid = (core.config.replica << ID_BITS) | core.next_group_id
+        core.next_group_id += 1
+        return Group(
+            GroupMeta(
+                group_id=gid,
+                prompt=admission.prompt,
+                position=admission.position,
+                group_size=core.config.group_size,
+                policy_version=core.policy_version,
+                admitted_at=core.clock(),
+                seed=(core.config.seed * 7_919 + gid * 104_729) % (2**31 - 1),
+            )
+        )
+
+    # --- siblings --------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        group: Group,
+        indices: list[int],
+        prefixes: Mapping[int, PartialSibling] | None = None,
+    ) -> None:
+        """Starts the runner on each sibling of ``indices``, each with its own seed; a sibling
+        with a prefix in ``prefixes`` continues from it."""
+        core = self.core
+        if group.group_id not in self._trace_headers:
+            p = core.config.sampling
+            self._trace_headers[group.group_id] = core.observer.generation_started(
+                GenerationStarted(
+                    group.group_id,
+                    group.meta.prompt.prompt_id,
+                    group.meta.group_size,
+                    group.meta.admitted_at,
+                    p.max_tokens,
+                    p.temperature,
+                    p.top_p,
+                )
+            )
+        tasks = self.siblings.setdefault(group.group_id, {})
+        for index in indices:
+            prefix = (prefixes or {}).get(index)
+            if core.config.capture_partials:
+                # Staged now, not when the task first runs, so that a checkpoint taken meanwhile
+                # still holds a restored prefix.
+                self.staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
+            tasks[index] = core.watched(
+                asyncio.create_task(
+                    self._run_sibling(group, index, prefix),
+                    name=f"rolloutd-{request_id(group.group_id, index)}",
+                )
+            )
+
+    async def _run_sibling(
+        self, group: Group, index: int, prefix: PartialSibling | None = None
+    ) -> None:
+        core = self.core
+        request = GenerationRequest(
+            request_id=request_id(group.group_id, index),
+            group_id=group.group_id,
+            index=index,
+            prompt=group.meta.prompt,
+            seed=group.meta.sibling_seed(index),
+            params=core.config.sampling,
+            trace_headers=self._trace_headers.get(group.group_id, {}),
+            prefix=prefix,
+        )
+        key = (group.group_id, index)
+        for attempt in range(core.config.sibling_retries + 1):
+            on_delta = None
+            if core.config.capture_partials:
+                if attempt:  # a retry starts again from the prefix: a failed attempt's tokens go
+                    self.staging[key] = list(prefix.deltas) if prefix else []
+                on_delta = self.staging[key].append
+            try:
+                sample = await self.runner.run(SiblingJob(core.engine, request, on_delta))
+                break
+            except EngineError as exc:
+                log.warning(
+                    "sibling %s failed (attempt %d): %s", request.request_id, attempt + 1, exc
+                )
+                if attempt == core.config.sibling_retries:
+                    await self.drop(group.group_id, f"engine error: {exc}", error=True)
+                    return
+                await asyncio.sleep(0.1 * 2**attempt)
+            except EngineDeadError as exc:
+                core.die(exc)
+                return
+        async with core.barrier.mutation(MutationKind.STAGE_SAMPLE):
+            if core.buffer.groups.get(group.group_id) is not group:
+                return  # evicted while generating
+            core.buffer.stage(group.group_id, sample)
+            self.siblings[group.group_id].pop(index, None)
+            self.staging.pop(key, None)
+            last = group.complete  # exactly one sibling's task stages the last one
+            if last:
+                core.buffer.finish(group.group_id)
+        if last:
+            await self.finish(group)
+
+    # --- finishing -------------------------------------------------------------------------
+
+    def finish_later(self, group: Group) -> None:
+        """Runs the finishing stage of a FINISHING group in a task of its own (after a
+        restore)."""
+        self.siblings.setdefault(group.group_id, {})
+        self.core.watched(
+            asyncio.create_task(self.finish(group), name=f"rolloutd-finish-g{group.group_id}")
+        )
+
+    async def finish(self, group: Group) -> None:
+        """Asks the finishing stage about a FINISHING group, outside the barrier, then commits
+        or drops it as the stage decides. A stage that fails drops the group with the error."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._finishing[group.group_id] = task  # type: ignore[assignment]
+        try:
+            view = FinishingGroup(
+                group.group_id,
+                group.meta.prompt,
+                group.meta.position,
+                group.meta.policy_version,
+                group.ordered_samples(),
+            )
+            try:
+                verdict = await self.stage.finish(view)
+            except Exception as exc:  # the stage is the operator's code: its failure is the group's
+                log.exception("finishing stage failed on group %d", group.group_id)
+                verdict = Verdict(f"finishing stage failed: {type(exc).__name__}: {exc}")
+        finally:
+            if self._finishing.get(group.group_id) is task:
+                del self._finishing[group.group_id]
+        if verdict.commits:
+            await self._commit(group)
+        else:
+            assert verdict.drop_reason is not None
+            await self.drop(group.group_id, verdict.drop_reason)
+
+    async def _commit(self, group: Group) -> None:
+        core = self.core
+        async with core.barrier.mutation(MutationKind.COMMIT_GROUP):
+            if (
+                core.buffer.groups.get(group.group_id) is not group
+                or group.state is not GroupState.FINISHING
+            ):
+                return
+            now = core.clock()
+            # read before the commit: it may seal the rows, and reading them would decode them
+            tokens = group.generated_tokens
+            prompt_tokens = len(group.samples[0].prompt_token_ids)
+            core.buffer.commit(group.group_id, now)
+            self.siblings.pop(group.group_id, None)
+            core.counters.committed_groups += 1
+            core.counters.committed_tokens += tokens
+        self._trace_headers.pop(group.group_id, None)
+        core.observer.group_committed(
+            GroupCommitted(
+                group.group_id,
+                tokens,
+                exact=True,
+                completion_s=now - group.meta.admitted_at,
+                prompt_tokens=prompt_tokens,
+                group_size=group.meta.group_size,
+            )
+        )
+        await core.notify()
+
+    async def drop(self, group_id: int, why: str, *, error: bool = False) -> None:
+        """Drops a group (an engine error, or the finishing stage's verdict): its prompt
+        position counts as consumed."""
+        core = self.core
+        async with core.barrier.mutation(MutationKind.EVICT):
+            if group_id not in core.buffer.groups:
+                return
+            await self.cancel(group_id)
+            core.buffer.remove(group_id, GroupState.DROPPED)
+            core.counters.dropped_groups += 1
+        self._abandoned(group_id, why)
+        # an engine error is a fault; a verdict is routine (counted), so it logs at DEBUG
+        log.log(logging.ERROR if error else logging.DEBUG, "group %d dropped: %s", group_id, why)
+        await core.notify()
+
+    async def cancel(self, group_id: int) -> None:
+        """Aborts a group's running siblings and its finishing stage (inside a mutation)."""
+        current = asyncio.current_task()
+        tasks = self.siblings.pop(group_id, {})
+        for index in tasks:
+            self.staging.pop((group_id, index), None)
+        await self.core.engine.abort([request_id(group_id, i) for i in tasks])
+        finishing = self._finishing.pop(group_id, None)
+        for task in [*tasks.values(), *([finishing] if finishing else [])]:
+            if task is not current:
+                task.cancel()
+
+    def _abandoned(self, group_id: int, reason: str) -> None:
+        if self._trace_headers.pop(group_id, None) is not None:
+            self.core.observer.generation_abandoned(group_id, reason)
+
+    async def stop(self) -> None:
+        """Aborts every running sibling and finishing stage; staged siblings stay."""
+        tasks = [t for sibs in self.siblings.values() for t in sibs.values()]
+        await self.core.engine.abort(
+            [request_id(gid, i) for gid, s in self.siblings.items() for i in s]
+        )
+        tasks += self._finishing.values()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def partials(self) -> tuple[PartialSibling, ...]:
+        """The tokens of every generating sibling so far (constant time each: a reference and a
+        length); inside the exclusive hold."""
+        return tuple(
+            PartialSibling(gid, index, chunks, len(chunks))
+            for (gid, index), chunks in self.staging.items()
+            if chunks
+        )
+
+    @property
+    def inflight_samples(self) -> int:
+        return sum(len(s) for s in self.siblings.values())
+
+    # --- weights ---------------------------------------------------------------------------
+
+    async def update_weights(
+        self, version: int, weights_path: str, *, timeline: WeightsTimeline | None = None
+    ) -> int:
+        """Loads new weights, bumps the policy version, evicts groups now too stale.
+
+        An engine that fails while loading may hold a mix of old and new weights: the controller
+        then stops (not ready) rather than generate from them.
+        """
+        core = self.core
+        if version <= core.policy_version:
+            raise InvalidArgument(
+                "version", f"must be greater than the current policy version {core.policy_version}"
+            )
+        if not weights_path:
+            raise InvalidArgument("weights_path", "must not be empty")
+        core.check_serving()
+        try:
+            await core.engine.update_weights(weights_path, version, timeline=timeline)
+        except EngineDeadError as exc:
+            core.die(exc)
+            raise Unavailable(f"the service is not ready: {exc}") from exc
+        except EngineError as exc:  # refused before anything was loaded (a wrong path)
+            raise InvalidArgument("weights_path", str(exc)) from exc
+        core.policy_version, core.weights_path = version, weights_path
+        return await self.evict_stale()
+
+    async def evict_stale(self) -> int:
+        core = self.core
+        limit = core.policy_version - core.config.max_staleness
+        async with core.barrier.mutation(MutationKind.EVICT):
+            stale = [
+                g
+                for g in core.buffer.groups.values()
+                if g.policy_version < limit  # not g.meta: a restored group's stays undecoded
+                and g.state in (GroupState.GENERATING, GroupState.FINISHING, GroupState.COMMITTED)
+            ]
+            for g in stale:
+                self._abandoned(g.group_id, "evicted: too stale")
+                await self.cancel(g.group_id)
+                core.buffer.remove(g.group_id, GroupState.EVICTED)
+                core.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
+            core.counters.evicted_groups += len(stale)
+        if stale:
+            core.observer.groups_evicted(len(stale))
+            await core.notify()
+        return len(stale)

@@ -1,0 +1,334 @@
+"""Recovery: the controller's state in and out of snapshots, and what a restart resumes.
+
+``capture()`` takes a consistent cut under the checkpoint's exclusive hold. A restore
+(``checkpoint/restore.py``) resolves, verifies and reads a snapshot and the journal after it, and
+hands them to :meth:`Recovery.recover` once, as one :class:`Recovered` value, before the
+controller starts. ``recover`` times its own phases (``replay_metadata``, ``recovery_ledger``,
+``redispatch``):
+
+* the whole state goes in: leases that have not expired stay granted (their ack succeeds after
+  the restart), the groups of expired ones become available again;
+* what was journaled after the snapshot is applied in journal order: acks through the one ack
+  path, live lease grants granted again, accepted prompts queued again, the id counter moved past
+  every reserved and journaled id;
+* unfinished groups resume: staged siblings are reused and missing ones continue from the tokens
+  the snapshot held (granularity ``token``), start again (``sibling``), or the whole group is
+  generated again (``group``); a FINISHING group goes to the finishing stage again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from rolloutd.domain.buffer import RolloutBuffer, restored_groups
+from rolloutd.domain.core import Core
+from rolloutd.domain.delivery import Delivery
+from rolloutd.domain.errors import InvariantError, RestoreRefused
+from rolloutd.domain.generation import ID_BITS, Generation, local_id
+from rolloutd.domain.group import UNFINISHED, Group, GroupState, GroupTable
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.partial import PartialSibling
+from rolloutd.domain.report import (
+    Disposition,
+    PhaseClock,
+    RecoveryState,
+    RestorePhase,
+    TokenDisposition,
+)
+from rolloutd.domain.state import (
+    ControllerState,
+    IdReservation,
+    Journaled,
+    JournaledLease,
+    JournaledSubmission,
+    LostLease,
+)
+
+
+class Granularity(enum.Enum):
+    """What a restore generates again of an unfinished group (``recovery.granularity``)."""
+
+    TOKEN = "token"
+    """Missing siblings continue from the tokens the snapshot captured."""
+    SIBLING = "sibling"
+    """Missing siblings start again from their first token."""
+    GROUP = "group"
+    """The whole group is generated again."""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a restore read, handed to the controller once."""
+
+    state: ControllerState | None
+    """The snapshot's whole state, partial siblings included (None: no snapshot; the journal
+    alone is replayed into the fresh controller)."""
+    buffer: RolloutBuffer | None
+    """The state's buffer from :meth:`Recovery.prepare`, its verified rows kept (None: built
+    from ``state`` here)."""
+    journal: Callable[[], Sequence[Journaled]]
+    """Reads what the journal holds after the snapshot, in journal order: called once, on a
+    thread, in the ``recovery_ledger`` phase."""
+    granularity: Granularity = Granularity.TOKEN
+
+
+@dataclass
+class RecoveryCounts:
+    """What :meth:`Recovery.recover` found and did, for the restore's report."""
+
+    groups: dict[RecoveryState, int] = field(default_factory=dict)
+    siblings: dict[Disposition, int] = field(default_factory=dict)
+    tokens: dict[TokenDisposition, int] = field(default_factory=dict)
+    redispatch_s: float = 0.0
+    events: int = 0
+    """Journal records replayed."""
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """What resuming one unfinished group did."""
+
+    rerun: list[int]
+    """Siblings generated (again or continued)."""
+    continued: list[int]
+    """Of those, the ones continued from their partial tokens."""
+    reused_tokens: int
+    """Partial tokens continued from."""
+    regenerated_tokens: int
+    """Partial tokens the snapshot held but that are generated again."""
+
+
+class Recovery:
+    """Capture and restore of the controller's state; see the module docstring."""
+
+    def __init__(self, core: Core, generation: Generation, delivery: Delivery) -> None:
+        self.core = core
+        self.generation = generation
+        self.delivery = delivery
+        self._partials: dict[tuple[int, int], PartialSibling] = {}
+        """Partial siblings a restore found, until their group resumes (or the restore ends)."""
+
+    # --- out -------------------------------------------------------------------------------
+
+    def capture(self) -> ControllerState:
+        """The changes since the last capture and the rest of the state, no I/O: pointer work
+        proportional to the changed rows and groups, plus copies of the lease and ack tables and
+        of the sampler's queues (bounded by leases and acks outstanding, not by the buffer), plus
+        one reference and one length per generating sibling (its partial tokens, whole).
+        Call only while holding the barrier exclusively."""
+        core = self.core
+        if not core.barrier.exclusive_held:
+            raise RuntimeError("capture() needs the exclusive hold of the barrier")
+        self.delivery.apply_durable_acks()
+        return ControllerState(
+            buffer=core.buffer.capture(),
+            sampler=core.sampler.capture(),
+            counters=replace(core.counters),
+            # the next id a restore may issue: past every id that may have been handed out
+            next_group_id=max(core.next_group_id, core.ids_reserved_through + 1),
+            policy_version=core.policy_version,
+            weights_path=core.weights_path,
+            max_acked_step=core.max_acked_step,
+            finalized_through=core.finalized_through,
+            lost_acks=tuple(core.lost_acks),
+            lost_leases=tuple(
+                LostLease(lease_id, tuple(lost), tuple(lost.values()))
+                for lease_id, lost in core.lost_leased.items()
+            ),
+            partials=self.generation.partials(),
+        )
+
+    def capture_failed(self, state: ControllerState) -> None:
+        """Hands back a capture whose snapshot failed, so the next capture includes it."""
+        self.core.buffer.restore_uncaptured(state.buffer)
+
+    # --- in --------------------------------------------------------------------------------
+
+    def prepare(self, state: ControllerState) -> RolloutBuffer:
+        """The buffer of ``state``, built apart from the controller, so that a restore builds it
+        while the snapshot's rows are still being read and verified (the state holds none of
+        them yet: :meth:`RolloutBuffer.keep_rows` gives them once they verify). Touches nothing
+        of the controller.
+
+        Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
+        position (admission would create a second group for a buffered position).
+        """
+        cursor = state.sampler.cursor
+        groups = restored_groups(state.buffer.groups)
+        ahead = sorted(map(str, groups.positions_from(cursor.epoch, cursor.offset)))
+        if ahead:
+            raise RestoreRefused(
+                f"sampler cursor {cursor} is not ahead of restored group positions "
+                + ", ".join(ahead[:10])
+                + (" ..." if len(ahead) > 10 else "")
+            )
+        buffer = RolloutBuffer(self.core.buffer.sealer)
+        buffer.load(replace(state.buffer, groups=groups))
+        return buffer
+
+    async def recover(self, recovered: Recovered, clock: PhaseClock) -> RecoveryCounts:
+        """Rebuilds the controller from what a restore read, before ``start()``; see the module
+        docstring. Raises :class:`RestoreRefused` as :meth:`prepare` does."""
+        counts = RecoveryCounts()
+        state = recovered.state
+        if state is None:
+            with clock.phase(RestorePhase.RECOVERY_LEDGER):
+                counts.events = await self._replay(recovered.journal)
+            return counts
+        table = restored_groups(state.buffer.groups)
+        counts.groups = _found(table)
+        with clock.phase(RestorePhase.REPLAY_METADATA):
+            await self._load(state, recovered.buffer or self.prepare(state))
+        with clock.phase(RestorePhase.RECOVERY_LEDGER):
+            counts.events = await self._replay(recovered.journal)
+        with clock.phase(RestorePhase.REDISPATCH):
+            started = time.perf_counter()
+            # a journal replay can end a group's generation (never start one): the snapshot's
+            # unfinished groups are all there is to look at
+            await self._resume(table.unfinished(), recovered.granularity, counts)
+            counts.redispatch_s = time.perf_counter() - started
+        return counts
+
+    async def _load(self, state: ControllerState, prepared: RolloutBuffer) -> None:
+        core = self.core
+        if core.buffer.groups:
+            raise InvariantError("restore into a non-empty buffer")
+        async with core.barrier.mutation(MutationKind.RESTORE):
+            core.sampler.restore(state.sampler)
+            core.buffer = prepared
+            core.counters = replace(state.counters)
+            core.next_group_id = state.next_group_id
+            core.max_acked_step = state.max_acked_step
+            core.finalized_through = state.finalized_through
+            core.lost_acks = list(state.lost_acks)
+            core.lost_leased = {
+                lost.lease_id: dict(zip(lost.group_ids, lost.admissions, strict=True))
+                for lost in state.lost_leases
+            }
+            for lease in core.buffer.expired_leases(core.clock()):
+                self.delivery.requeue(lease.lease_id)
+        if state.weights_path and state.policy_version > core.engine.policy_version:
+            await core.engine.update_weights(state.weights_path, state.policy_version)
+        core.policy_version, core.weights_path = state.policy_version, state.weights_path
+        self._partials = {(p.group_id, p.index): p for p in state.partials}
+
+    async def _replay(self, journal: Callable[[], Sequence[Journaled]]) -> int:
+        """Applies what was journaled after the restored snapshot (see the module docstring);
+        returns how many records."""
+        core = self.core
+        events = await asyncio.to_thread(journal)
+        now = core.clock()
+        async with core.barrier.mutation(MutationKind.RESTORE):
+            for event in events:
+                if isinstance(event, IdReservation):
+                    core.next_group_id = max(core.next_group_id, event.through + 1)
+                elif isinstance(event, JournaledSubmission):
+                    core.sampler.submit(event.prompts, bounded=False)
+                elif isinstance(event, JournaledLease):
+                    self._bump_ids(event.lease.group_ids)
+                    if event.lease.expires_at > now:
+                        self._regrant(event)
+                else:
+                    self._bump_ids(event.record.group_ids)
+                    core.lost_leased.pop(event.record.lease_id, None)
+                    self.delivery.apply_ack(event)
+        return len(events)
+
+    def _bump_ids(self, group_ids: Iterable[int]) -> None:
+        core = self.core
+        mine = [local_id(g) for g in group_ids if g >> ID_BITS == core.config.replica]
+        if mine:
+            core.next_group_id = max(core.next_group_id, max(mine) + 1)
+
+    def _regrant(self, event: JournaledLease) -> None:
+        """A live lease from the journal, granted again (inside the RESTORE mutation)."""
+        core = self.core
+        buffer = core.buffer
+        lease = event.lease
+        if lease.lease_id in buffer.acks or lease.lease_id in buffer.finalized_leases:
+            return
+        if lease.lease_id in buffer.leases:
+            buffer.requeue(lease.lease_id)
+        held = tuple(
+            g
+            for g in lease.group_ids
+            if g in buffer.groups and buffer.groups[g].state is GroupState.COMMITTED
+        )
+        for gid in lease.group_ids:
+            g = buffer.groups.get(gid)
+            if g is not None and g.state in UNFINISHED:
+                buffer.remove(gid, GroupState.LOST)  # finished and leased after the snapshot
+        lost = {g: event.admissions[g] for g in lease.group_ids if g not in held}
+        for admission in lost.values():
+            core.sampler.skip(admission)
+        buffer.grant(replace(lease, group_ids=held))
+        if lost:
+            core.lost_leased[lease.lease_id] = lost
+
+    async def _resume(
+        self, unfinished: list[int], granularity: Granularity, counts: RecoveryCounts
+    ) -> None:
+        reused = rerun = tokens_reused = tokens_regenerated = 0
+        groups = self.core.buffer.groups
+        for g in (groups[gid] for gid in unfinished if gid in groups):
+            if g.state is GroupState.FINISHING:
+                self.generation.finish_later(g)
+                continue
+            staged = len(g.samples)
+            done = await self.resume_group(
+                g,
+                rerun_all=granularity is Granularity.GROUP,
+                from_tokens=granularity is Granularity.TOKEN,
+            )
+            rerun += len(done.rerun)
+            reused += staged if granularity is not Granularity.GROUP else 0
+            tokens_reused += done.reused_tokens
+            tokens_regenerated += done.regenerated_tokens
+        counts.siblings = {Disposition.REUSED: reused, Disposition.RERUN: rerun}
+        counts.tokens = {
+            TokenDisposition.REUSED: tokens_reused,
+            TokenDisposition.REGENERATED: tokens_regenerated,
+        }
+        self._partials = {}
+
+    async def resume_group(
+        self, group: Group, *, rerun_all: bool, from_tokens: bool = False
+    ) -> Resumption:
+        """Generates a GENERATING group's missing siblings (or all of them). With
+        ``from_tokens`` a missing sibling whose partial tokens the snapshot held continues from
+        them; otherwise they are discarded and the sibling starts again. A group whose siblings
+        are all staged (a snapshot taken before the finishing stage existed) is finished."""
+        core = self.core
+        if rerun_all and group.samples:
+            async with core.barrier.mutation(MutationKind.RESTORE):
+                core.buffer.drop_samples(group.group_id)
+        missing = group.missing
+        found = {
+            i: self._partials.pop((group.group_id, i), None) for i in range(group.meta.group_size)
+        }
+        held = {i: p for i, p in found.items() if p is not None}
+        prefixes = {i: p for i, p in held.items() if from_tokens and i in missing}
+        if not missing:
+            async with core.barrier.mutation(MutationKind.RESTORE):
+                core.buffer.finish(group.group_id)
+            self.generation.finish_later(group)
+        else:
+            self.generation.dispatch(group, missing, prefixes)
+        total = sum(len(p) for p in held.values())
+        reused = sum(len(p) for p in prefixes.values())
+        return Resumption(missing, sorted(prefixes), reused, total - reused)
+
+
+def _found(table: GroupTable) -> dict[RecoveryState, int]:
+    """Groups by the state the snapshot found them in (leases are requeued after)."""
+    found = table.counts()
+    return {
+        RecoveryState.COMMITTED: found[GroupState.COMMITTED],
+        RecoveryState.LEASED: found[GroupState.LEASED],
+        RecoveryState.ACKED: found[GroupState.ACKED],
+        RecoveryState.UNFINISHED: sum(found[s] for s in UNFINISHED),
+    }
