@@ -159,3 +159,30 @@ async def test_while_no_span_would_be_recorded_a_handler_logs_in_the_callers_tra
     ]
     assert server_span.parent is not None
     assert server_span.parent.span_id == client_span.context.span_id
+
+
+async def test_a_response_streaming_call_gets_the_conventional_span_name(span_exporter):
+    provider, exporter = span_exporter
+
+    async def count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield str(i).encode()
+
+    server = grpc.aio.server(interceptors=server_interceptors(provider))
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE, {"Count": grpc.unary_stream_rpc_method_handler(count)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            replies = [r async for r in channel.unary_stream(f"/{SERVICE}/Count")(b"x")]
+    finally:
+        await server.stop(None)
+    assert replies == [b"0", b"1", b"2"]
+    [server_span] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert server_span.name == f"{SERVICE}/Count"

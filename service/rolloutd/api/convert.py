@@ -65,10 +65,6 @@ def _sample_fields(s: Sample) -> dict[str, Any]:
     }
 
 
-def sample_to_proto(s: Sample) -> pb.Sample:
-    return pb.Sample(**_sample_fields(s))
-
-
 def group_to_proto(g: Group) -> pb.Group:
     """The group with its samples built in place (a list of built samples passed to
     ``pb.Group`` would be copied into it): ``FetchGroups`` builds one per delivered group."""

@@ -9,7 +9,7 @@ from ``rollout_source.binpb`` (written by scripts/gen_proto.py with source info)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from importlib import resources
 from typing import Any
 
@@ -30,15 +30,25 @@ def _source_info() -> dict[str, SourceCodeInfo]:
     return {f.name: f.source_code_info for f in FileDescriptorSet.FromString(raw).file}
 
 
-class _DocumentedReflection(reflection.aio.ReflectionServicer):
-    """Adds the comments (source info) to the descriptors of the API's own file; everything
-    else is what the stock servicer sends."""
+class _DocumentedReflection:
+    """The stock servicer, with the comments (source info) added to the descriptors of the API's
+    own file; everything else is what the stock servicer sends.
+
+    It wraps the stock servicer's one public method, the RPC itself, so no private method of
+    grpcio-reflection is overridden: every response that carries files passes through
+    :meth:`_documented` on its way out."""
 
     def __init__(self, service_names: Iterable[str]) -> None:
-        super().__init__(service_names)
+        self._stock = reflection.aio.ReflectionServicer(service_names)
         self._source_info = _source_info()
 
-    def _documented_response(self, response: Any) -> Any:
+    async def ServerReflectionInfo(
+        self, request_iterator: AsyncIterable[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for response in self._stock.ServerReflectionInfo(request_iterator, context):
+            yield self._documented(response)
+
+    def _documented(self, response: Any) -> Any:
         if response.HasField("file_descriptor_response"):
             files = response.file_descriptor_response.file_descriptor_proto
             for i, raw in enumerate(files):
@@ -47,14 +57,6 @@ class _DocumentedReflection(reflection.aio.ReflectionServicer):
                     proto.source_code_info.CopyFrom(self._source_info[proto.name])
                     files[i] = proto.SerializeToString()
         return response
-
-    def _file_by_filename(self, request: Any, filename: str) -> Any:
-        return self._documented_response(super()._file_by_filename(request, filename))
-
-    def _file_containing_symbol(self, request: Any, fully_qualified_name: str) -> Any:
-        return self._documented_response(
-            super()._file_containing_symbol(request, fully_qualified_name)
-        )
 
 
 def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> None:

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import attach, detach
-from opentelemetry.instrumentation.grpc import client_interceptor
-from opentelemetry.instrumentation.grpc._aio_server import OpenTelemetryAioServerInterceptor
-from opentelemetry.instrumentation.grpc.version import __version__ as instrumentation_version
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, client_interceptor
 from opentelemetry.propagate import extract
-from opentelemetry.trace import Span, TracerProvider
+from opentelemetry.trace import TracerProvider
 
 
 def span_name(full_method: str) -> str:
@@ -89,35 +86,83 @@ def _without_span(path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHa
     return handler
 
 
-class _ServerInterceptor(OpenTelemetryAioServerInterceptor):
-    """The instrumentation's aio server interceptor, with conventional span names (it names
-    spans by the raw method path, ``/package.Service/Method``), that builds no span while
-    ``records()`` says none would be recorded."""
+def _renamed(path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` giving the server span, current while it runs, its conventional name."""
+    name = span_name(path)
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            _naming_span(name, handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(
+            _naming_span(name, handler.stream_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            _naming_span_of_stream(name, handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        _naming_span_of_stream(name, handler.stream_stream),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
-    def __init__(self, tracer: trace.Tracer, records: Callable[[], bool]) -> None:
-        super().__init__(tracer)
+
+def _naming_span(name: str, behavior: Handler) -> Handler:
+    async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        trace.get_current_span().update_name(name)
+        return await behavior(request, context)
+
+    return run
+
+
+def _naming_span_of_stream(
+    name: str, behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        trace.get_current_span().update_name(name)
+        async for response in behavior(request, context):
+            yield response
+
+    return run
+
+
+class _ServerInterceptor(grpc.aio.ServerInterceptor):
+    """The instrumentation's aio server interceptor (built by its public
+    ``aio_server_interceptor``), with conventional span names (it names spans by the raw method
+    path, ``/package.Service/Method``), that builds no span while ``records()`` says none would
+    be recorded.
+
+    The instrumentation makes its span current while the handler runs; the handler it is given
+    renames that span first thing, before any span of the handler's own is started below it."""
+
+    def __init__(self, tracer_provider: TracerProvider | None, records: Callable[[], bool]):
+        self._traced = aio_server_interceptor(tracer_provider=tracer_provider)
         self._records = records
         self._unrecorded = _HandlerCache(_without_span)
+        self._named = _HandlerCache(_renamed)
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if self._records():
-            return await super().intercept_service(continuation, handler_call_details)
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        return self._unrecorded(handler_call_details.method, handler)  # type: ignore[attr-defined]
+        path: str = handler_call_details.method  # type: ignore[attr-defined]
+        if not self._records():
+            handler = await continuation(handler_call_details)
+            return None if handler is None else self._unrecorded(path, handler)
 
-    @contextmanager
-    def _start_span(
-        self, handler_call_details: Any, context: Any, set_status_on_exception: bool = False
-    ) -> Iterator[Span]:
-        with super()._start_span(handler_call_details, context, set_status_on_exception) as span:
-            span.update_name(span_name(handler_call_details.method))
-            yield span
+        async def named(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            handler = await continuation(details)
+            return None if handler is None else self._named(path, handler)
+
+        return await self._traced.intercept_service(named, handler_call_details)
 
 
 def server_interceptors(
@@ -129,13 +174,7 @@ def server_interceptors(
 
     ``records``: whether a span started now could be recorded; while it says no, handlers run
     in the caller's context without a server span of their own (see the module docstring)."""
-    tracer = trace.get_tracer(
-        "opentelemetry.instrumentation.grpc",
-        instrumentation_version,
-        tracer_provider,
-        schema_url="https://opentelemetry.io/schemas/1.11.0",
-    )
-    return [_ServerInterceptor(tracer, records)]
+    return [_ServerInterceptor(tracer_provider, records)]
 
 
 class _ClientInfo(NamedTuple):

@@ -3,6 +3,11 @@
 Derived with the exporter's own mapping (the OpenTelemetry-to-Prometheus compatibility rules: dots
 to underscores, unit suffix, ``_total`` for counters); a test checks every name against a real
 ``/metrics`` scrape, so a change in the exporter shows up as a failing test, not a stale document.
+
+The exporter keeps that mapping in a private module (``_mapping``) and exposes no public way to ask
+for a name; this module is the one place that imports it. ``pyproject.toml`` pins
+``opentelemetry-exporter-prometheus`` to the versions it was checked against, and
+``tests/telemetry/test_prometheus.py`` fails when an upgrade moves or changes the three functions.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Tracer and meter providers, configured the OpenTelemetry way: explicit argument, then the
-standard ``OTEL_*`` environment, then a default.
-
-Honoured: ``OTEL_SDK_DISABLED``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
-``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` (comma lists of ``otlp``, ``console``,
-``none``; ``prometheus`` is accepted for metrics and always on), ``OTEL_EXPORTER_OTLP_ENDPOINT``
-and ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc``, ``http/protobuf``) with their per-signal
-``_TRACES_`` / ``_METRICS_`` variants, ``OTEL_METRIC_EXPORT_INTERVAL`` (ms),
-``OTEL_TRACES_SAMPLER`` (+ ``_ARG``); headers, TLS, compression, ``OTEL_EXPORTER_OTLP_TIMEOUT`` and
-``OTEL_BSP_*`` are read by the SDK and exporters themselves.
-
-Two deliberate defaults: the OTLP protocol defaults to ``grpc`` (as the Python SDK's ``otlp``
-exporter does), and when neither an exporter nor any OTLP endpoint is configured nothing is
-exported over OTLP (a laptop without a collector should not log export errors); the Prometheus
-reader behind the admin app's ``/metrics`` is always there.
+"""Tracer and meter providers built from :mod:`~rolloutd.telemetry.settings` (explicit argument,
+then the standard ``OTEL_*`` environment, then a default), the service's resource, and their
+bounded shutdown.
 
 Nothing here sets the global providers: the service passes its providers explicitly, so tests
 and embedded use never fight over process-wide state.
@@ -22,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import enum
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -49,23 +35,25 @@ from opentelemetry.sdk.resources import (
     OTELResourceDetector,
     Resource,
 )
-from opentelemetry.sdk.trace import SpanProcessor
-from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.sdk.trace.sampling import Sampler
 from prometheus_client import CollectorRegistry
 
 from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.observer import TelemetryObserver
+from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
+from rolloutd.telemetry.settings import (
+    ExporterName,
+    OtlpProtocol,
+    SignalExport,
+    TelemetrySettings,
+    env,
+    resolve_settings,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SERVICE_NAME = "rolloutd"
-DEFAULT_METRIC_EXPORT_INTERVAL_S = 60.0
-DEFAULT_LOG_INTERVAL_S = 60.0
 
 KUBERNETES_ENV: Mapping[str, tuple[str, ...]] = {
     "k8s.pod.name": ("K8S_POD_NAME", "POD_NAME"),
@@ -76,188 +64,11 @@ KUBERNETES_ENV: Mapping[str, tuple[str, ...]] = {
 """Resource attribute <- downward-API environment variables, first one set wins."""
 
 
-class Signal(enum.Enum):
-    TRACES = "traces"
-    METRICS = "metrics"
-
-
-class ExporterName(enum.Enum):
-    OTLP = "otlp"
-    CONSOLE = "console"
-    NONE = "none"
-    PROMETHEUS = "prometheus"
-    """Metrics only; the Prometheus reader is always on, so this adds nothing."""
-
-
-class OtlpProtocol(enum.Enum):
-    GRPC = "grpc"
-    HTTP_PROTOBUF = "http/protobuf"
-
-
-@dataclass(frozen=True)
-class SignalExport:
-    """Where one signal goes."""
-
-    exporters: tuple[ExporterName, ...]
-    protocol: OtlpProtocol
-    endpoint: str | None
-    """Full OTLP endpoint (with ``/v1/<signal>`` for HTTP); None: the exporter's default."""
-
-
-@dataclass(frozen=True)
-class TelemetrySettings:
-    disabled: bool
-    service_name: str
-    traces: SignalExport
-    metrics: SignalExport
-    metric_export_interval_s: float
-    export_timeout_s: float | None
-    """None: the exporters' own (``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s)."""
-    sampler: Sampler | None
-    """None: ``OTEL_TRACES_SAMPLER``, read by the SDK (default parentbased_always_on)."""
-    resource_attributes: Mapping[str, str] = field(default_factory=dict)
-    """Explicit resource attributes; they win over ``OTEL_RESOURCE_ATTRIBUTES``."""
-    log_interval_s: float = DEFAULT_LOG_INTERVAL_S
-    """Export failures of one kind are logged at most once per interval."""
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(name, "").strip()
-    return value or None
-
-
-def _protocol(signal: Signal, explicit: OtlpProtocol | None) -> OtlpProtocol:
-    if explicit is not None:
-        return explicit
-    key = f"OTEL_EXPORTER_OTLP_{signal.name}_PROTOCOL"
-    raw = _env(key) or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
-    if raw is None:
-        return OtlpProtocol.GRPC
-    try:
-        return OtlpProtocol(raw)
-    except ValueError:
-        logger.warning("OTLP protocol %r is not grpc or http/protobuf; using grpc", raw)
-        return OtlpProtocol.GRPC
-
-
-def _endpoint(signal: Signal, protocol: OtlpProtocol, explicit_base: str | None) -> str | None:
-    def from_base(base: str) -> str:
-        if protocol is OtlpProtocol.GRPC:
-            return base
-        return f"{base.rstrip('/')}/v1/{signal.value}"
-
-    if explicit_base is not None:
-        return from_base(explicit_base)
-    specific = _env(f"OTEL_EXPORTER_OTLP_{signal.name}_ENDPOINT")
-    if specific is not None:
-        return specific
-    base = _env("OTEL_EXPORTER_OTLP_ENDPOINT")
-    return None if base is None else from_base(base)
-
-
-def _exporters(
-    signal: Signal, explicit: Sequence[ExporterName] | None, endpoint_configured: bool
-) -> tuple[ExporterName, ...]:
-    if explicit is not None:
-        names = tuple(explicit)
-    elif (raw := _env(f"OTEL_{signal.name}_EXPORTER")) is not None:
-        parsed: list[ExporterName] = []
-        for part in (p.strip() for p in raw.split(",") if p.strip()):
-            try:
-                parsed.append(ExporterName(part))
-            except ValueError:
-                logger.warning(
-                    "OTEL_%s_EXPORTER: unsupported exporter %r ignored", signal.name, part
-                )
-        names = tuple(parsed)
-    else:
-        names = (ExporterName.OTLP,) if endpoint_configured else ()
-    if signal is Signal.TRACES and ExporterName.PROMETHEUS in names:
-        logger.warning("OTEL_TRACES_EXPORTER: prometheus exports metrics only; ignored for traces")
-    return tuple(n for n in names if n not in (ExporterName.NONE, ExporterName.PROMETHEUS))
-
-
-def _signal(
-    signal: Signal,
-    exporters: Sequence[ExporterName] | None,
-    protocol: OtlpProtocol | None,
-    endpoint: str | None,
-) -> SignalExport:
-    resolved_protocol = _protocol(signal, protocol)
-    resolved_endpoint = _endpoint(signal, resolved_protocol, endpoint)
-    return SignalExport(
-        _exporters(signal, exporters, resolved_endpoint is not None),
-        resolved_protocol,
-        resolved_endpoint,
-    )
-
-
-def _interval_s(explicit: float | None) -> float:
-    if explicit is not None:
-        return explicit
-    raw = _env("OTEL_METRIC_EXPORT_INTERVAL")
-    if raw is None:
-        return DEFAULT_METRIC_EXPORT_INTERVAL_S
-    try:
-        interval_ms = float(raw)
-    except ValueError:
-        interval_ms = 0.0
-    if interval_ms <= 0:
-        logger.warning("OTEL_METRIC_EXPORT_INTERVAL=%r is not a positive number of ms", raw)
-        return DEFAULT_METRIC_EXPORT_INTERVAL_S
-    return interval_ms / 1000
-
-
-def _service_name(explicit: str | None) -> str:
-    if explicit is not None:
-        return explicit
-    if (name := _env("OTEL_SERVICE_NAME")) is not None:
-        return name
-    detected = OTELResourceDetector().detect().attributes.get(SERVICE_NAME)
-    return str(detected) if detected else DEFAULT_SERVICE_NAME
-
-
-def resolve_settings(
-    *,
-    disabled: bool = False,
-    service_name: str | None = None,
-    otlp_endpoint: str | None = None,
-    otlp_protocol: OtlpProtocol | None = None,
-    traces_exporters: Sequence[ExporterName] | None = None,
-    metrics_exporters: Sequence[ExporterName] | None = None,
-    metric_export_interval_s: float | None = None,
-    export_timeout_s: float | None = None,
-    sampler: Sampler | None = None,
-    resource_attributes: Mapping[str, str] | None = None,
-    log_interval_s: float | None = None,
-) -> TelemetrySettings:
-    """Each argument given wins over its environment variable, which wins over the default.
-
-    ``disabled`` can only turn telemetry off: the SDK providers honour ``OTEL_SDK_DISABLED``
-    themselves, so ``disabled=False`` does not override ``OTEL_SDK_DISABLED=true``.
-
-    ``otlp_endpoint`` is a base URL like ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``http://host:4317``);
-    for http/protobuf the signal path is appended.
-    """
-    env_disabled = (_env("OTEL_SDK_DISABLED") or "").lower() == "true"
-    return TelemetrySettings(
-        disabled=disabled or env_disabled,
-        service_name=_service_name(service_name),
-        traces=_signal(Signal.TRACES, traces_exporters, otlp_protocol, otlp_endpoint),
-        metrics=_signal(Signal.METRICS, metrics_exporters, otlp_protocol, otlp_endpoint),
-        metric_export_interval_s=_interval_s(metric_export_interval_s),
-        export_timeout_s=export_timeout_s,
-        sampler=sampler,
-        resource_attributes=dict(resource_attributes or {}),
-        log_interval_s=DEFAULT_LOG_INTERVAL_S if log_interval_s is None else log_interval_s,
-    )
-
-
 def instance_id() -> str:
     """Stable for the life of the process; the pod name where there is one (a StatefulSet pod
     keeps its name across restarts, so its series continue)."""
     for name in KUBERNETES_ENV["k8s.pod.name"]:
-        if (pod := _env(name)) is not None:
+        if (pod := env(name)) is not None:
             return pod
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -267,7 +78,7 @@ def build_resource(settings: TelemetrySettings) -> Resource:
     ``OTEL_RESOURCE_ATTRIBUTES``, overridden by explicit attributes."""
     defaults: dict[str, str] = {SERVICE_VERSION: __version__, SERVICE_INSTANCE_ID: instance_id()}
     for attribute, names in KUBERNETES_ENV.items():
-        value = next((v for n in names if (v := _env(n)) is not None), None)
+        value = next((v for n in names if (v := env(n)) is not None), None)
         if value is not None:
             defaults[attribute] = value
     explicit = {**settings.resource_attributes, SERVICE_NAME: settings.service_name}
@@ -323,22 +134,9 @@ def _metric_exporter(
     return HttpMetricExporter(endpoint=export.endpoint, timeout=timeout_s)
 
 
-class _ScrapeOnlyMeterProvider(SdkMeterProvider):
-    """The SDK meter provider feeding the admin port's Prometheus registry alone.
-
-    It stays live under ``OTEL_SDK_DISABLED``: the SDK reads that variable itself and would hand
-    out no-op meters, while the README promises /metrics on the admin port always. Nothing it
-    records leaves the process.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._disabled = False
-
-
 @dataclass(frozen=True)
 class _SdkProviders:
-    tracer: _TracerProvider
+    tracer: GatedTracerProvider
     meter: SdkMeterProvider
 
 
@@ -496,7 +294,7 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
             "OpenTelemetry SDK disabled (OTEL_SDK_DISABLED): no traces, nothing exported; "
             "/metrics stays on"
         )
-        scrape_only = _ScrapeOnlyMeterProvider(
+        scrape_only = ScrapeOnlyMeterProvider(
             metric_readers=[PrometheusMetricReader(registry=registry)],
             views=histogram_views(),
             shutdown_on_exit=False,
@@ -505,7 +303,7 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
     throttle.install(settings.log_interval_s)
     resource = build_resource(settings)
 
-    tracer_provider = _TracerProvider(
+    tracer_provider = GatedTracerProvider(
         resource=resource, sampler=settings.sampler, shutdown_on_exit=False
     )
     for name in settings.traces.exporters:
@@ -535,48 +333,6 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
         _describe(settings.metrics),
     )
     return Telemetry(settings, registry, resource, _SdkProviders(tracer_provider, meter_provider))
-
-
-class _UntilProcessed(Sampler):
-    """The configured sampler once spans have somewhere to go; until then every span is
-    dropped (a non-recording span that still carries the trace context). With no trace exporter
-    configured each RPC would otherwise build and end a span that no processor receives."""
-
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
-        self.processed = False
-
-    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
-        if self.processed:
-            return self.sampler.should_sample(*args, **kwargs)
-        return SamplingResult(Decision.DROP)
-
-    def get_description(self) -> str:
-        return f"UntilProcessed{{{self.sampler.get_description()}}}"
-
-
-class _TracerProvider(SdkTracerProvider):
-    """The SDK provider whose tracers record spans from the first span processor on
-    (``sampler`` stays the configured one; its tracers sample through :class:`_UntilProcessed`)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._gate = _UntilProcessed(self.sampler)
-
-    def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
-        tracer = super().get_tracer(*args, **kwargs)
-        if isinstance(tracer, SdkTracer):
-            tracer.sampler = self._gate
-        return tracer
-
-    def add_span_processor(self, span_processor: SpanProcessor) -> None:
-        super().add_span_processor(span_processor)
-        self._gate.processed = True
-
-    @property
-    def records_spans(self) -> bool:
-        """False while every span is dropped for want of a processor."""
-        return self._gate.processed
 
 
 def _describe(export: SignalExport) -> str:

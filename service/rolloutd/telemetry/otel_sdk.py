@@ -1,0 +1,76 @@
+"""The two places where rolloutd reaches past the OpenTelemetry SDK's public surface, kept here
+and nowhere else.
+
+- :class:`ScrapeOnlyMeterProvider` clears the meter provider's private ``_disabled`` flag, which
+  the SDK sets from ``OTEL_SDK_DISABLED`` in its constructor with no argument to override it.
+- :class:`GatedTracerProvider` sets the ``sampler`` of each SDK ``Tracer`` it hands out: the SDK
+  copies the provider's sampler into every tracer, and offers no way to give tracers a sampler
+  other than the provider's own (which must stay the configured one).
+
+``pyproject.toml`` pins ``opentelemetry-sdk`` to the minor versions these were checked against;
+``tests/telemetry/test_otel_sdk.py`` fails when an upgrade moves either member.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import SpanProcessor, Tracer, TracerProvider
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+
+class ScrapeOnlyMeterProvider(MeterProvider):
+    """The SDK meter provider feeding the admin port's Prometheus registry alone.
+
+    It stays live under ``OTEL_SDK_DISABLED``: the SDK reads that variable itself and would hand
+    out no-op meters, while the README promises /metrics on the admin port always. Nothing it
+    records leaves the process.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._disabled = False
+
+
+class UntilProcessed(Sampler):
+    """The configured sampler once spans have somewhere to go; until then every span is
+    dropped (a non-recording span that still carries the trace context). With no trace exporter
+    configured each RPC would otherwise build and end a span that no processor receives."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.processed = False
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        if self.processed:
+            return self.sampler.should_sample(*args, **kwargs)
+        return SamplingResult(Decision.DROP)
+
+    def get_description(self) -> str:
+        return f"UntilProcessed{{{self.sampler.get_description()}}}"
+
+
+class GatedTracerProvider(TracerProvider):
+    """The SDK provider whose tracers record spans from the first span processor on
+    (``sampler`` stays the configured one; its tracers sample through :class:`UntilProcessed`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = UntilProcessed(self.sampler)
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
+        tracer = super().get_tracer(*args, **kwargs)
+        if isinstance(tracer, Tracer):
+            tracer.sampler = self.gate
+        return tracer
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        self.gate.processed = True
+
+    @property
+    def records_spans(self) -> bool:
+        """False while every span is dropped for want of a processor."""
+        return self.gate.processed
