@@ -83,7 +83,8 @@ class RolloutService:
         prompts, dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
             built = build_engine(
-                config.engine, max_sequences=config.limits.max_in_flight * config.group_size
+                config.engine_factory(),
+                max_sequences=config.limits.max_in_flight * config.group_size,
             )
             engine, model_id, model_dir = built.engine, built.model_id, built.model_dir
         else:
