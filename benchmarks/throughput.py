@@ -544,7 +544,9 @@ async def start_engine(config: Config) -> tuple[VLLMEngine, list[psutil.Process]
     before = {p.pid for p in me.children(recursive=True)}
     tiny = ensure_tiny_model(ROOT / config.engine.cache_dir)
     engine = VLLMEngine(
-        config.engine, tiny, max_sequences=config.limits.max_in_flight * config.group_size
+        config.engine_factory().vllm,
+        tiny,
+        max_sequences=config.limits.max_in_flight * config.group_size,
     )
     await engine.start()
     procs = [

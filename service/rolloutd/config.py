@@ -1,8 +1,9 @@
 """Configuration: one YAML file, overridden by ``ROLLOUTD_*`` environment variables, then flags.
 
 Every key is declared here; a key that configures a component (the controller, the checkpointer,
-sampling) takes its default and meaning from that component's own frozen config, which this module
-composes (:meth:`Config.controller`, :meth:`Config.checkpointer`) instead of restating it. This
+sampling, the engines) takes its default and meaning from that component's own frozen config,
+which this module composes (:meth:`Config.controller`, :meth:`Config.checkpointer`,
+:meth:`Config.engine_factory`) instead of restating it. This
 model is the single source of truth for configuration keys (``docs/configuration.md`` is
 generated from it). Errors name the offending key.
 Environment variables nest with a double underscore: ``ROLLOUTD_LIMITS__MAX_IN_FLIGHT=32`` sets
@@ -35,6 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
+from rolloutd.engines.factory import EngineFactoryConfig
+from rolloutd.engines.synthetic import SyntheticConfig
+from rolloutd.engines.vllm_config import VLLMConfig
 
 ENV_PREFIX = "ROLLOUTD_"
 
@@ -87,66 +91,35 @@ class _Section(BaseModel):
 
 
 class SyntheticSettings(_Section):
-    tokens_per_s: float = Field(2000.0, ge=0)
-    """Generation speed of one synthetic request (0: instant)."""
-    latency_s: float = Field(0.0, ge=0)
-    """Median extra latency of a synthetic request."""
-    latency_sigma: float = Field(0.0, ge=0)
-    """Log-normal spread of that latency (0: constant)."""
-    min_tokens: int = Field(8, gt=0)
-    """Shortest synthetic completion; lengths are uniform in [min_tokens, engine.max_tokens]."""
+    tokens_per_s: float = owned(SyntheticConfig, "tokens_per_s", ge=0)
+    latency_s: float = owned(SyntheticConfig, "latency_s", ge=0)
+    latency_sigma: float = owned(SyntheticConfig, "latency_sigma", ge=0)
+    min_tokens: int = owned(SyntheticConfig, "min_tokens", gt=0)
 
 
 class VLLMSettings(_Section):
-    dtype: str = "auto"
-    """Weights dtype passed to vLLM (float32 on CPU for exact greedy parity)."""
-    max_model_len: int = Field(2048, gt=0)
-    """Longest prompt plus completion the engine accepts."""
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """Fraction of GPU memory vLLM may use. GPU only: on CPU the KV cache is sized explicitly
-    (kv_cache_memory_gib), and this fraction is never asked of the machine's memory."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """vLLM tensor parallelism inside one pod."""
-    pipeline_parallel_size: int = Field(1, ge=1)
-    """vLLM pipeline parallelism inside one pod."""
-    enforce_eager: bool = False
-    """Disable CUDA graphs / compilation (faster start, slower decode)."""
-    otlp_traces_endpoint: str | None = None
-    """Turns on vLLM's own request tracing, exported to this OTLP endpoint."""
-    max_num_seqs: int = Field(256, gt=0)
-    """Most sequences vLLM schedules at once."""
-    kv_cache_memory_gib: float | None = Field(None, gt=0)
-    """KV-cache size in GiB; when set it wins over gpu_memory_utilization. Unset: on GPU vLLM sizes
-    it from gpu_memory_utilization; on CPU rolloutd reserves room for every sibling that may
-    generate at once (limits.max_in_flight x group_size sequences of max_model_len tokens, at most
-    4 GiB). vLLM's own VLLM_CPU_KVCACHE_SPACE variable, if set, overrides both."""
-    cpu_threads_bind: str | None = None
-    """CPU only: how vLLM binds its worker's OpenMP threads (its VLLM_CPU_OMP_THREADS_BIND:
-    auto, nobind, or CPU lists such as 0-3). Unset: that variable if the environment sets it;
-    else nobind on a machine of 2 usable CPUs or fewer, where binding left the service's fsyncs
-    stalled while the worker generated, and vLLM's auto on larger ones."""
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    """Logprob reported for each sampled token: under the model's own distribution (raw), or
-    under the distribution actually sampled from, after temperature and top-p (processed)."""
-    weight_update_mode: Literal["wait", "abort"] = "wait"
-    """Requests in flight when weights are updated: wait lets them finish on the old weights
-    (they carry the old policy version); abort ends them at once with a retryable error."""
-    log_path: str | None = "./.rolloutd/logs/vllm.log"
-    """File that vLLM's own output (its engine processes' stdout and stderr) goes to; the service
-    prints one line naming the cause when vLLM cannot start. Unset (or --log-level debug): vLLM
-    writes to the service's own stdout and stderr."""
-    shutdown_grace_s: float = Field(10.0, gt=0)
-    """If the service dies without stopping the engine, its processes get SIGTERM and, this long
-    after, SIGKILL."""
+    dtype: str = owned(VLLMConfig, "dtype")
+    max_model_len: int = owned(VLLMConfig, "max_model_len", gt=0)
+    gpu_memory_utilization: float = owned(VLLMConfig, "gpu_memory_utilization", gt=0, le=1)
+    tensor_parallel_size: int = owned(VLLMConfig, "tensor_parallel_size", ge=1)
+    pipeline_parallel_size: int = owned(VLLMConfig, "pipeline_parallel_size", ge=1)
+    enforce_eager: bool = owned(VLLMConfig, "enforce_eager")
+    otlp_traces_endpoint: str | None = owned(VLLMConfig, "otlp_traces_endpoint")
+    max_num_seqs: int = owned(VLLMConfig, "max_num_seqs", gt=0)
+    kv_cache_memory_gib: float | None = owned(VLLMConfig, "kv_cache_memory_gib", gt=0)
+    cpu_threads_bind: str | None = owned(VLLMConfig, "cpu_threads_bind")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = owned(
+        VLLMConfig, "logprobs_mode"
+    )
+    weight_update_mode: Literal["wait", "abort"] = owned(VLLMConfig, "weight_update_mode")
+    log_path: str | None = owned(VLLMConfig, "log_path")
+    shutdown_grace_s: float = owned(VLLMConfig, "shutdown_grace_s", gt=0)
 
 
 class EngineConfig(_Section):
-    kind: Literal["vllm", "synthetic"] = "vllm"
-    """Which engine generates: vLLM, or the deterministic synthetic engine."""
-    model: str | None = None
-    """Local Hugging Face model directory; unset builds the tiny model once into the cache."""
-    cache_dir: str = "./.rolloutd/cache"
-    """Where the tiny model is built."""
+    kind: Literal["vllm", "synthetic"] = owned(EngineFactoryConfig, "kind")
+    model: str | None = owned(EngineFactoryConfig, "model")
+    cache_dir: str = owned(EngineFactoryConfig, "cache_dir")
     max_tokens: int = owned(SamplingParams, "max_tokens", gt=0)
     temperature: float = owned(SamplingParams, "temperature", ge=0)
     top_p: float = owned(SamplingParams, "top_p", gt=0, le=1)
@@ -312,6 +285,16 @@ class Config(_Section):
     def checkpointer(self) -> CheckpointerConfig:
         return _compose(CheckpointerConfig, self.checkpoint)
 
+    def engine_factory(self) -> EngineFactoryConfig:
+        """What the engine factory builds: ``engine.kind``, ``engine.model``,
+        ``engine.cache_dir`` and the ``engine.synthetic`` and ``engine.vllm`` sections."""
+        return _compose(
+            EngineFactoryConfig,
+            self.engine,
+            synthetic=_compose(SyntheticConfig, self.engine.synthetic),
+            vllm=_compose(VLLMConfig, self.engine.vllm),
+        )
+
     def semantic_fingerprint(self, dataset_digest: str, model_id: str) -> dict[str, Any]:
         """Keys whose change makes a snapshot's groups mean something else. The dataset is
         identified by its content, so the same file mounted elsewhere still restores."""
@@ -327,9 +310,12 @@ class Config(_Section):
 
 
 def _compose(component: type[T], section: BaseModel, **rest: Any) -> T:
-    """``component``'s frozen config from the keys of ``section`` that it declares, and ``rest``."""
+    """``component``'s frozen config from the keys of ``section`` that it declares, and ``rest``
+    (which wins: nested sections are composed by the caller)."""
     names = {f.name for f in dataclasses.fields(component)}  # type: ignore[arg-type]
-    given = {k: getattr(section, k) for k in type(section).model_fields if k in names}
+    given = {
+        k: getattr(section, k) for k in type(section).model_fields if k in names and k not in rest
+    }
     return component(**given, **rest)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from rolloutd.api.admin import AdminServer, create_admin_app
 from rolloutd.api.dashboard import dashboard_router
 from rolloutd.api.grpc_server import SERVICE_NAME, GrpcServer
+from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.api.view import ServiceView
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.claim import Fenced, StoreHeld
@@ -43,7 +44,6 @@ from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
-from rolloutd.startup import PortUnavailable
 from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
@@ -83,7 +83,8 @@ class RolloutService:
         prompts, dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
             built = build_engine(
-                config.engine, max_sequences=config.limits.max_in_flight * config.group_size
+                config.engine_factory(),
+                max_sequences=config.limits.max_in_flight * config.group_size,
             )
             engine, model_id, model_dir = built.engine, built.model_id, built.model_dir
         else:

@@ -11,23 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.checkpoint.claim import StoreHeld
 from rolloutd.checkpoint.restore import RestoreRefused
 from rolloutd.checkpoint.store import SnapshotNotFound
 from rolloutd.config import Config
 from rolloutd.dataset import DatasetError
 from rolloutd.domain.engine import EngineStartError
-
-
-class PortUnavailable(OSError):
-    """A server could not bind its port; names the server, the address and the flag to change."""
-
-    def __init__(self, server: str, address: str, flag: str, key: str, cause: str) -> None:
-        super().__init__(
-            f"{server} cannot listen on {address}: {cause}; pass {flag} another port "
-            f"(or set {key}; 0 picks a free one), or stop whatever holds it"
-        )
-
 
 START_FAILURES: tuple[type[BaseException], ...] = (
     EngineStartError,

@@ -8,12 +8,11 @@ from array import array
 
 import pytest
 
-from rolloutd.config import SyntheticSettings
 from rolloutd.domain.engine import GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, SamplePart
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.engines import synthetic
-from rolloutd.engines.synthetic import SyntheticEngine
+from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 
 PROMPT = Prompt("p1", "What is two plus two?")
 
@@ -33,7 +32,7 @@ def request(
 
 
 def instant(min_tokens: int = 8) -> SyntheticEngine:
-    return SyntheticEngine(SyntheticSettings(tokens_per_s=0, min_tokens=min_tokens))
+    return SyntheticEngine(SyntheticConfig(tokens_per_s=0, min_tokens=min_tokens))
 
 
 async def test_a_request_gives_the_same_sample_every_time():
@@ -67,7 +66,7 @@ async def test_samples_are_valid_and_their_lengths_span_the_configured_range():
 async def test_a_sample_longer_than_the_stream_wraps_around_it(monkeypatch):
     monkeypatch.setattr(synthetic, "_STREAM_TOKENS", 64)
     monkeypatch.setattr(synthetic, "_stream", synthetic.functools.cache(synthetic._Stream))
-    engine = SyntheticEngine(SyntheticSettings(tokens_per_s=0, min_tokens=200))
+    engine = SyntheticEngine(SyntheticConfig(tokens_per_s=0, min_tokens=200))
     sample = await engine.generate(request(3, max_tokens=200))
     ids = list(sample.token_ids)
     assert len(ids) == 200
@@ -78,7 +77,7 @@ async def test_a_sample_longer_than_the_stream_wraps_around_it(monkeypatch):
 
 @pytest.mark.parametrize("tokens_per_s", [0.0, 20_000.0])
 async def test_deltas_are_exactly_the_sample_tokens_in_order(tokens_per_s):
-    engine = SyntheticEngine(SyntheticSettings(tokens_per_s=tokens_per_s))
+    engine = SyntheticEngine(SyntheticConfig(tokens_per_s=tokens_per_s))
     deltas: list[TokenDelta] = []
     sample = await engine.generate(request(5), deltas.append)
     assert array("i", [t for d in deltas for t in d.token_ids]) == sample.token_ids

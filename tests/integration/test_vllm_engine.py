@@ -30,18 +30,18 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rolloutd.config import EngineConfig, VLLMSettings
 from rolloutd.domain.engine import EngineDeadError, EngineError, GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 from rolloutd.engines.tiny_model import build_tiny_model, write_random_weights
+from rolloutd.engines.vllm_config import VLLMConfig
 
 if TYPE_CHECKING:
     from rolloutd.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
-SETTINGS = VLLMSettings(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, max_num_seqs=64)
+SETTINGS = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, max_num_seqs=64)
 TEXT = Prompt("arith", "What is 3 + 4?")
 CHAT = Prompt("chat", "", messages=({"role": "user", "content": "What is 2 + 2?"},))
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -64,7 +64,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 async def engine(models: Models) -> AsyncIterator[VLLMEngine]:
     from rolloutd.engines.vllm import VLLMEngine
 
-    eng = VLLMEngine(EngineConfig(kind="vllm", vllm=SETTINGS), models.base, max_sequences=64)
+    eng = VLLMEngine(SETTINGS, models.base, max_sequences=64)
     await eng.start()
     yield eng
     await eng.stop()
@@ -271,7 +271,7 @@ async def test_stop_ends_every_engine_process(engine: VLLMEngine) -> None:
 HOLDER = textwrap.dedent(
     """
     import asyncio, sys
-    from rolloutd.config import EngineConfig, VLLMSettings
+    from rolloutd.engines.vllm_config import VLLMConfig
     from rolloutd.domain.group import Prompt
     from rolloutd.domain.engine import GenerationRequest, SamplingParams
     from rolloutd.engines.vllm import VLLMEngine
@@ -283,9 +283,9 @@ HOLDER = textwrap.dedent(
 
     async def main():
         model, otlp, traceparent = sys.argv[1:]
-        settings = VLLMSettings(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1,
+        settings = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1,
                                 shutdown_grace_s=3, otlp_traces_endpoint=otlp)
-        engine = VLLMEngine(EngineConfig(kind="vllm", vllm=settings), model, max_sequences=4)
+        engine = VLLMEngine(settings, model, max_sequences=4)
         await engine.start()
         await engine.generate(request(0, 4, {"traceparent": traceparent}))
         tasks = [asyncio.ensure_future(engine.generate(request(i, 900))) for i in (1, 2)]

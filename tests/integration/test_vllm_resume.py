@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING
 import pytest
 import pytest_asyncio
 
-from rolloutd.config import EngineConfig, VLLMSettings
 from rolloutd.domain.engine import GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, Sample, SamplePart
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.engines.tiny_model import build_tiny_model
+from rolloutd.engines.vllm_config import VLLMConfig
 
 if TYPE_CHECKING:
     from rolloutd.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
-SETTINGS = VLLMSettings(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, max_num_seqs=16)
+SETTINGS = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, max_num_seqs=16)
 PROMPT = Prompt("arith", "What is 3 + 4?")
 MAX_TOKENS = 64
 
@@ -37,7 +37,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def engine(model: Path) -> AsyncIterator[VLLMEngine]:
     from rolloutd.engines.vllm import VLLMEngine
 
-    eng = VLLMEngine(EngineConfig(kind="vllm", vllm=SETTINGS), model, max_sequences=16)
+    eng = VLLMEngine(SETTINGS, model, max_sequences=16)
     await eng.start()
     yield eng
     await eng.stop()

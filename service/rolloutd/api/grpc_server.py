@@ -15,9 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rolloutd.api import convert
 from rolloutd.api.reflection import enable_reflection
 from rolloutd.api.servicer import Host, RolloutServicer
+from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.lifecycle import ServingState
-from rolloutd.startup import PortUnavailable
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from rolloutd.weights.updater import WeightsUpdater

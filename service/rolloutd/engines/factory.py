@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from rolloutd.config import EngineConfig
 from rolloutd.domain.engine import GenerationEngine
-from rolloutd.engines.synthetic import SyntheticEngine
+from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
+from rolloutd.engines.vllm_config import VLLMConfig
+
+
+@dataclass(frozen=True)
+class EngineFactoryConfig:
+    """Which engine to build and on what; ``config.py`` exposes these as ``engine.*`` keys with
+    these defaults and meanings. The sampling keys of ``engine`` belong to the controller."""
+
+    kind: Literal["vllm", "synthetic"] = "vllm"
+    """Which engine generates: vLLM, or the deterministic synthetic engine."""
+    model: str | None = None
+    """Local Hugging Face model directory; unset builds the tiny model once into the cache."""
+    cache_dir: str = "./.rolloutd/cache"
+    """Where the tiny model is built."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass(frozen=True)
@@ -21,7 +38,7 @@ class BuiltEngine:
     has one only when ``engine.model`` names it."""
 
 
-def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
+def build_engine(config: EngineFactoryConfig, *, max_sequences: int) -> BuiltEngine:
     """``max_sequences``: the most siblings that may generate at once (the vLLM engine sizes its
     KV cache on CPU for them)."""
     if config.kind == "synthetic":
@@ -35,15 +52,14 @@ def build_engine(config: EngineConfig, *, max_sequences: int) -> BuiltEngine:
 
     if config.model is not None:
         return BuiltEngine(
-            VLLMEngine(config, config.model, max_sequences=max_sequences),
+            VLLMEngine(config.vllm, config.model, max_sequences=max_sequences),
             config.model,
             Path(config.model),
         )
     tiny = ensure_tiny_model(config.cache_dir)
-    if config.vllm.dtype == "auto":
+    settings = config.vllm
+    if settings.dtype == "auto":
         # The tiny model is float32; vLLM's "auto" would serve it in bf16 and lose greedy parity
         # with transformers.
-        config = config.model_copy(
-            update={"vllm": config.vllm.model_copy(update={"dtype": "float32"})}
-        )
-    return BuiltEngine(VLLMEngine(config, tiny, max_sequences=max_sequences), tiny.name, tiny)
+        settings = dataclasses.replace(settings, dtype="float32")
+    return BuiltEngine(VLLMEngine(settings, tiny, max_sequences=max_sequences), tiny.name, tiny)

@@ -23,10 +23,10 @@ import math
 import os
 import time
 from array import array
+from dataclasses import dataclass
 
 import numpy as np
 
-from rolloutd.config import SyntheticSettings
 from rolloutd.domain.engine import DeltaSink, EngineCounters, EngineError, GenerationRequest
 from rolloutd.domain.group import Sample
 from rolloutd.domain.partial import TokenDelta, join_parts
@@ -38,12 +38,26 @@ DELTA_TOKENS = 16
 """Tokens per streamed delta."""
 
 
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """The synthetic engine's settings; ``config.py`` exposes them as ``engine.synthetic.*`` keys
+    with these defaults and meanings."""
+
+    tokens_per_s: float = 2000.0
+    """Generation speed of one synthetic request (0: instant)."""
+    latency_s: float = 0.0
+    """Median extra latency of a synthetic request."""
+    latency_sigma: float = 0.0
+    """Log-normal spread of that latency (0: constant)."""
+    min_tokens: int = 8
+    """Shortest synthetic completion; lengths are uniform in [min_tokens, engine.max_tokens]."""
+
+
 class SyntheticEngine:
     name = "synthetic"
 
-    def __init__(self, config: SyntheticSettings | None = None) -> None:
-        """``config``: the ``engine.synthetic`` keys."""
-        self._config = config or SyntheticSettings()
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        self._config = config or SyntheticConfig()
         self._version = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0

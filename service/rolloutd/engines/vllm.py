@@ -17,13 +17,16 @@ What must hold, and how:
   tokens and logprobs go to the sink every :data:`STREAM_TOKENS` tokens. A request with a prefix (a sibling
   resumed after a restart) is a new request whose prompt is the prompt's token ids followed by
   the prefix's, for the remaining ``max_tokens``; the sample joins the prefix and the
-  continuation. vLLM checks stop strings on the continuation's text only, so while the
-  continuation is shorter than the longest stop string the joined text is checked here, and a
-  stop string that spans the boundary ends the sample where an uninterrupted run would.
+  continuation. A stop string that spans the boundary ends the sample where an uninterrupted run
+  would (:mod:`rolloutd.engines.stop_boundary`).
 - **Counters** are cumulative and come from a ``StatLoggerBase`` given to the engine, which sees
-  every iteration's stats in the frontend process.
+  every iteration's stats in the frontend process (:mod:`rolloutd.engines.vllm_stats`).
 - **No orphans.** vLLM 0.32 leaves its engine-core process running when the parent is killed with
-  SIGKILL; a small watchdog process (:mod:`rolloutd.engines.reaper`) ends it in that case.
+  SIGKILL; a small watchdog process (:mod:`rolloutd.engines.reaper`, driven through
+  :mod:`rolloutd.engines.reaper_client`) ends it in that case.
+
+Settings (:class:`~rolloutd.engines.vllm_config.VLLMConfig`) and the KV cache's size
+(:mod:`rolloutd.engines.vllm_kv_cache`) are kept free of vLLM imports.
 """
 
 from __future__ import annotations
@@ -32,35 +35,26 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from array import array
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import EngineInput
-from vllm.logprobs import FlatLogprobs
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.renderers.params import ChatParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.engine.exceptions import EngineGenerateError
-from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from rolloutd.config import EngineConfig
 from rolloutd.domain.engine import (
     DeltaSink,
     EngineCounters,
@@ -70,16 +64,20 @@ from rolloutd.domain.engine import (
     GenerationRequest,
 )
 from rolloutd.domain.group import Prompt, Sample
-from rolloutd.domain.partial import PartialSibling, TokenDelta, join_parts
+from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
+from rolloutd.engines.reaper_client import ReaperClient
+from rolloutd.engines.stop_boundary import StopBoundary
+from rolloutd.engines.vllm_config import VLLMConfig
+from rolloutd.engines.vllm_kv_cache import kv_cache_bytes, read_model_config
+from rolloutd.engines.vllm_outputs import Collected, to_sample, version_of, weight_labels
 from rolloutd.engines.vllm_start import (
-    GIB,
     THREADS_BIND_ENV,
-    cpu_threads_bind,
-    explain_start_failure,
+    describe_start_failure,
+    export_cpu_threads_bind,
     output_to,
-    plan_cpu_kv_cache,
 )
+from rolloutd.engines.vllm_stats import Tally
 
 logger = logging.getLogger(__name__)
 
@@ -103,133 +101,6 @@ _CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 """Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
 
 
-@dataclass
-class _Collected:
-    """A request's completion as its outputs arrive: whole outputs, or deltas to join."""
-
-    token_ids: array[int] = field(default_factory=lambda: array("i"))
-    logprobs: array[float] = field(default_factory=lambda: array("f"))
-    text: list[str] = field(default_factory=list)
-    versions: set[str] = field(default_factory=set)
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = None
-    stopped_at: str | None = None
-    """Text of prefix and continuation cut before a stop string that spans their boundary."""
-
-
-@dataclass(frozen=True)
-class _SchedulerSnapshot:
-    running: int
-    waiting: int
-    kv_cache_usage: float
-
-
-@dataclass
-class _Tally:
-    """Cumulative token counts and the latest scheduler state of each engine core.
-
-    Written only by the stat logger, which vLLM calls from its output handler on the event loop,
-    and read by :meth:`VLLMEngine.counters` on the same loop, so no lock is needed.
-    """
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    schedulers: dict[int, _SchedulerSnapshot] = field(default_factory=dict)
-
-    def counters(self) -> EngineCounters:
-        snaps = list(self.schedulers.values())
-        return EngineCounters(
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            requests_running=sum(s.running for s in snaps),
-            requests_waiting=sum(s.waiting for s in snaps),
-            kv_cache_usage=sum(s.kv_cache_usage for s in snaps) / len(snaps) if snaps else 0.0,
-        )
-
-
-class _TallyStatLogger(StatLoggerBase):
-    """Feeds one engine core's iteration and scheduler stats into a shared :class:`_Tally`."""
-
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, tally: _Tally) -> None:
-        self._tally = tally
-        self._engine_index = engine_index
-
-    def record(
-        self,
-        scheduler_stats: SchedulerStats | None,
-        iteration_stats: IterationStats | None,
-        mm_cache_stats: MultiModalCacheStats | None = None,
-        engine_idx: int = 0,
-    ) -> None:
-        if iteration_stats is not None:
-            self._tally.prompt_tokens += iteration_stats.num_prompt_tokens
-            self._tally.generation_tokens += iteration_stats.num_generation_tokens
-        if scheduler_stats is not None:
-            self._tally.schedulers[engine_idx] = _SchedulerSnapshot(
-                running=scheduler_stats.num_running_reqs,
-                waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
-                kv_cache_usage=scheduler_stats.kv_cache_usage,
-            )
-
-    def log_engine_initialized(self) -> None:
-        logger.debug("vLLM engine core %d reports to rolloutd counters", self._engine_index)
-
-
-class _ReaperClient:
-    """The service's end of :mod:`rolloutd.engines.reaper`: starts it and names processes to watch.
-
-    Started before vLLM so that an engine core is watched within ``_WATCH_INTERVAL_S`` of its
-    creation; every ``multiprocessing`` child that appears after that is watched (vLLM creates its
-    engine cores with ``multiprocessing`` under both the fork and the spawn start method).
-    """
-
-    def __init__(self, grace_s: float) -> None:
-        self._known = {p.pid for p in multiprocessing.active_children()}
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rolloutd.engines.reaper",
-                str(os.getpid()),
-                f"--grace={grace_s}",
-            ],
-            stdin=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self.watched: list[int] = []
-
-    def watch_new_children(self) -> None:
-        stdin = self._proc.stdin
-        assert stdin is not None
-        for child in multiprocessing.active_children():
-            pid = child.pid
-            if pid is None or pid in self._known:
-                continue
-            self._known.add(pid)
-            self.watched.append(pid)
-            stdin.write(f"watch {pid}\n".encode())
-            stdin.flush()
-            logger.debug("reaper %d watches %s (pid %d)", self._proc.pid, child.name, pid)
-
-    def close(self) -> None:
-        """Let the reaper exit without touching anything (the engine was shut down cleanly)."""
-        self._last_word(b"exit\n")
-
-    def reap(self) -> None:
-        """End every engine process still running (a start that failed half-way), then exit."""
-        self._last_word(b"reap\n")
-
-    def _last_word(self, command: bytes) -> None:
-        stdin = self._proc.stdin
-        assert stdin is not None
-        try:
-            stdin.write(command)
-            stdin.close()
-        except BrokenPipeError:
-            logger.warning("engine reaper %d had already exited", self._proc.pid)
-        self._proc.wait(timeout=60)
-
-
 class VLLMEngine:
     """Generates with vLLM's ``AsyncLLM`` on a local Hugging Face model directory.
 
@@ -241,17 +112,17 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(
-        self, config: EngineConfig, model_path: str | os.PathLike[str], *, max_sequences: int
+        self, config: VLLMConfig, model_path: str | os.PathLike[str], *, max_sequences: int
     ) -> None:
-        """``max_sequences``: the most siblings the service may generate at once, which sizes the
-        KV cache on CPU."""
+        """``config``: the ``engine.vllm`` keys. ``max_sequences``: the most siblings the service
+        may generate at once, which sizes the KV cache on CPU."""
         self._config = config
         self._model_path = Path(model_path)
         self._max_sequences = max_sequences
         self._kv_cache_bytes: int | None = None
         self._llm: AsyncLLM | None = None
-        self._reaper: _ReaperClient | None = None
-        self._tally = _Tally()
+        self._reaper: ReaperClient | None = None
+        self._tally = Tally()
         self._version = 0
         self._dead: str | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
@@ -263,9 +134,14 @@ class VLLMEngine:
     async def start(self) -> None:
         if self._llm is not None:
             raise RuntimeError("VLLMEngine.start() called twice")
-        settings = self._config.vllm
-        model_config = await asyncio.to_thread(_read_model_config, self._model_path)
-        self._kv_cache_bytes = self._kv_cache_size(model_config)
+        settings = self._config
+        model_config = await asyncio.to_thread(read_model_config, self._model_path)
+        self._kv_cache_bytes = kv_cache_bytes(
+            settings,
+            model_config,
+            max_sequences=self._max_sequences,
+            on_cpu=current_platform.is_cpu(),
+        )
         # At debug level vLLM's own output stays on the terminal, tracebacks included.
         log_path = None if logger.isEnabledFor(logging.DEBUG) else settings.log_path
         logger.info(
@@ -274,16 +150,15 @@ class VLLMEngine:
             f"; its output goes to {log_path}" if log_path else "",
         )
         if current_platform.is_cpu():
-            bind = cpu_threads_bind(settings.cpu_threads_bind, os.environ, _usable_cpus())
-            if bind is not None:  # the engine processes vLLM starts inherit the environment
-                os.environ[THREADS_BIND_ENV] = bind
+            bind = export_cpu_threads_bind(settings.cpu_threads_bind)
+            if bind is not None:
                 logger.info(
                     "vLLM CPU threads: %s=%s (engine.vllm.cpu_threads_bind sets it)",
                     THREADS_BIND_ENV,
                     bind,
                 )
         started = time.monotonic()
-        reaper = _ReaperClient(settings.shutdown_grace_s)
+        reaper = ReaperClient(settings.shutdown_grace_s)
         with output_to(Path(log_path)) if log_path else contextlib.nullcontext():
             build = asyncio.ensure_future(asyncio.to_thread(self._build))
             try:
@@ -293,7 +168,7 @@ class VLLMEngine:
                 raise
             except Exception as exc:
                 await asyncio.to_thread(reaper.reap)
-                raise EngineStartError(_start_failure(exc, log_path)) from exc
+                raise EngineStartError(describe_start_failure(exc, log_path)) from exc
             except BaseException:
                 reaper.reap()
                 raise
@@ -315,25 +190,8 @@ class VLLMEngine:
             reaper.watched,
         )
 
-    def _kv_cache_size(self, model_config: Mapping[str, Any]) -> int | None:
-        """An explicit size wins. On CPU: room for every sibling the service may generate at once.
-        On GPU: None, and vLLM sizes it from ``gpu_memory_utilization``."""
-        settings = self._config.vllm
-        if settings.kv_cache_memory_gib is not None:
-            return int(settings.kv_cache_memory_gib * GIB)
-        if not current_platform.is_cpu():
-            return None
-        plan = plan_cpu_kv_cache(
-            model_config,
-            settings.dtype,
-            sequences=min(self._max_sequences, settings.max_num_seqs),
-            max_model_len=settings.max_model_len,
-        )
-        logger.info("%s", plan.describe())
-        return plan.bytes
-
     async def _await_build(
-        self, build: asyncio.Future[AsyncLLM], reaper: _ReaperClient, started: float
+        self, build: asyncio.Future[AsyncLLM], reaper: ReaperClient, started: float
     ) -> None:
         """Waits for vLLM to start, watching every engine process it creates, saying how long it
         has been at it now and then; raises what the start raised."""
@@ -347,7 +205,7 @@ class VLLMEngine:
         build.result()
 
     def _build(self) -> AsyncLLM:
-        s = self._config.vllm
+        s = self._config
         # vLLM rewinds a seeded request's random generator when the token sampled after a partial
         # prefill chunk is discarded; torch's CPU generators cannot rewind ("CPU Generator does
         # not use offset") and the engine dies. On CPU every prompt is therefore prefilled whole.
@@ -369,10 +227,7 @@ class VLLMEngine:
             enable_chunked_prefill=False if whole_prefill else None,
             max_num_batched_tokens=max(s.max_model_len, 8192) if whole_prefill else None,
         )
-        factory: Callable[[VllmConfig, int], StatLoggerBase] = partial(
-            _TallyStatLogger, tally=self._tally
-        )
-        return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._tally.stat_logger_factory()])
 
     async def stop(self) -> None:
         """Abort what is in flight and shut vLLM down; idempotent."""
@@ -417,7 +272,7 @@ class VLLMEngine:
             if prefix is None:
                 got = await self._run(llm, engine_input, request, on_delta)
             elif (reason := self._prefix_finish(request, prefix)) is not None:
-                got = _Collected(finish_reason=reason)
+                got = Collected(finish_reason=reason)
             else:
                 (continued,) = await llm.renderer.render_cmpl_async(
                     [{"prompt_token_ids": prompt_ids + list(prefix.token_ids())}]
@@ -426,7 +281,7 @@ class VLLMEngine:
         finally:
             self._tasks.pop(request.request_id, None)
         got.prompt_token_ids = prompt_ids
-        return self._sample(request, got, started)
+        return to_sample(request, got, started, current=self._version, decode=self._decode)
 
     def _prefix_finish(self, request: GenerationRequest, prefix: PartialSibling) -> str | None:
         """The finish reason when the prefix is already a whole completion (the snapshot caught
@@ -470,11 +325,15 @@ class VLLMEngine:
         engine_input: EngineInput,
         request: GenerationRequest,
         on_delta: DeltaSink | None,
-    ) -> _Collected:
+    ) -> Collected:
         p = request.params
         prefix = request.prefix
         done = len(prefix) if prefix is not None else 0
-        boundary = _Boundary(self, prefix, p.stop) if prefix is not None and p.stop else None
+        boundary = (
+            StopBoundary(self._decode, prefix.token_ids(), p.stop)
+            if prefix is not None and p.stop
+            else None
+        )
         stream = on_delta is not None or boundary is not None
         params = VLLMSamplingParams(
             n=1,
@@ -489,21 +348,25 @@ class VLLMEngine:
             stream_interval=None if boundary is not None else STREAM_TOKENS,
         )
         headers = self._trace_headers(request.trace_headers)
-        got = _Collected()
+        got = Collected()
         final: RequestOutput | None = None
         try:
             async for out in llm.generate(
                 engine_input, params, request.request_id, trace_headers=headers
             ):
                 final = out
-                self._collect(request.request_id, out, got)
+                got.add(request.request_id, out)
                 if on_delta is not None and out.outputs[0].token_ids:
                     start = len(got.token_ids) - len(out.outputs[0].token_ids)
                     on_delta(
                         TokenDelta(
                             got.token_ids[start:],
                             got.logprobs[start:],
-                            self._version_of(request.request_id, out.outputs[0]),
+                            version_of(
+                                request.request_id,
+                                weight_labels(out.outputs[0]),
+                                self._version,
+                            ),
                         )
                     )
                 if boundary is not None and not out.finished:
@@ -526,82 +389,11 @@ class VLLMEngine:
                 got.finish_reason = "stop"
         return got
 
-    def _collect(self, rid: str, out: RequestOutput, got: _Collected) -> None:
-        """Adds one output (a delta, or the whole final output) to ``got``."""
-        (completion,) = out.outputs
-        got.token_ids.extend(completion.token_ids)
-        got.logprobs.extend(_sampled_logprobs(rid, completion))
-        got.text.append(completion.text)
-        got.versions.update(span.version for span in completion.weight_versions or [])
-        if out.finished:
-            got.finish_reason = str(completion.finish_reason)
-
     def _trace_headers(self, headers: Mapping[str, str]) -> Mapping[str, str] | None:
         """vLLM only accepts trace headers with its tracing on; it would warn on every request."""
-        if self._config.vllm.otlp_traces_endpoint is None or not headers:
+        if self._config.otlp_traces_endpoint is None or not headers:
             return None
         return dict(headers)
-
-    def _sample(self, request: GenerationRequest, got: _Collected, started: float) -> Sample:
-        rid = request.request_id
-        if got.finish_reason in ("abort", "error"):
-            raise EngineError(
-                f"request {rid} finished with '{got.finish_reason}' "
-                "(aborted by a weight update or failed in the engine); it may be retried"
-            )
-        prefix = request.prefix
-        version = self._version_of_labels(rid, got.versions)
-        if prefix is None:
-            return Sample(
-                index=request.index,
-                token_ids=got.token_ids,
-                logprobs=got.logprobs,
-                text="".join(got.text),
-                finish_reason=str(got.finish_reason),
-                policy_version=version,
-                prompt_token_ids=array("i", got.prompt_token_ids or ()),
-                seed=request.seed,
-                started_at=started,
-                finished_at=time.time(),
-            )
-        token_ids = prefix.token_ids() + got.token_ids
-        parts = join_parts(prefix.parts(), len(prefix), version, len(got.token_ids))
-        text = got.stopped_at
-        if text is None:
-            text = self._decode(token_ids)
-            cut = [text.find(stop) for stop in request.params.stop if stop in text]
-            text = text[: min(cut)] if cut else text
-        return Sample(
-            index=request.index,
-            token_ids=token_ids,
-            logprobs=prefix.logprobs() + got.logprobs,
-            text=text,
-            finish_reason=str(got.finish_reason),
-            policy_version=min(p.policy_version for p in parts) if parts else version,
-            prompt_token_ids=array("i", got.prompt_token_ids or ()),
-            seed=request.seed,
-            started_at=started,
-            finished_at=time.time(),
-            resumed_at=len(prefix),
-            parts=parts,
-        )
-
-    def _version_of(self, rid: str, completion: CompletionOutput) -> int:
-        return self._version_of_labels(rid, {s.version for s in completion.weight_versions or []})
-
-    def _version_of_labels(self, rid: str, versions: set[str]) -> int:
-        """The version label vLLM attached to this request's tokens.
-
-        Weights change only while generation is paused and paused requests are either finished
-        (wait) or aborted (abort) first, so one request's tokens carry one label.
-        """
-        if not versions:
-            # No token was generated, so no weights were used; the current version is as good as
-            # any and keeps such samples from looking stale.
-            return self._version
-        if len(versions) > 1:
-            raise EngineError(f"request {rid} straddles weight versions {sorted(versions)}")
-        return int(next(iter(versions)))
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -629,7 +421,7 @@ class VLLMEngine:
             try:
                 with timeline.phase(WeightsPhase.PAUSE):
                     await llm.pause_generation(
-                        mode=self._config.vllm.weight_update_mode, clear_cache=True
+                        mode=self._config.weight_update_mode, clear_cache=True
                     )
                 paused = time.monotonic()
                 with timeline.phase(WeightsPhase.LOAD):
@@ -665,45 +457,6 @@ class VLLMEngine:
         return llm
 
 
-def _sampled_logprobs(rid: str, completion: CompletionOutput) -> array[float]:
-    """One float32 logprob per generated token: the sampled token's own (``logprobs=0``)."""
-    flat = completion.logprobs
-    if not isinstance(flat, FlatLogprobs):
-        raise EngineError(f"request {rid}: expected flat logprobs, got {type(flat).__name__}")
-    if flat.token_ids != list(completion.token_ids):
-        raise EngineError(
-            f"request {rid}: {len(flat.token_ids)} logprobs for "
-            f"{len(completion.token_ids)} tokens, or for other tokens"
-        )
-    return array("f", flat.logprobs)
-
-
-class _Boundary:
-    """Checks a resumed request's joined text for a stop string ending past the prefix, while the
-    continuation is too short for vLLM's own check to have seen the whole stop string."""
-
-    def __init__(self, engine: VLLMEngine, prefix: PartialSibling, stops: tuple[str, ...]):
-        self._engine = engine
-        self._prefix = prefix.token_ids()
-        self._stops = stops
-        self._prefix_chars = len(engine._decode(self._prefix))
-        self._window = max(map(len, stops))
-
-    def check(self, continuation: array[int]) -> str | None:
-        """The joined text cut before the first stop string that ends after the prefix, if any."""
-        text = self._engine._decode(self._prefix + continuation)
-        found = [
-            at
-            for stop in self._stops
-            if (at := text.find(stop, max(0, self._prefix_chars - len(stop) + 1))) >= 0
-        ]
-        return text[: min(found)] if found else None
-
-    def passed(self, continuation_text: list[str]) -> bool:
-        """Whether the continuation alone is long enough to hold any stop string whole."""
-        return sum(map(len, continuation_text)) >= self._window
-
-
 def _eos_ids(path: Path, llm: AsyncLLM) -> frozenset[int]:
     """Tokens that end a completion: the tokenizer's end-of-sequence token and those of the
     model's generation config."""
@@ -720,42 +473,11 @@ def _eos_ids(path: Path, llm: AsyncLLM) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _read_model_config(path: Path) -> dict[str, Any]:
-    try:
-        config: dict[str, Any] = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise EngineStartError(
-            f"engine.model (--model): {path} {what}; it must be a Hugging Face model directory"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise EngineStartError(f"engine.model (--model): {path}/config.json: {exc}") from None
-    return config
-
-
-def _start_failure(exc: BaseException, log_path: str | None) -> str:
-    """One line on why the start failed: vLLM's root cause from its log, or the error itself."""
-    if log_path is None:
-        return f"vLLM could not start: {type(exc).__name__}: {exc}"
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except OSError:
-        text = ""
-    return f"{explain_start_failure(text)} (vLLM's log: {log_path})"
-
-
 def _has_safetensors(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def _shutdown_built_engine(build: asyncio.Future[AsyncLLM], *, reaper: _ReaperClient) -> None:
+def _shutdown_built_engine(build: asyncio.Future[AsyncLLM], *, reaper: ReaperClient) -> None:
     """Shut down an engine whose start was cancelled while vLLM was building it."""
     if not build.cancelled() and build.exception() is None:
         build.result().shutdown()

@@ -2,11 +2,6 @@
 
 Kept free of vLLM imports so that it can be tested, and read, without an engine.
 
-- **KV-cache size on CPU.** vLLM's CPU backend otherwise reserves ``gpu_memory_utilization`` (0.9)
-  of the whole NUMA node and refuses to start when that much is not free, which fails on any
-  machine whose memory is in use (a browser, the page cache an install leaves behind). rolloutd
-  instead asks for what its own limits can use: one full-length sequence per sibling that may be
-  generating at once. vLLM then skips the fraction check altogether.
 - **OpenMP thread binding on a small CPU machine.** vLLM's CPU backend binds its worker's threads
   to all cores but one, which it reserves for everything else. On a machine of two CPUs that is
   the worker's OpenMP threads pinned to one core and rolloutd, vLLM's engine core and the kernel's
@@ -18,6 +13,8 @@ Kept free of vLLM imports so that it can be tested, and read, without an engine.
 - **Its output in a file.** vLLM's engine processes write hundreds of lines while they start, and
   a failure arrives as several interleaved tracebacks. They go to a log file; the service prints
   one line with the root cause and the setting to change, and names the file.
+
+The KV cache's size is settled in :mod:`rolloutd.engines.vllm_kv_cache`.
 """
 
 from __future__ import annotations
@@ -28,74 +25,9 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
-
-GIB = 2**30
-
-CPU_KV_CACHE_CAP_GIB = 4.0
-"""The most KV cache rolloutd reserves on CPU unasked. A laptop's other programs need memory too;
-vLLM queues the sequences that do not fit. ``engine.vllm.kv_cache_memory_gib`` sets any size."""
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class KVCachePlan:
-    """The KV cache rolloutd asks vLLM for, and how it was arrived at (for the start-up log)."""
-
-    bytes: int
-    bytes_per_token: int
-    sequences: int
-    tokens_per_sequence: int
-    capped: bool
-
-    def describe(self) -> str:
-        text = (
-            f"KV cache {self.bytes / GIB:.2f} GiB: {self.sequences} sequences of "
-            f"{self.tokens_per_sequence} tokens at {self.bytes_per_token} bytes a token"
-        )
-        if self.capped:
-            text += f", capped at {CPU_KV_CACHE_CAP_GIB:g} GiB"
-        return text + " (engine.vllm.kv_cache_memory_gib sets it)"
-
-
-def kv_bytes_per_token(model_config: Mapping[str, Any], dtype: str) -> int:
-    """Bytes of keys and values one token occupies across all layers.
-
-    ``model_config`` is a Hugging Face ``config.json``; multimodal models keep the language model's
-    shape under ``text_config``. ``dtype`` is the engine's dtype, ``auto`` meaning the model's own.
-    """
-    cfg = model_config.get("text_config") or model_config
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    layers = int(cfg["num_hidden_layers"])
-    if dtype == "auto":
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or model_config.get("dtype", ""))
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
-
-
-def plan_cpu_kv_cache(
-    model_config: Mapping[str, Any], dtype: str, *, sequences: int, max_model_len: int
-) -> KVCachePlan:
-    """Room for ``sequences`` sequences of ``max_model_len`` tokens, at most the cap, and never
-    less than one full-length sequence (vLLM refuses to start with less)."""
-    per_token = kv_bytes_per_token(model_config, dtype)
-    wanted = sequences * max_model_len * per_token
-    floor = max_model_len * per_token
-    cap = max(int(CPU_KV_CACHE_CAP_GIB * GIB), floor)
-    return KVCachePlan(
-        bytes=min(wanted, cap),
-        bytes_per_token=per_token,
-        sequences=sequences,
-        tokens_per_sequence=max_model_len,
-        capped=wanted > cap,
-    )
-
 
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 SMALL_MACHINE_CPUS = 2
@@ -113,6 +45,30 @@ def cpu_threads_bind(configured: str | None, environ: Mapping[str, str], cpus: i
     if THREADS_BIND_ENV in environ or cpus > SMALL_MACHINE_CPUS:
         return None
     return "nobind"
+
+
+def export_cpu_threads_bind(configured: str | None) -> str | None:
+    """Settles ``VLLM_CPU_OMP_THREADS_BIND`` in this process's environment (see
+    :func:`cpu_threads_bind`) and returns what it set, or None when it left it as it was.
+
+    This is the one place rolloutd writes ``os.environ``. vLLM's CPU worker reads its OpenMP
+    thread binding only from that environment variable (``vllm.envs``), in the engine processes
+    it starts, which inherit this process's environment; no engine argument or config field
+    carries it. Call it on CPU only, before vLLM starts its processes.
+    """
+    bind = cpu_threads_bind(configured, os.environ, _usable_cpus())
+    if bind is not None:
+        # VLLM_CPU_OMP_THREADS_BIND: how vLLM's CPU worker pins its OpenMP threads; unbound on a
+        # small machine so the service's fsyncs are not starved while the worker generates.
+        os.environ[THREADS_BIND_ENV] = bind
+    return bind
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
@@ -211,3 +167,14 @@ def explain_start_failure(log_text: str) -> str:
             "engine.vllm.kv_cache_memory_gib"
         )
     return f"vLLM could not start: {cause}"
+
+
+def describe_start_failure(exc: BaseException, log_path: str | None) -> str:
+    """One line on why the start failed: vLLM's root cause from its log, or the error itself."""
+    if log_path is None:
+        return f"vLLM could not start: {type(exc).__name__}: {exc}"
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        text = ""
+    return f"{explain_start_failure(text)} (vLLM's log: {log_path})"
