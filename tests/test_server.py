@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolloutd.api.errors import STATUS, status_of
-from rolloutd.checkpoint.format import Manifest
+from rolloutd.checkpoint.manifest import Manifest
 from rolloutd.config import load_config
 from rolloutd.domain.engine import EngineDeadError, EngineError
 from rolloutd.domain.errors import InvalidArgument, InvariantError, RestoreRefused, RolloutError

@@ -11,7 +11,8 @@ import json
 import sys
 import time
 
-from rolloutd.checkpoint.format import Manifest, Row, next_manifest
+from rolloutd.checkpoint.manifest import Manifest, next_manifest
+from rolloutd.checkpoint.rows import Row
 from rolloutd.checkpoint.store import SnapshotStore, plan_compaction
 from tests.checkpoint.helpers import make_rows, write_sidecar
 

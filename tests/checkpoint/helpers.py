@@ -13,8 +13,9 @@ import fsspec
 import numpy as np
 
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.format import FileEntry, Manifest, Row, next_manifest
+from rolloutd.checkpoint.manifest import FileEntry, Manifest, next_manifest
 from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.rows import Row
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import Prompt, Sample

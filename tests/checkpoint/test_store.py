@@ -14,7 +14,8 @@ import pyarrow as pa
 import pytest
 
 from rolloutd.checkpoint import segments
-from rolloutd.checkpoint.format import SAMPLE_SCHEMA, next_manifest, rows_to_batches, rows_to_table
+from rolloutd.checkpoint.manifest import next_manifest
+from rolloutd.checkpoint.rows import SAMPLE_SCHEMA, rows_to_batches, rows_to_table
 from rolloutd.checkpoint.store import (
     LATEST,
     CorruptJournal,
@@ -409,7 +410,7 @@ def test_compaction_of_a_corrupt_segment_raises(location: Location):
 
 
 def test_sha256_checksums(location: Location):
-    from rolloutd.checkpoint.format import ChecksumAlgorithm
+    from rolloutd.checkpoint.checksums import ChecksumAlgorithm
 
     store = SnapshotStore(location.url, location.options, checksum=ChecksumAlgorithm.SHA256)
     manifest = publish(store, None, make_rows(0, 10))

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from rolloutd.checkpoint.format import FileEntry, Manifest
+from rolloutd.checkpoint.manifest import FileEntry, Manifest
 from rolloutd.checkpoint.store import (
     CorruptSnapshot,
     SnapshotNotFound,

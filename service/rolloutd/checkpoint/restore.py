@@ -45,7 +45,7 @@ from typing import Any
 
 from rolloutd.checkpoint import ledger, sidecar, submissions
 from rolloutd.checkpoint.checkpointer import Checkpointer
-from rolloutd.checkpoint.format import Manifest, fingerprint_diff
+from rolloutd.checkpoint.manifest import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
 from rolloutd.checkpoint.store import CorruptSnapshot, Snapshot, SnapshotReader
 from rolloutd.domain.buffer import restored_groups

@@ -35,7 +35,9 @@ from rolloutd.checkpoint.backends import (
     sequence_of,
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import Manifest, RowIdSet, SegmentEntry, SegmentKind
+from rolloutd.checkpoint.manifest import Manifest, SegmentEntry
+from rolloutd.checkpoint.rowids import RowIdSet
+from rolloutd.checkpoint.rows import SegmentKind
 
 if TYPE_CHECKING:
     from rolloutd.checkpoint.store import SnapshotStore

@@ -57,29 +57,28 @@ from rolloutd.checkpoint.backends import (
     open_backend,
     sequence_of,
 )
-from rolloutd.checkpoint.claim import StoreClaim
-from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import (
-    FORMAT_VERSION,
+from rolloutd.checkpoint.checksums import (
     ChecksumAlgorithm,
-    FileEntry,
-    FormatError,
     Hasher,
-    LedgerEntry,
-    Manifest,
-    Row,
-    RowIdSet,
-    SegmentEntry,
-    SegmentKind,
-    SubmissionsEntry,
     arrival_for,
     checksum_algorithm,
     checksum_parts,
     checksum_started,
-    rows_to_batches,
 )
+from rolloutd.checkpoint.claim import StoreClaim
+from rolloutd.checkpoint.faults import FaultPoint, fault_point
+from rolloutd.checkpoint.format import FORMAT_VERSION, FormatError
 from rolloutd.checkpoint.journal import CorruptJournal, Journal
+from rolloutd.checkpoint.manifest import (
+    FileEntry,
+    LedgerEntry,
+    Manifest,
+    SegmentEntry,
+    SubmissionsEntry,
+)
 from rolloutd.checkpoint.retention import RetireResult, keep_tagged, plan_compaction
+from rolloutd.checkpoint.rowids import RowIdSet
+from rolloutd.checkpoint.rows import Row, SegmentKind, rows_to_batches
 from rolloutd.checkpoint.segments import Snapshot, Started
 from rolloutd.domain.buffer import SealedRows
 from rolloutd.domain.group import GroupMeta, Prompt
