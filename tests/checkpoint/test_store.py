@@ -28,6 +28,7 @@ from rolloutd.checkpoint.store import (
 )
 from tests.checkpoint.helpers import (
     Location,
+    journal_write,
     live,
     make_rows,
     publish,
@@ -296,7 +297,7 @@ def test_retire_deletes_nothing_while_a_kept_manifest_is_unreadable(location: Lo
 
 def test_journal_is_ordered_durable_and_pruned(location: Location):
     store = location.open()
-    positions = [store.journal.write({"lease": f"l{i}", "step": i}) for i in range(1, 6)]
+    positions = [journal_write(store.journal, {"lease": f"l{i}", "step": i}) for i in range(1, 6)]
     assert positions == [1, 2, 3, 4, 5]
     reopened = location.open()
     assert reopened.journal.position == 5
@@ -305,7 +306,7 @@ def test_journal_is_ordered_durable_and_pruned(location: Location):
 
     first = publish(reopened, None, make_rows(0, 5), acks_through=3)
     for i in range(6, 9):
-        reopened.journal.write({"lease": f"l{i}"})
+        journal_write(reopened.journal, {"lease": f"l{i}"})
     second = publish(reopened, first, make_rows(5, 5), acks_through=7)
     reopened.retire(keep_latest=2)
     assert [e.position for e in reopened.journal.read(first.acks_through)] == [4, 5, 6, 7, 8]
@@ -319,21 +320,21 @@ def test_journal_is_ordered_durable_and_pruned(location: Location):
     reopened.retire(keep_latest=1)
     again = location.open()
     assert again.journal.position == 8
-    assert again.journal.write({"lease": "l9"}) == 9
+    assert journal_write(again.journal, {"lease": "l9"}) == 9
     assert [e.record for e in again.journal.read(third.acks_through)] == [{"lease": "l9"}]
 
 
 def test_journal_ignores_a_torn_tail(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
-    store.journal.write({"n": 1})
-    store.journal.write({"n": 2})
+    journal_write(store.journal, {"n": 1})
+    journal_write(store.journal, {"n": 2})
     (name,) = location.listdir("journal")
     with open(os.path.join(location.url, "journal", name), "ab") as f:
         f.write(b'{"position":3,"rec')  # the process died inside write(2)
     reopened = location.open()
     assert reopened.journal.position == 2
-    assert reopened.journal.write({"n": 3}) == 3
+    assert journal_write(reopened.journal, {"n": 3}) == 3
     assert [e.record["n"] for e in reopened.journal.read()] == [1, 2, 3]
 
 
@@ -341,7 +342,7 @@ def test_journal_damage_before_the_tail_is_an_error(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
     for n in range(3):
-        store.journal.write({"n": n})
+        journal_write(store.journal, {"n": n})
     (name,) = location.listdir("journal")
     path = os.path.join(location.url, "journal", name)
     with open(path, "rb") as f:
@@ -432,7 +433,7 @@ def test_store_under_a_regular_file_raises_oserror(tmp_path):
     with pytest.raises(NotADirectoryError):
         write_sidecar(store, 1, {})
     with pytest.raises(NotADirectoryError):
-        store.journal.write({"x": 1})
+        journal_write(store.journal, {"x": 1})
     with pytest.raises(NotADirectoryError):
         store.resolve()
 
