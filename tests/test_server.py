@@ -237,5 +237,7 @@ async def test_acks_of_earlier_leases_are_taken_while_failed_checkpoints_hold_re
             failing = False
     finally:
         await s.shutdown()
-    acked = [e.record.lease_id for e in s.store.events_after(0) if isinstance(e, JournaledAck)]
+    acked = [
+        e.record.lease_id for e in s.store.journal.events_after(0) if isinstance(e, JournaledAck)
+    ]
     assert lease.lease_id in acked  # durable

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from rolloutd.checkpoint.claim import StoreHeld
+from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.checkpoint.restore import RestoreRefused
-from rolloutd.checkpoint.store import SnapshotNotFound
 from rolloutd.config import Config
 from rolloutd.dataset import DatasetError
 from rolloutd.domain.engine import EngineStartError

@@ -12,8 +12,9 @@ import sys
 import time
 
 from rolloutd.checkpoint.manifest import Manifest, next_manifest
+from rolloutd.checkpoint.retention import plan_compaction
 from rolloutd.checkpoint.rows import Row
-from rolloutd.checkpoint.store import SnapshotStore, plan_compaction
+from rolloutd.checkpoint.store import SnapshotStore
 from tests.checkpoint.helpers import journal_write, make_rows, write_sidecar
 
 ROWS = 20

@@ -14,18 +14,14 @@ import pyarrow as pa
 import pytest
 
 from rolloutd.checkpoint import segments
+from rolloutd.checkpoint.backends import CorruptSnapshot, StoreError
+from rolloutd.checkpoint.journal import CorruptJournal
 from rolloutd.checkpoint.manifest import next_manifest
+from rolloutd.checkpoint.reader import SnapshotNotFound
+from rolloutd.checkpoint.resolver import LATEST
+from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
 from rolloutd.checkpoint.rows import SAMPLE_SCHEMA, rows_to_batches, rows_to_table
-from rolloutd.checkpoint.store import (
-    LATEST,
-    CorruptJournal,
-    CorruptSnapshot,
-    SnapshotNotFound,
-    SnapshotStore,
-    StoreError,
-    keep_tagged,
-    plan_compaction,
-)
+from rolloutd.checkpoint.store import SnapshotStore
 from tests.checkpoint.helpers import (
     Location,
     journal_write,

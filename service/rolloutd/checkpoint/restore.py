@@ -44,10 +44,12 @@ from dataclasses import replace
 from typing import Any
 
 from rolloutd.checkpoint import ledger, sidecar, submissions
+from rolloutd.checkpoint.backends import CorruptSnapshot
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.manifest import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
-from rolloutd.checkpoint.store import CorruptSnapshot, Snapshot, SnapshotReader
+from rolloutd.checkpoint.segments import Snapshot
+from rolloutd.checkpoint.store import SnapshotReader
 from rolloutd.domain.buffer import restored_groups
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
@@ -152,7 +154,7 @@ async def _run(
             log.error("no snapshot verifies; starting fresh")
             return None
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
-            events = await asyncio.to_thread(store.events_after, 0)
+            events = await asyncio.to_thread(store.journal.events_after, 0)
             await controller.replay(events)
         log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
         return None
@@ -211,7 +213,7 @@ async def _run(
         await controller.restore(state, prepared)
 
     with clock.phase(RestorePhase.RECOVERY_LEDGER):
-        events = await asyncio.to_thread(store.events_after, manifest.acks_through)
+        events = await asyncio.to_thread(store.journal.events_after, manifest.acks_through)
         await controller.replay(events)
 
     with clock.phase(RestorePhase.REDISPATCH):
