@@ -3,9 +3,10 @@
 Every ack, lease grant and accepted submission is journaled before its RPC returns. Writers that
 arrive while a sync runs share the next one (group commit), so throughput should grow with the
 number of concurrent writers while syncs (local ``fdatasync``) or puts (S3 objects) per record
-fall. For 1, 4, 16 and 64 writer threads, each writing records the size of an ack of 4 groups to
-a real ``SnapshotStore``'s journal, this measures records per second, syncs per record and the
-latency of one write (p50, p99). One writer is the baseline: one sync per record.
+fall. For 1, 4, 16 and 64 writers on one event loop (as the service's RPCs are), each queueing
+records the size of an ack of 4 groups with ``Journal.enqueue`` on a real ``SnapshotStore``'s
+journal and waiting until each is durable, this measures records per second, syncs per record
+and the latency of one write (p50, p99). One writer is the baseline: one sync per record.
 
 S3 is moto's server on this machine (HTTP on loopback): its figures show the batching (puts per
 record), not the latency of a real object store.
@@ -13,9 +14,9 @@ record), not the latency of a real object store.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,31 +43,28 @@ RECORD = {
 
 
 def measure(store: SnapshotStore, writers: int, records: int) -> dict[str, Any]:
-    """``records`` writes split over ``writers`` threads that start together."""
+    """``records`` writes split over ``writers`` tasks on one event loop that start together."""
+    return asyncio.run(_measure(store, writers, records))
+
+
+async def _measure(store: SnapshotStore, writers: int, records: int) -> dict[str, Any]:
     journal = store.journal
     per_writer = max(records // writers, 1)
     latencies: list[float] = []
-    lock = threading.Lock()
-    start = threading.Barrier(writers + 1)
+    start = asyncio.Barrier(writers + 1)
 
-    def write() -> None:
-        mine: list[float] = []
-        start.wait()
+    async def write() -> None:
+        await start.wait()
         for _ in range(per_writer):
             t = time.perf_counter()
-            journal.write(RECORD)
-            mine.append(time.perf_counter() - t)
-        with lock:
-            latencies.extend(mine)
+            await journal.enqueue(RECORD)
+            latencies.append(time.perf_counter() - t)
 
-    threads = [threading.Thread(target=write) for _ in range(writers)]
-    for t in threads:
-        t.start()
+    tasks = [asyncio.create_task(write()) for _ in range(writers)]
     syncs_before = journal.syncs
-    start.wait()
+    await start.wait()
     began = time.perf_counter()
-    for t in threads:
-        t.join()
+    await asyncio.gather(*tasks)
     seconds = time.perf_counter() - began
     written = per_writer * writers
     syncs = journal.syncs - syncs_before
@@ -175,7 +173,7 @@ def main() -> None:
     )
     text = (
         f"# Journal writes\n\n{'Quick run. ' if args.quick else ''}Durable journal records (an "
-        "ack of 4 groups each) written by concurrent threads to a real store; group commit "
+        "ack of 4 groups each) written by concurrent writers on one event loop to a real store; group commit "
         "shares one sync among the writers waiting for it. S3 is moto on loopback.\n\n"
         + common.headline_table(headline)
         + "\n"

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolloutd.api.errors import STATUS, status_of
-from rolloutd.checkpoint.format import Manifest
+from rolloutd.checkpoint.manifest import Manifest
 from rolloutd.config import load_config
 from rolloutd.domain.engine import EngineDeadError, EngineError
 from rolloutd.domain.errors import InvalidArgument, InvariantError, RestoreRefused, RolloutError
@@ -237,5 +237,7 @@ async def test_acks_of_earlier_leases_are_taken_while_failed_checkpoints_hold_re
             failing = False
     finally:
         await s.shutdown()
-    acked = [e.record.lease_id for e in s.store.events_after(0) if isinstance(e, JournaledAck)]
+    acked = [
+        e.record.lease_id for e in s.store.journal.events_after(0) if isinstance(e, JournaledAck)
+    ]
     assert lease.lease_id in acked  # durable

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.checkpoint.claim import StoreHeld
+from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.checkpoint.restore import RestoreRefused
-from rolloutd.checkpoint.store import SnapshotNotFound
 from rolloutd.config import Config
 from rolloutd.dataset import DatasetError
 from rolloutd.domain.engine import EngineStartError

@@ -11,9 +11,11 @@ import json
 import sys
 import time
 
-from rolloutd.checkpoint.format import Manifest, Row, next_manifest
-from rolloutd.checkpoint.store import SnapshotStore, plan_compaction
-from tests.checkpoint.helpers import make_rows, write_sidecar
+from rolloutd.checkpoint.manifest import Manifest, next_manifest
+from rolloutd.checkpoint.retention import plan_compaction
+from rolloutd.checkpoint.rows import Row
+from rolloutd.checkpoint.store import SnapshotStore
+from tests.checkpoint.helpers import journal_write, make_rows, write_sidecar
 
 ROWS = 20
 MAX_SEGMENTS = 2
@@ -41,7 +43,7 @@ def checkpoint_once(store: SnapshotStore) -> Manifest:
     sequence = (sequences[0] if sequences else 0) + 1
     if parent is not None and parent.sequence != sequence - 1:
         raise AssertionError(f"newest snapshot {sequence - 1} did not verify: {resolution}")
-    acks_through = store.journal.write({"sequence": sequence})
+    acks_through = journal_write(store.journal, {"sequence": sequence})
     segment = store.write_segment(sequence, added(sequence))
     sidecar = write_sidecar(store, sequence, {"sequence": sequence, "pad": "x" * 5000})
     manifest = next_manifest(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from array import array
@@ -13,14 +14,26 @@ import fsspec
 import numpy as np
 
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.format import FileEntry, Manifest, Row, next_manifest
+from rolloutd.checkpoint.journal import Journal
+from rolloutd.checkpoint.manifest import FileEntry, Manifest, next_manifest
 from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.rows import Row
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport, Trigger
 from rolloutd.domain.sampler import Sampler
 from tests.fakes import GatedEngine
+
+
+def journal_write(journal: Journal, record: Mapping[str, Any]) -> int:
+    """Journals ``record`` the way the service does (:meth:`Journal.enqueue` and its group-commit
+    flush), from a test that has no event loop; durable when this returns its position."""
+
+    async def write() -> int:
+        return await journal.enqueue(record)
+
+    return asyncio.run(write())
 
 
 def make_rows(start: int, count: int, *, group_size: int = 4, max_tokens: int = 48) -> list[Row]:

@@ -10,7 +10,7 @@ import pytest
 
 from rolloutd.checkpoint.claim import LOCK, Fenced, StoreHeld
 from rolloutd.checkpoint.store import SnapshotStore
-from tests.checkpoint.helpers import Location
+from tests.checkpoint.helpers import Location, journal_write
 
 
 def open_store(location: Location, timeout_s: float) -> SnapshotStore:
@@ -31,17 +31,17 @@ def test_a_live_holder_is_refused_with_its_name(location: Location):
 def test_a_silent_holder_is_taken_over_and_fenced_when_it_comes_back(location: Location):
     old = open_store(location, 0.5)
     old.claim.acquire()
-    old.journal.write({"n": 1})
+    journal_write(old.journal, {"n": 1})
     time.sleep(0.7)  # stopped renewing for longer than the timeout (a SIGSTOP, a frozen VM)
     new = open_store(location, 0.5)
     taken = new.claim.acquire()
     assert taken is not None and taken.epoch == 0
     with pytest.raises(Fenced, match="another process took over"):
-        old.journal.write({"n": 2})  # its first write finds out, and writes nothing
+        journal_write(old.journal, {"n": 2})  # its first write finds out, and writes nothing
     with pytest.raises(Fenced):
         old.publish(None)  # type: ignore[arg-type]  (refused before the manifest is looked at)
     assert old.claim.fenced is not None and not old.claim.held
-    assert new.journal.write({"n": 3}) == 2
+    assert journal_write(new.journal, {"n": 3}) == 2
     assert [e.record["n"] for e in new.journal.read(0)] == [1, 3]
     held = json.loads(bytes(new.backend.read(LOCK)))
     assert held["epoch"] == 1 and held["token"] != taken.token

@@ -12,8 +12,9 @@ import pyarrow as pa
 
 from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
-from rolloutd.checkpoint.format import FORMAT_VERSION, GROUP_SCHEMA, SegmentKind
+from rolloutd.checkpoint.format import FORMAT_VERSION
 from rolloutd.checkpoint.restore import Granularity, restore
+from rolloutd.checkpoint.rows import GROUP_SCHEMA, SegmentKind
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.group import (
     BUFFERED,

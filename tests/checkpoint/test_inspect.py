@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rolloutd.checkpoint.format import Manifest
 from rolloutd.checkpoint.inspect import main, parse_storage_options
+from rolloutd.checkpoint.manifest import Manifest
 from tests.checkpoint.helpers import Location, make_rows, publish
 
 

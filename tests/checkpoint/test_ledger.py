@@ -12,7 +12,8 @@ import pytest
 
 from rolloutd.checkpoint import ledger
 from rolloutd.checkpoint.backends import CorruptSnapshot
-from rolloutd.checkpoint.format import ChecksumAlgorithm, Manifest, next_manifest
+from rolloutd.checkpoint.checksums import ChecksumAlgorithm
+from rolloutd.checkpoint.manifest import Manifest, next_manifest
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SizePart
 from tests.checkpoint.helpers import Location, StoreNode, publish_earlier_layout

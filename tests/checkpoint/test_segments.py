@@ -7,14 +7,11 @@ import pyarrow as pa
 import pytest
 
 from rolloutd.checkpoint.backends import CorruptSnapshot, LocalBackend
+from rolloutd.checkpoint.checksums import Arrival, ChecksumAlgorithm
 from rolloutd.checkpoint.faults import FaultPoint
-from rolloutd.checkpoint.format import (
-    Arrival,
-    ChecksumAlgorithm,
-    RowIdSet,
-    SegmentEntry,
-    rows_to_batches,
-)
+from rolloutd.checkpoint.manifest import SegmentEntry
+from rolloutd.checkpoint.rowids import RowIdSet
+from rolloutd.checkpoint.rows import rows_to_batches
 from rolloutd.checkpoint.segments import KeptRows, read_batches, write_file
 from tests.checkpoint.helpers import make_rows
 

@@ -14,19 +14,17 @@ import pyarrow as pa
 import pytest
 
 from rolloutd.checkpoint import segments
-from rolloutd.checkpoint.format import SAMPLE_SCHEMA, next_manifest, rows_to_batches, rows_to_table
-from rolloutd.checkpoint.store import (
-    LATEST,
-    CorruptJournal,
-    CorruptSnapshot,
-    SnapshotNotFound,
-    SnapshotStore,
-    StoreError,
-    keep_tagged,
-    plan_compaction,
-)
+from rolloutd.checkpoint.backends import CorruptSnapshot, StoreError
+from rolloutd.checkpoint.journal import CorruptJournal
+from rolloutd.checkpoint.manifest import next_manifest
+from rolloutd.checkpoint.reader import SnapshotNotFound
+from rolloutd.checkpoint.resolver import LATEST
+from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
+from rolloutd.checkpoint.rows import SAMPLE_SCHEMA, rows_to_batches, rows_to_table
+from rolloutd.checkpoint.store import SnapshotStore
 from tests.checkpoint.helpers import (
     Location,
+    journal_write,
     live,
     make_rows,
     publish,
@@ -295,7 +293,7 @@ def test_retire_deletes_nothing_while_a_kept_manifest_is_unreadable(location: Lo
 
 def test_journal_is_ordered_durable_and_pruned(location: Location):
     store = location.open()
-    positions = [store.journal.write({"lease": f"l{i}", "step": i}) for i in range(1, 6)]
+    positions = [journal_write(store.journal, {"lease": f"l{i}", "step": i}) for i in range(1, 6)]
     assert positions == [1, 2, 3, 4, 5]
     reopened = location.open()
     assert reopened.journal.position == 5
@@ -304,7 +302,7 @@ def test_journal_is_ordered_durable_and_pruned(location: Location):
 
     first = publish(reopened, None, make_rows(0, 5), acks_through=3)
     for i in range(6, 9):
-        reopened.journal.write({"lease": f"l{i}"})
+        journal_write(reopened.journal, {"lease": f"l{i}"})
     second = publish(reopened, first, make_rows(5, 5), acks_through=7)
     reopened.retire(keep_latest=2)
     assert [e.position for e in reopened.journal.read(first.acks_through)] == [4, 5, 6, 7, 8]
@@ -318,21 +316,21 @@ def test_journal_is_ordered_durable_and_pruned(location: Location):
     reopened.retire(keep_latest=1)
     again = location.open()
     assert again.journal.position == 8
-    assert again.journal.write({"lease": "l9"}) == 9
+    assert journal_write(again.journal, {"lease": "l9"}) == 9
     assert [e.record for e in again.journal.read(third.acks_through)] == [{"lease": "l9"}]
 
 
 def test_journal_ignores_a_torn_tail(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
-    store.journal.write({"n": 1})
-    store.journal.write({"n": 2})
+    journal_write(store.journal, {"n": 1})
+    journal_write(store.journal, {"n": 2})
     (name,) = location.listdir("journal")
     with open(os.path.join(location.url, "journal", name), "ab") as f:
         f.write(b'{"position":3,"rec')  # the process died inside write(2)
     reopened = location.open()
     assert reopened.journal.position == 2
-    assert reopened.journal.write({"n": 3}) == 3
+    assert journal_write(reopened.journal, {"n": 3}) == 3
     assert [e.record["n"] for e in reopened.journal.read()] == [1, 2, 3]
 
 
@@ -340,7 +338,7 @@ def test_journal_damage_before_the_tail_is_an_error(tmp_path):
     location = Location(str(tmp_path / "store"))
     store = location.open()
     for n in range(3):
-        store.journal.write({"n": n})
+        journal_write(store.journal, {"n": n})
     (name,) = location.listdir("journal")
     path = os.path.join(location.url, "journal", name)
     with open(path, "rb") as f:
@@ -409,7 +407,7 @@ def test_compaction_of_a_corrupt_segment_raises(location: Location):
 
 
 def test_sha256_checksums(location: Location):
-    from rolloutd.checkpoint.format import ChecksumAlgorithm
+    from rolloutd.checkpoint.checksums import ChecksumAlgorithm
 
     store = SnapshotStore(location.url, location.options, checksum=ChecksumAlgorithm.SHA256)
     manifest = publish(store, None, make_rows(0, 10))
@@ -431,7 +429,7 @@ def test_store_under_a_regular_file_raises_oserror(tmp_path):
     with pytest.raises(NotADirectoryError):
         write_sidecar(store, 1, {})
     with pytest.raises(NotADirectoryError):
-        store.journal.write({"x": 1})
+        journal_write(store.journal, {"x": 1})
     with pytest.raises(NotADirectoryError):
         store.resolve()
 

@@ -15,8 +15,10 @@ import pytest
 
 from rolloutd.checkpoint import sidecar, submissions
 from rolloutd.checkpoint.backends import SUBMISSIONS, CorruptSnapshot
-from rolloutd.checkpoint.format import ChecksumAlgorithm, FormatError, Manifest, next_manifest
+from rolloutd.checkpoint.checksums import ChecksumAlgorithm
+from rolloutd.checkpoint.format import FormatError
 from rolloutd.checkpoint.inspect import main as checkpoints
+from rolloutd.checkpoint.manifest import Manifest, next_manifest
 from rolloutd.domain.errors import FailedPrecondition
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SizePart

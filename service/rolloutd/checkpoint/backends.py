@@ -37,9 +37,6 @@ JOURNAL = "journal"
 TRASH = "trash"
 TMP = "tmp"
 
-LATEST = "latest"
-"""The spec :meth:`SnapshotStore.resolve` takes for the newest snapshot that verifies."""
-
 _READ_CHUNK = 16 << 20
 _WRITEBACK_CHUNK = 8 << 20
 """Locally, writeback of each this many bytes starts while later ones are still written, so the

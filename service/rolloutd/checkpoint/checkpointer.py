@@ -29,14 +29,10 @@ from typing import Any
 
 from rolloutd.checkpoint import partials, sidecar
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import (
-    LedgerEntry,
-    Manifest,
-    SegmentKind,
-    next_manifest,
-)
 from rolloutd.checkpoint.journal import Journal
+from rolloutd.checkpoint.manifest import LedgerEntry, Manifest, next_manifest
 from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
+from rolloutd.checkpoint.rows import SegmentKind
 from rolloutd.checkpoint.store import SnapshotWriter
 from rolloutd.domain.buffer import remember_finalized
 from rolloutd.domain.controller import Controller

@@ -8,7 +8,7 @@ wins:
 * local directory: under an exclusive ``flock`` of ``lock.guard``, the record is read, compared
   with what this process last saw, and replaced (written, fsynced, renamed);
 * object store (S3): a conditional put, ``If-None-Match: *`` when there is no record and
-  ``If-Match: <ETag>`` of the record last seen otherwise.
+  ``If-Match: <ETag>`` of the record last seen otherwise (s3requests.py).
 
 Rules (``checkpoint.lock_timeout_s`` = T):
 
@@ -38,8 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 
-from fsspec.asyn import sync
-
+from rolloutd.checkpoint import s3requests
 from rolloutd.checkpoint.backends import LocalBackend, ObjectBackend, StoreError
 
 log = logging.getLogger(__name__)
@@ -289,50 +288,26 @@ class StoreClaim:
         """The record and its ETag, from one GET (so the two agree)."""
         assert isinstance(self._backend, ObjectBackend)
         bucket, key = self._bucket_key()
-        fs = self._backend.fs
-
-        async def get() -> tuple[bytes, str]:
-            r = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-            async with r["Body"] as body:
-                return await body.read(), str(r["ETag"])
-
         with self._backend.io(f"read {LOCK}"):
-            try:
-                return sync(fs.loop, get)
-            except FileNotFoundError:
-                return None
+            return s3requests.get(self._backend.fs, bucket, key)
 
     def _swap_object(self, expected: bytes | str | None, data: bytes | None) -> str | None:
         assert isinstance(self._backend, ObjectBackend)
+        assert not isinstance(expected, bytes)
         bucket, key = self._bucket_key()
         fs = self._backend.fs
         with self._backend.io(f"write {LOCK}"):
+            if data is None:
+                # S3 has no conditional delete everywhere: check, then delete (release only)
+                found = self._get_object()
+                if found is None or found[1] != expected:
+                    raise _Lost
+                s3requests.delete(fs, bucket, key)
+                return None
             try:
-                if data is None:
-                    # S3 has no conditional delete everywhere: check, then delete (release only)
-                    found = self._get_object()
-                    if found is None or found[1] != expected:
-                        raise _Lost
-                    fs.call_s3("delete_object", Bucket=bucket, Key=key)
-                    return None
-                condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
-                r = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
-            except OSError as exc:
-                if _precondition_failed(exc):
-                    raise _Lost from exc
-                raise
-        return str(r["ETag"])
-
-
-def _precondition_failed(exc: OSError) -> bool:
-    """s3fs turns a failed condition into an ``OSError`` caused by boto's error, which names it."""
-    from botocore.exceptions import ClientError
-
-    cause = exc.__cause__
-    return isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") in (
-        "PreconditionFailed",
-        "ConditionalRequestConflict",
-    )
+                return s3requests.put(fs, bucket, key, data, expected)
+            except s3requests.PreconditionFailed as exc:
+                raise _Lost from exc
 
 
 def _decode(data: bytes) -> Holder:

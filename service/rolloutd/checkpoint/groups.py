@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rolloutd.checkpoint import sidecar
-from rolloutd.checkpoint.format import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2, FormatError
+from rolloutd.checkpoint.format import FormatError
+from rolloutd.checkpoint.rows import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2
 from rolloutd.domain.group import (
     STATES,
     UNFINISHED,

@@ -19,13 +19,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from rolloutd.checkpoint.format import FileEntry, Manifest
-from rolloutd.checkpoint.store import (
-    CorruptSnapshot,
-    SnapshotNotFound,
-    SnapshotReader,
-    SnapshotStore,
-)
+from rolloutd.checkpoint.backends import CorruptSnapshot
+from rolloutd.checkpoint.manifest import FileEntry, Manifest
+from rolloutd.checkpoint.reader import SnapshotNotFound
+from rolloutd.checkpoint.store import SnapshotReader, SnapshotStore
 from rolloutd.checkpoint.tags import sequence_of
 
 DEFAULT_DIR = "./.rolloutd/checkpoints"

@@ -8,10 +8,11 @@ covers, at each checkpoint.
 
 Group commit: writers that arrive while a sync is in progress queue up; the next sync makes the
 whole queue durable at once (one ``fdatasync`` locally, one put on an object store), so the cost
-of durability is shared by concurrent acks, lease grants and submissions. The service queues from
-its event loop (:meth:`Journal.enqueue`): records cost no thread until their batch is written, one
-worker thread per batch, and the position a checkpoint reads moves in the loop together with the
-writers' futures, so a capture sees exactly the records whose writers were told "durable".
+of durability is shared by concurrent acks, lease grants and submissions. Writers queue from the
+event loop (:meth:`Journal.enqueue`, behind the domain's ``DeliveryJournal`` port): records cost
+no thread until their batch is written, one worker thread per batch, and the position a
+checkpoint reads moves in the loop together with the writers' futures, so a capture sees exactly
+the records whose writers were told "durable".
 
 Layout: ``journal/<first position>-<token>.jsonl`` locally (JSON lines appended; one file per run
 of appends), ``journal/<first>-<last>.jsonl`` on an object store (one object per batch).
@@ -213,16 +214,6 @@ class _ObjectJournal:
         """Nothing to do: every batch is its own object."""
 
 
-@dataclass
-class _Pending:
-    """A record waiting for the next group commit, and what became of it."""
-
-    record: Mapping[str, Any]
-    position: int = 0
-    error: BaseException | None = None
-    done: bool = False
-
-
 class Journal:
     """Serialised, durable appends at increasing positions, on the store's backend.
 
@@ -243,10 +234,7 @@ class Journal:
             else _ObjectJournal(backend)
         )
         self._lock = threading.Lock()
-        """Held while the files are written or read; the queue has its own."""
-        self._queue_changed = threading.Condition()
-        self._queue: list[_Pending] = []
-        self._syncing = False
+        """Held while the files are written or read."""
         self._position = max(self._files.last_position(), floor)
         """Position of the last record written; moves in the writing thread."""
         self._durable = self._position
@@ -262,39 +250,18 @@ class Journal:
     @property
     def position(self) -> int:
         """Position of the last durable record whose writer has been told; no I/O (capture it
-        under the exclusive hold). For records queued with :meth:`enqueue` it moves in the event
-        loop in the same step as their futures resolve: every record at or before it has a
-        resolved future, every record after it an unresolved one."""
+        under the exclusive hold). It moves in the event loop in the same step as the writers'
+        futures resolve: every record at or before it has a resolved future, every record after
+        it an unresolved one."""
         return self._durable
-
-    def write(self, record: Mapping[str, Any]) -> int:
-        """Journal ``record`` (JSON-able); it is durable when this returns its position.
-
-        Group commit: the first writer to find no sync in progress syncs every record queued by
-        then, its own included, in one batch; the others wait for the batch that holds theirs.
-        A failed batch fails every writer in it, and nothing after it is appended to the same
-        file (it may end in a torn record).
-        """
-        mine = _Pending(record)
-        with self._queue_changed:
-            self._queue.append(mine)
-            while self._syncing and not mine.done:
-                self._queue_changed.wait()
-            if not mine.done:
-                batch, self._queue, self._syncing = self._queue, [], True
-        if not mine.done:
-            self._sync(batch)
-        if mine.error is not None:
-            raise mine.error
-        fault_point(FaultPoint.JOURNAL_APPEND)
-        return mine.position
 
     def enqueue(self, record: Mapping[str, Any]) -> asyncio.Future[int]:
         """Queues ``record`` (JSON-able) for the next batch, from the event loop and without
         I/O; the future resolves with its position once it is durable, or with the batch's error.
 
         One flush task writes batch after batch: whatever is queued while a batch syncs goes in
-        the next one, however many writers there are.
+        the next one, however many writers there are. A failed batch fails every writer in it,
+        and nothing after it is appended to the same file (it may end in a torn record).
         """
         loop = asyncio.get_running_loop()
         durable: asyncio.Future[int] = loop.create_future()
@@ -337,20 +304,6 @@ class Journal:
             self._position = first + len(records) - 1
             self.syncs += 1
             return first
-
-    def _sync(self, batch: list[_Pending]) -> None:
-        error: BaseException | None = None
-        first = 0
-        try:
-            first = self._append([p.record for p in batch])
-            self._durable = max(self._durable, first + len(batch) - 1)
-        except BaseException as exc:
-            error = exc
-        with self._queue_changed:
-            for i, pending in enumerate(batch):
-                pending.position, pending.error, pending.done = first + i, error, True
-            self._syncing = False
-            self._queue_changed.notify_all()
 
     def read(self, after: int = 0) -> list[JournalEntry]:
         """Records with a position after ``after`` (a manifest's ``acks_through``), in order."""

@@ -30,7 +30,8 @@ from dataclasses import replace
 import pyarrow as pa
 
 from rolloutd.checkpoint.backends import LEDGER, Backend, CorruptSnapshot, file_name
-from rolloutd.checkpoint.format import ChecksumAlgorithm, LedgerEntry
+from rolloutd.checkpoint.checksums import ChecksumAlgorithm
+from rolloutd.checkpoint.manifest import LedgerEntry
 from rolloutd.checkpoint.submissions import merge_from, read_verified, write_piece
 from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, remember_finalized
 from rolloutd.domain.state import ControllerState

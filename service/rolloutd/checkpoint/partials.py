@@ -23,8 +23,10 @@ import numpy as np
 import pyarrow as pa
 
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot
+from rolloutd.checkpoint.checksums import ChecksumAlgorithm
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import ChecksumAlgorithm, FileEntry, Row
+from rolloutd.checkpoint.manifest import FileEntry
+from rolloutd.checkpoint.rows import Row
 from rolloutd.checkpoint.segments import SegmentWriter
 from rolloutd.domain.group import SamplePart
 from rolloutd.domain.partial import PartialSibling

@@ -45,9 +45,11 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from rolloutd.checkpoint import ledger, sidecar, submissions
-from rolloutd.checkpoint.format import Manifest, fingerprint_diff
+from rolloutd.checkpoint.backends import CorruptSnapshot
+from rolloutd.checkpoint.manifest import Manifest, fingerprint_diff
 from rolloutd.checkpoint.partials import ResumedRow
-from rolloutd.checkpoint.store import CorruptSnapshot, Snapshot, SnapshotReader
+from rolloutd.checkpoint.segments import Snapshot
+from rolloutd.checkpoint.store import SnapshotReader
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import RestoreRefused
 from rolloutd.domain.observer import NullObserver, Observer
@@ -157,7 +159,7 @@ async def _run(
         if report.skipped:
             log.error("no snapshot verifies; starting fresh")
             return None
-        journal = functools.partial(store.events_after, 0)
+        journal = functools.partial(store.journal.events_after, 0)
         counts = await controller.recover(Recovered(None, None, journal, granularity), clock)
         log.info("no snapshot to restore (%s); replayed %d journal records", spec, counts.events)
         return None
@@ -210,7 +212,7 @@ async def _run(
         )
         break
 
-    journal = functools.partial(store.events_after, manifest.acks_through)
+    journal = functools.partial(store.journal.events_after, manifest.acks_through)
     counts = await controller.recover(Recovered(state, prepared, journal, granularity), clock)
     report.groups, report.siblings, report.tokens = counts.groups, counts.siblings, counts.tokens
     report.redispatch_s = counts.redispatch_s

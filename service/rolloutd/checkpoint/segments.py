@@ -19,21 +19,11 @@ import pyarrow as pa
 
 from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
+from rolloutd.checkpoint.checksums import Arrival, ChecksumAlgorithm, Hasher
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
-from rolloutd.checkpoint.format import (
-    SAMPLE_SCHEMA,
-    Arrival,
-    ChecksumAlgorithm,
-    FileEntry,
-    Hasher,
-    Manifest,
-    Row,
-    RowIdSet,
-    SegmentEntry,
-    SegmentKind,
-    batch_to_rows,
-    rows_to_batches,
-)
+from rolloutd.checkpoint.manifest import FileEntry, Manifest, SegmentEntry
+from rolloutd.checkpoint.rowids import RowIdSet
+from rolloutd.checkpoint.rows import SAMPLE_SCHEMA, Row, SegmentKind, batch_to_rows, rows_to_batches
 from rolloutd.domain.buffer import RowSealer, SealedRows
 from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample, SamplePart
 

@@ -30,13 +30,8 @@ from typing import Protocol
 import pyarrow as pa
 
 from rolloutd.checkpoint.backends import SUBMISSIONS, Backend, CorruptSnapshot, file_name
-from rolloutd.checkpoint.format import (
-    ChecksumAlgorithm,
-    FileEntry,
-    Hasher,
-    SubmissionsEntry,
-    checksum_algorithm,
-)
+from rolloutd.checkpoint.checksums import ChecksumAlgorithm, Hasher, checksum_algorithm
+from rolloutd.checkpoint.manifest import FileEntry, SubmissionsEntry
 from rolloutd.checkpoint.sidecar import from_json, to_json
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import Prompt

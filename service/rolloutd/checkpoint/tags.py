@@ -8,7 +8,9 @@ all digits, ``latest`` and ``none``.
 
 from __future__ import annotations
 
-from rolloutd.checkpoint.store import LATEST, SnapshotNotFound, SnapshotReader
+from rolloutd.checkpoint.reader import SnapshotNotFound
+from rolloutd.checkpoint.resolver import LATEST
+from rolloutd.checkpoint.store import SnapshotReader
 
 MAX_TAG_LENGTH = 128
 RESERVED = frozenset({LATEST, "none"})

@@ -327,8 +327,7 @@ class MetricsObserver:
         if (status := self._status()) is None:
             return []
         return [
-            Observation(status.groups.get(state, 0), self._group_state(state))
-            for state in BUFFERED
+            Observation(status.groups.get(state, 0), self._group_state(state)) for state in BUFFERED
         ]
 
     def _observe_inflight(self, _: CallbackOptions) -> Iterable[Observation]:
