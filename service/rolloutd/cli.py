@@ -157,6 +157,10 @@ def _serve(args: argparse.Namespace) -> int:
     async def main() -> int:
         try:
             service = RolloutService(config)
+        except ConfigError as exc:  # a pipeline entry point that cannot be loaded
+            print(f"rolloutd: {exc}", file=sys.stderr)
+            return 2
+        try:
             service.install_signal_handlers()
             await service.start()
         except START_FAILURES as exc:

@@ -39,6 +39,7 @@ from rolloutd.domain.engine import SamplingParams
 from rolloutd.engines.factory import EngineFactoryConfig
 from rolloutd.engines.synthetic import SyntheticConfig
 from rolloutd.engines.vllm_config import VLLMConfig
+from rolloutd.entrypoints import SPEC
 
 ENV_PREFIX = "ROLLOUTD_"
 
@@ -188,6 +189,18 @@ class RecoveryConfig(_Section):
     tokens into checkpoints."""
 
 
+class PipelineConfig(_Section):
+    sibling_runner: str | None = Field(None, pattern=SPEC.pattern)
+    """Entry point ``package.module:attribute`` of a sibling runner: a class (or factory) called
+    with no arguments, whose ``async run(job)`` produces one sibling (see
+    ``rolloutd.domain.runner``). Unset: one streamed engine request per sibling."""
+    finishing_stage: str | None = Field(None, pattern=SPEC.pattern)
+    """Entry point ``package.module:attribute`` of a finishing stage: a class (or factory)
+    called with no arguments, whose ``async finish(group)`` commits a finished group or drops it
+    with a reason (see ``rolloutd.domain.finishing``). Unset: every finished group is
+    committed."""
+
+
 class GrpcConfig(_Section):
     host: str = "0.0.0.0"
     """Address the gRPC server binds."""
@@ -236,6 +249,7 @@ class Config(_Section):
     limits: LimitsConfig = LimitsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     weights: WeightsConfig = WeightsConfig()
     restore: str = "latest"
     """Snapshot to restore at start: latest, none, a sequence number or a tag."""

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rolloutd.api.admin import AdminServer, create_admin_app
 from rolloutd.api.dashboard import dashboard_router
@@ -36,7 +37,7 @@ from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.config import Config
+from rolloutd.config import Config, ConfigError
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.engine import EngineDeadError, GenerationEngine
@@ -44,6 +45,7 @@ from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
+from rolloutd.entrypoints import EntryPointError, load
 from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
@@ -63,6 +65,17 @@ UNRECOVERABLE = (InvariantError, EngineDeadError)
 """Errors after which the process must be restarted rather than wait to be ready again."""
 
 
+def _plugged(key: str, spec: str | None) -> Any:
+    """A pipeline component built from its entry point (None: the default one); a failure is a
+    configuration error that names the key."""
+    if spec is None:
+        return None
+    try:
+        return load(spec)()
+    except EntryPointError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class Addresses:
     grpc: str
@@ -80,6 +93,8 @@ class RolloutService:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
+        runner = _plugged("pipeline.sibling_runner", config.pipeline.sibling_runner)
+        stage = _plugged("pipeline.finishing_stage", config.pipeline.finishing_stage)
         prompts, dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
             built = build_engine(
@@ -110,6 +125,8 @@ class RolloutService:
             observer=self.observer,
             journal=self.store.journal,
             sealer=ArrowSealer(),
+            runner=runner,
+            stage=stage,
         )
         self.fingerprint = config.semantic_fingerprint(dataset_digest, model_id)
         weights = config.weights
