@@ -178,6 +178,7 @@ def status_to_proto(
             committed=s.buffer.committed,
             leased=s.buffer.leased,
             acked=s.buffer.acked,
+            finishing=s.buffer.finishing,
             capacity=s.capacity,
             max_in_flight=s.max_in_flight,
         ),

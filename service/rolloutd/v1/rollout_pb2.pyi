@@ -338,20 +338,22 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStatus(_message.Message):
-    __slots__ = ("generating", "committed", "leased", "acked", "capacity", "max_in_flight")
+    __slots__ = ("generating", "committed", "leased", "acked", "capacity", "max_in_flight", "finishing")
     GENERATING_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FINISHING_FIELD_NUMBER: _ClassVar[int]
     generating: int
     committed: int
     leased: int
     acked: int
     capacity: int
     max_in_flight: int
-    def __init__(self, generating: _Optional[int] = ..., committed: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., max_in_flight: _Optional[int] = ...) -> None: ...
+    finishing: int
+    def __init__(self, generating: _Optional[int] = ..., committed: _Optional[int] = ..., leased: _Optional[int] = ..., acked: _Optional[int] = ..., capacity: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., finishing: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
     __slots__ = ("sequence", "outcome", "reason", "attempted_at", "completed_at", "tag", "consecutive_failures")
