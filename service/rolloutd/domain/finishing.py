@@ -19,8 +19,8 @@ pool): the loop serves every RPC of the service.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
