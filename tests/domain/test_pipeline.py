@@ -36,7 +36,7 @@ class DropOdd:
     async def finish(self, group: FinishingGroup) -> Verdict:
         self.seen.append(group.group_id)
         assert group.position is not None and len(group.samples) == 2
-        return Verdict(f"odd prompt {group.prompt.prompt_id}") if odd(group) else COMMIT
+        return Verdict("odd", f"prompt {group.prompt.prompt_id}") if odd(group) else COMMIT
 
 
 async def _drain(c: Controller, n: int) -> list[str]:
@@ -60,9 +60,10 @@ async def test_a_stage_that_drops_every_other_group_consumes_their_positions(cap
         delivered = await _drain(c, 5)
         assert sorted(delivered) == [f"p{i}" for i in range(0, 10, 2)]
         assert c.counters.dropped_groups == 5 and c.counters.admitted_groups == 10
+        assert c.counters.dropped_by_reason == {"odd": 5} and c.counters.dropped_tokens == 5 * 10
         assert len(stage.seen) == 10 == len(set(stage.seen))  # each group decided once
         assert not c.sampler.has_next()  # a dropped position is consumed, not admitted again
-        assert "odd prompt p1" in caplog.text
+        assert "dropped: odd: prompt p1" in caplog.text
     finally:
         await c.stop()
 
@@ -110,6 +111,7 @@ async def test_a_stage_that_fails_drops_its_group_with_the_error():
     try:
         await settle(lambda: c.counters.dropped_groups == 10, within_s=10)
         assert c.fatal is None and not c.buffer.groups
+        assert c.counters.dropped_by_reason == {"stage_failed": 10}
     finally:
         await c.stop()
 

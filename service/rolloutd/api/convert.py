@@ -10,7 +10,7 @@ from google.protobuf import json_format, struct_pb2
 
 from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.errors import InvalidArgument
-from rolloutd.domain.group import Group, Prompt, Sample
+from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
 from rolloutd.v1 import rollout_pb2 as pb
@@ -41,6 +41,9 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
     s.update(d)
     return s
 
+
+SCORE_STATUSES = {ScoreStatus.OK: pb.SCORE_STATUS_OK, ScoreStatus.FAILED: pb.SCORE_STATUS_FAILED}
+"""Every score status, as the proto says it (a test checks none is missing)."""
 
 _METADATA_JSON = json.JSONEncoder(ensure_ascii=False).encode
 """``json.dumps(value, ensure_ascii=False)`` without building an encoder on each call."""
@@ -85,8 +88,19 @@ def group_to_proto(g: Group) -> pb.Group:
         committed_at=m.committed_at or 0.0,
     )
     add = group.samples.add
-    for s in g.ordered_samples():
-        add(**_sample_fields(s))
+    scores = m.scores
+    if scores is None:
+        for s in g.ordered_samples():
+            add(**_sample_fields(s))
+        return group
+    group.reward_mean, group.reward_std = scores.mean, scores.std
+    for s, score in zip(g.ordered_samples(), scores.samples, strict=True):
+        add(
+            **_sample_fields(s),
+            reward=score.reward,
+            reward_info_json=score.info,
+            score_status=SCORE_STATUSES[score.status],
+        )
     return group
 
 
@@ -196,6 +210,9 @@ def status_to_proto(
             committed_tokens=c.committed_tokens,
             requeued_groups=c.requeued_groups,
             generation_tokens=generation_tokens,
+            dropped_groups=c.dropped_groups,
+            dropped_by_reason=c.dropped_by_reason,
+            dropped_tokens=c.dropped_tokens,
         ),
         last_checkpoint=last_checkpoint,
         replica=s.replica,

@@ -12,11 +12,13 @@ its size and a checksum (checksums.py).
 
 from __future__ import annotations
 
-FORMAT_VERSION = 3
-"""Version of the manifest and segment layout; readers refuse a newer one. Format 3 keeps group
-metadata as typed columns (:data:`GROUP_SCHEMA`); format 2 kept it as one JSON string per group
-(:data:`GROUP_SCHEMA_V2`) and format 1 in the sidecar. Both are still read: a snapshot taken
-after an upgrade lists the group segments of earlier ones until compaction rewrites them."""
+FORMAT_VERSION = 4
+"""Version of the manifest and segment layout; readers refuse a newer one. Format 4 adds the
+finishing stage's scores to the group columns (:data:`GROUP_SCHEMA`); format 3 had the same
+columns without them (:data:`GROUP_SCHEMA_V3`), format 2 kept group metadata as one JSON string
+per group (:data:`GROUP_SCHEMA_V2`) and format 1 in the sidecar. All are still read: a snapshot
+taken after an upgrade lists the group segments of earlier ones until compaction rewrites
+them."""
 
 
 class FormatError(ValueError):

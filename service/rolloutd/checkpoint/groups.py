@@ -28,15 +28,18 @@ import pyarrow.compute as pc
 
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.format import FormatError
-from rolloutd.checkpoint.rows import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2
+from rolloutd.checkpoint.rows import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2, GROUP_SCHEMA_V3
 from rolloutd.domain.group import (
     STATES,
     UNFINISHED,
     GroupMeta,
+    GroupScores,
     GroupState,
     GroupTable,
     Position,
     Prompt,
+    SampleScore,
+    ScoreStatus,
 )
 
 _META_FIELDS = (
@@ -51,6 +54,7 @@ _META_FIELDS = (
     "committed_at",
     "lease_id",
     "ack_step",
+    "scores",
 )
 """``GroupMeta``'s fields in declaration order, as :func:`batch_to_metas` fills them."""
 
@@ -97,8 +101,35 @@ def _encode(metas: Sequence[GroupMeta]) -> pa.RecordBatch:
         pa.array([m.committed_at for m in metas], pa.float64()),
         pa.array([m.lease_id for m in metas], pa.string()),
         pa.array([m.ack_step for m in metas], pa.int64()),
+        pa.array(
+            [None if m.scores is None else _scores_json(m.scores) for m in metas], pa.string()
+        ),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=GROUP_SCHEMA)
+
+
+def _scores_json(scores: GroupScores) -> str:
+    samples = [[s.reward, s.status.value, s.info] for s in scores.samples]
+    return _json({"mean": scores.mean, "std": scores.std, "samples": samples})
+
+
+def _scores(record: dict[str, Any] | None) -> GroupScores | None:
+    if record is None:
+        return None
+    samples = tuple(
+        SampleScore(r, ScoreStatus(status), info) for r, status, info in record["samples"]
+    )
+    return GroupScores(samples, record["mean"], record["std"])
+
+
+def _current(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch of :data:`GROUP_SCHEMA`: one of format 3 gets a null ``scores`` column."""
+    if batch.schema.remove_metadata() == GROUP_SCHEMA_V3.remove_metadata():
+        nulls = pa.nulls(batch.num_rows, pa.string())
+        return pa.RecordBatch.from_arrays([*batch.columns, nulls], schema=GROUP_SCHEMA)
+    if batch.schema.remove_metadata() != GROUP_SCHEMA.remove_metadata():
+        raise FormatError(f"group segment schema differs from the group schema: {batch.schema}")
+    return batch
 
 
 def metas_to_batches(
@@ -149,9 +180,7 @@ def batch_to_metas(
         batch = batch.filter(pa.array(keep))
     if is_legacy(batch.schema):
         return sidecar.decode_groups(batch.column("meta").to_pylist())
-    if batch.schema.remove_metadata() != GROUP_SCHEMA.remove_metadata():
-        raise FormatError(f"group segment schema differs from the group schema: {batch.schema}")
-    col = batch.column
+    col = _current(batch).column
     metadata = _parsed(col("prompt_metadata"), None)
     messages = [tuple(m) for m in _parsed(col("prompt_messages"), ())]
     prompt_ids = col("prompt_id").to_pylist()
@@ -177,6 +206,7 @@ def batch_to_metas(
         _values(col("committed_at")),
         _values(col("lease_id")),
         _values(col("ack_step")),
+        list(map(_scores, _parsed(col("scores"), None))),
     )
     metas: list[GroupMeta] = _filled(GroupMeta, _META_FIELDS, columns)
     return metas
@@ -188,10 +218,7 @@ def table_of(batches: Sequence[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | Non
     first read. Batches of format 2 (JSON per group) are decoded whole."""
     if any(is_legacy(b.schema) for b, _ in batches):
         return GroupTable.of([m for b, keep in batches for m in batch_to_metas(b, keep)])
-    kept = [b if keep is None else b.filter(pa.array(keep)) for b, keep in batches]
-    for b in kept:
-        if b.schema.remove_metadata() != GROUP_SCHEMA.remove_metadata():
-            raise FormatError(f"group segment schema differs from the group schema: {b.schema}")
+    kept = [_current(b if keep is None else b.filter(pa.array(keep))) for b, keep in batches]
     whole = pa.concat_batches(kept) if kept else pa.RecordBatch.from_pylist([], GROUP_SCHEMA)
     return _Columns(whole)
 

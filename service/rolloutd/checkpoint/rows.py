@@ -65,6 +65,7 @@ GROUP_SCHEMA = pa.schema(
         pa.field("committed_at", pa.float64()),
         pa.field("lease_id", pa.string()),
         pa.field("ack_step", pa.int64()),
+        pa.field("scores", pa.string()),
     ],
     metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
 )
@@ -73,7 +74,14 @@ the codec, which refuses to load if a field has no column): a restore reads whol
 one JSON document per group. ``position`` is ``epoch`` and ``offset`` (null: none); the prompt's
 ``metadata`` (any JSON value) and ``messages`` are JSON text, null when None or empty.
 ``group_id`` is the row id: a later snapshot that changes or drops a group lists it as removed
-from the segment that held it, so each group is live in one segment."""
+from the segment that held it, so each group is live in one segment. ``scores`` (format 4) is
+the finishing stage's record as JSON, ``{"mean", "std", "samples": [[reward, status, info]]}``
+(null: unscored)."""
+
+GROUP_SCHEMA_V3 = GROUP_SCHEMA.remove(GROUP_SCHEMA.get_field_index("scores")).with_metadata(
+    {b"rolloutd.format_version": b"3"}
+)
+"""Group segments of format 3: the same columns but ``scores``; read as unscored groups."""
 
 GROUP_SCHEMA_V2 = pa.schema(
     [

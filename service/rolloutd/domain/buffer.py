@@ -21,6 +21,7 @@ from rolloutd.domain.group import (
     UNFINISHED,
     Group,
     GroupMeta,
+    GroupScores,
     GroupState,
     GroupTable,
     KeptSamples,
@@ -245,14 +246,14 @@ class RolloutBuffer:
         self._change(g, state=GroupState.FINISHING)
         return g
 
-    def commit(self, group_id: int, now: float) -> Group:
-        """A finished group becomes training-ready."""
+    def commit(self, group_id: int, now: float, scores: GroupScores | None = None) -> Group:
+        """A finished group becomes training-ready, with what its finishing stage recorded."""
         g = self.get(group_id)
         if not g.complete:
             raise InvariantError(
                 f"group {group_id} committed with {len(g.samples)}/{g.meta.group_size} siblings"
             )
-        self._change(g, state=GroupState.COMMITTED, committed_at=now)
+        self._change(g, state=GroupState.COMMITTED, committed_at=now, scores=scores)
         self._ready.append(group_id)
         # where a sibling was resumed is not a column: such a group stays as objects
         if self.sealer is not None and all(s.resumed_at is None for s in g.samples.values()):

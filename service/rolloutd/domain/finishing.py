@@ -19,12 +19,29 @@ pool): the loop serves every RPC of the service.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rolloutd.domain.group import Position, Prompt, Sample
+from rolloutd.domain.group import (
+    GroupScores,
+    Position,
+    Prompt,
+    Sample,
+    SampleScore,
+    ScoreStatus,
+)
+
+__all__ = [
+    "COMMIT",
+    "CommitAll",
+    "FinishingGroup",
+    "FinishingStage",
+    "GroupScores",
+    "SampleScore",
+    "ScoreStatus",
+    "Verdict",
+]
 
 
 @dataclass(frozen=True)
@@ -41,44 +58,15 @@ class FinishingGroup:
     """The siblings in index order."""
 
 
-class ScoreStatus(enum.Enum):
-    """Whether a sample's reward could be computed."""
-
-    OK = "ok"
-    FAILED = "failed"
-    """The verifier raised, timed out, returned a non-finite number or killed its worker: the
-    sample has no reward, and ``SampleScore.info`` says why."""
-
-
-@dataclass(frozen=True)
-class SampleScore:
-    """A sample's reward as the finishing stage recorded it."""
-
-    reward: float | None
-    """None exactly when ``status`` is FAILED."""
-    status: ScoreStatus = ScoreStatus.OK
-    info: str = ""
-    """A small JSON object the verifier returned beside the reward (``""``: none), or, for a
-    failed score, the reason."""
-
-
-@dataclass(frozen=True)
-class GroupScores:
-    """What the finishing stage records on a committed group: one score per sibling, in index
-    order, and the group's statistics over the rewards that were computed."""
-
-    samples: tuple[SampleScore, ...]
-    mean: float
-    std: float
-    """Population standard deviation (what GRPO normalises by); 0 for fewer than two rewards."""
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What the stage decided for a group."""
 
     drop_reason: str | None = None
-    """``None``: commit the group; otherwise drop it, with this reason (counted by reason)."""
+    """``None``: commit the group; otherwise drop it. A short identifier, counted by value
+    (``zero_variance``, ``scoring_failed`` ...): keep the set of them small."""
+    detail: str = ""
+    """Why, in words, for the log (e.g. the rewards)."""
     scores: GroupScores | None = None
     """Recorded on the group when it is committed (None: unscored). Part of every snapshot that
     holds the group, so a restored group is never scored again."""

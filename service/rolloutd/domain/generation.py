@@ -27,7 +27,7 @@ from rolloutd.domain.engine import (
 )
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
-from rolloutd.domain.group import Group, GroupMeta, GroupState
+from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
 from rolloutd.domain.partial import PartialSibling, TokenDelta
@@ -36,6 +36,11 @@ from rolloutd.domain.sampler import Admission
 from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
+
+ENGINE_ERROR = "engine_error"
+"""Drop reason: a sibling's engine error outlasted its retries."""
+STAGE_FAILED = "stage_failed"
+"""Drop reason: the finishing stage raised."""
 
 ID_BITS = 40
 """Low bits of a group id count within a replica; the bits above are the replica's index, so ids
@@ -202,7 +207,7 @@ class Generation:
                     "sibling %s failed (attempt %d): %s", request.request_id, attempt + 1, exc
                 )
                 if attempt == core.config.sibling_retries:
-                    await self.drop(group.group_id, f"engine error: {exc}", error=True)
+                    await self.drop(group.group_id, ENGINE_ERROR, str(exc), error=True)
                     return
                 await asyncio.sleep(0.1 * 2**attempt)
             except EngineDeadError as exc:
@@ -248,17 +253,16 @@ class Generation:
                 verdict = await self.stage.finish(view)
             except Exception as exc:  # the stage is the operator's code: its failure is the group's
                 log.exception("finishing stage failed on group %d", group.group_id)
-                verdict = Verdict(f"finishing stage failed: {type(exc).__name__}: {exc}")
+                verdict = Verdict(STAGE_FAILED, f"{type(exc).__name__}: {exc}")
         finally:
             if self._finishing.get(group.group_id) is task:
                 del self._finishing[group.group_id]
-        if verdict.commits:
-            await self._commit(group)
+        if verdict.drop_reason is None:
+            await self._commit(group, verdict.scores)
         else:
-            assert verdict.drop_reason is not None
-            await self.drop(group.group_id, verdict.drop_reason)
+            await self.drop(group.group_id, verdict.drop_reason, verdict.detail)
 
-    async def _commit(self, group: Group) -> None:
+    async def _commit(self, group: Group, scores: GroupScores | None) -> None:
         core = self.core
         async with core.barrier.mutation(MutationKind.COMMIT_GROUP):
             if (
@@ -270,7 +274,7 @@ class Generation:
             # read before the commit: it may seal the rows, and reading them would decode them
             tokens = group.generated_tokens
             prompt_tokens = len(group.samples[0].prompt_token_ids)
-            core.buffer.commit(group.group_id, now)
+            core.buffer.commit(group.group_id, now, scores)
             self.siblings.pop(group.group_id, None)
             core.counters.committed_groups += 1
             core.counters.committed_tokens += tokens
@@ -287,16 +291,20 @@ class Generation:
         )
         await core.notify()
 
-    async def drop(self, group_id: int, why: str, *, error: bool = False) -> None:
-        """Drops a group (an engine error, or the finishing stage's verdict): its prompt
-        position counts as consumed."""
+    async def drop(self, group_id: int, reason: str, detail: str, *, error: bool = False) -> None:
+        """Drops a group (an engine error, or the finishing stage's verdict) for ``reason``:
+        its prompt position counts as consumed."""
         core = self.core
         async with core.barrier.mutation(MutationKind.EVICT):
             if group_id not in core.buffer.groups:
                 return
             await self.cancel(group_id)
-            core.buffer.remove(group_id, GroupState.DROPPED)
-            core.counters.dropped_groups += 1
+            group = core.buffer.remove(group_id, GroupState.DROPPED)
+            counters = core.counters
+            counters.dropped_groups += 1
+            counters.dropped_by_reason[reason] = counters.dropped_by_reason.get(reason, 0) + 1
+            counters.dropped_tokens += group.generated_tokens
+        why = f"{reason}: {detail}" if detail else reason
         self._abandoned(group_id, why)
         # an engine error is a fault; a verdict is routine (counted), so it logs at DEBUG
         log.log(logging.ERROR if error else logging.DEBUG, "group %d dropped: %s", group_id, why)

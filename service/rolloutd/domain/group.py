@@ -102,6 +102,38 @@ class KeptSamples(MutableMapping[int, Sample]):
         raise TypeError("the kept rows of a restored group are read-only")
 
 
+class ScoreStatus(enum.Enum):
+    """Whether a sample's reward could be computed."""
+
+    OK = "ok"
+    FAILED = "failed"
+    """The verifier raised, timed out, returned a non-finite number or killed its worker: the
+    sample has no reward, and ``SampleScore.info`` says why."""
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    """A sample's reward as the finishing stage recorded it."""
+
+    reward: float | None
+    """None exactly when ``status`` is FAILED."""
+    status: ScoreStatus = ScoreStatus.OK
+    info: str = ""
+    """A small JSON object the verifier returned beside the reward (``""``: none), or, for a
+    failed score, the reason."""
+
+
+@dataclass(frozen=True)
+class GroupScores:
+    """What the finishing stage records on a committed group: one score per sibling, in index
+    order, and the group's statistics over the rewards that were computed."""
+
+    samples: tuple[SampleScore, ...]
+    mean: float
+    std: float
+    """Population standard deviation (what GRPO normalises by); 0 for fewer than two rewards."""
+
+
 class GroupState(enum.Enum):
     """The life cycle of a group: it is in exactly one state, and moves only along
     :data:`TRANSITIONS` (docs/design.md, "The life of a group").
@@ -207,6 +239,8 @@ class GroupMeta:
     committed_at: float | None = None
     lease_id: str | None = None
     ack_step: int | None = None
+    scores: GroupScores | None = None
+    """What the finishing stage recorded when it committed the group (None: unscored)."""
 
     def sibling_seed(self, index: int) -> int:
         """Each sibling has its own seed, derived so a re-run after a restart is reproducible."""

@@ -35,8 +35,14 @@ class Counters:
     evicted_groups: int = 0
     requeued_groups: int = 0
     dropped_groups: int = 0
+    """Groups dropped: by a finishing stage's verdict, an engine error, or a failed stage."""
     committed_tokens: int = 0
     expired_leases: int = 0
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
+    """``dropped_groups`` by reason (``Verdict.drop_reason``, or ``engine_error``,
+    ``stage_failed``)."""
+    dropped_tokens: int = 0
+    """Generated tokens of the dropped groups' staged siblings."""
 
 
 @dataclass(frozen=True)

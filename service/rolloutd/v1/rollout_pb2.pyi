@@ -14,6 +14,12 @@ class PromptSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROMPT_SOURCE_DATASET: _ClassVar[PromptSource]
     PROMPT_SOURCE_SUBMITTED: _ClassVar[PromptSource]
 
+class ScoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCORE_STATUS_UNSPECIFIED: _ClassVar[ScoreStatus]
+    SCORE_STATUS_OK: _ClassVar[ScoreStatus]
+    SCORE_STATUS_FAILED: _ClassVar[ScoreStatus]
+
 class CheckpointOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHECKPOINT_OUTCOME_UNSPECIFIED: _ClassVar[CheckpointOutcome]
@@ -44,6 +50,9 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PROMPT_SOURCE_UNSPECIFIED: PromptSource
 PROMPT_SOURCE_DATASET: PromptSource
 PROMPT_SOURCE_SUBMITTED: PromptSource
+SCORE_STATUS_UNSPECIFIED: ScoreStatus
+SCORE_STATUS_OK: ScoreStatus
+SCORE_STATUS_FAILED: ScoreStatus
 CHECKPOINT_OUTCOME_UNSPECIFIED: CheckpointOutcome
 CHECKPOINT_OUTCOME_COMPLETED: CheckpointOutcome
 CHECKPOINT_OUTCOME_SKIPPED: CheckpointOutcome
@@ -87,7 +96,7 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts")
+    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts", "reward", "reward_info_json", "score_status")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +109,9 @@ class Sample(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_AT_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    SCORE_STATUS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -112,7 +124,10 @@ class Sample(_message.Message):
     finished_at: float
     resumed_at: int
     parts: _containers.RepeatedCompositeFieldContainer[SamplePart]
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ...) -> None: ...
+    reward: float
+    reward_info_json: str
+    score_status: ScoreStatus
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_info_json: _Optional[str] = ..., score_status: _Optional[_Union[ScoreStatus, str]] = ...) -> None: ...
 
 class SamplePart(_message.Message):
     __slots__ = ("start", "policy_version")
@@ -123,7 +138,7 @@ class SamplePart(_message.Message):
     def __init__(self, start: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at", "metadata_json")
+    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at", "metadata_json", "reward_mean", "reward_std")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +151,8 @@ class Group(_message.Message):
     ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_STD_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     prompt_id: str
     epoch: int
@@ -148,7 +165,9 @@ class Group(_message.Message):
     admitted_at: float
     committed_at: float
     metadata_json: str
-    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    reward_mean: float
+    reward_std: float
+    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., metadata_json: _Optional[str] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ...) -> None: ...
 
 class FetchGroupsRequest(_message.Message):
     __slots__ = ("max_groups", "wait_ms", "consumer")
@@ -374,7 +393,14 @@ class CheckpointStatus(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., outcome: _Optional[_Union[CheckpointOutcome, str]] = ..., reason: _Optional[_Union[CheckpointReason, str]] = ..., attempted_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., tag: _Optional[str] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups")
+    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups", "dropped_groups", "dropped_by_reason", "dropped_tokens")
+    class DroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ADMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ACKED_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +409,9 @@ class Counters(_message.Message):
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     admitted_groups: int
     committed_groups: int
     acked_groups: int
@@ -391,7 +420,10 @@ class Counters(_message.Message):
     committed_tokens: int
     generation_tokens: int
     requeued_groups: int
-    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ...) -> None: ...
+    dropped_groups: int
+    dropped_by_reason: _containers.ScalarMap[str, int]
+    dropped_tokens: int
+    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas")
