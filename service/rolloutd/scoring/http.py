@@ -59,6 +59,9 @@ class HttpVerifier:
             timeout=timeout_s, limits=httpx.Limits(max_connections=concurrency)
         )
 
+    async def start(self) -> None:
+        """Nothing to start: connections are opened as requests need them."""
+
     async def score(self, inputs: Sequence[ScoringInput]) -> list[SampleScore]:
         return list(await asyncio.gather(*(self._score(x) for x in inputs)))
 

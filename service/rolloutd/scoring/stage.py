@@ -127,6 +127,9 @@ class Scorer(Protocol):
     """Scores a group's samples: one score per input, in order; a verifier's failure is a
     FAILED score, never an exception."""
 
+    async def start(self) -> None:
+        """Gets ready to score (starts workers); optional, ``score`` does it when needed."""
+
     async def score(self, inputs: Sequence[ScoringInput]) -> list[SampleScore]: ...
 
     async def aclose(self) -> None: ...
@@ -201,6 +204,11 @@ class ScoringStage:
         self.scorer = scorer
         self.on_failure = on_failure
         self.filter = filter or FilterConfig()
+
+    async def start(self) -> None:
+        """Starts the scorer's workers now rather than on the first group, so that workers
+        that cannot start fail the service's start-up instead of every group's scores."""
+        await self.scorer.start()
 
     async def finish(self, group: FinishingGroup) -> Verdict:
         scores = group_scores(await self.scorer.score(scoring_inputs(group)))
