@@ -108,6 +108,7 @@ class Worker:
         """Ends the process now; asyncio reaps it."""
         if self.process.returncode is None:
             self.process.kill()
+        self._stdin.close()
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Asks the worker to exit (end of its stdin), and kills it after ``grace_s``."""

@@ -40,7 +40,8 @@ class ScoreFailure(enum.Enum):
     HTTP_STATUS = "http_status"
     """The HTTP verifier answered with an error status (4xx at once, 5xx after the retries)."""
     UNREACHABLE = "unreachable"
-    """The HTTP verifier could not be reached (after the retries)."""
+    """The HTTP verifier could not be reached, or dropped the connection (after the
+    retries)."""
 
 
 def failed(kind: ScoreFailure, detail: str) -> SampleScore:

@@ -50,9 +50,9 @@ class Evaluator:
     def __call__(self, call: Call) -> list[SampleScore]:
         n = len(call.inputs)
         try:
-            verifier = self._loaded.get(call.spec) or self._loaded.setdefault(
-                call.spec, load(call.spec)
-            )
+            verifier = self._loaded.get(call.spec)
+            if verifier is None:
+                verifier = self._loaded[call.spec] = load(call.spec)
             value = verifier(list(call.inputs) if call.group else call.inputs[0])
             if inspect.isawaitable(value):
                 value = self._run(value)
