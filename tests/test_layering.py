@@ -29,6 +29,8 @@ ALLOWED: dict[str, set[str]] = {
         "numpy",
     },
     "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc", "v1"},
+    # verifiers behind the finishing stage port: worker processes, HTTP reward models
+    "scoring": {"domain", "entrypoints", "httpx"},
     # new weights: staged, checked against the served model, then loaded through the controller
     "weights": {"domain", "fsspec", "botocore"},
     "v1": {"google", "grpc"},
