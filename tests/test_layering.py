@@ -51,7 +51,7 @@ ALLOWED: dict[str, set[str]] = {
         "weights",
     },
     # leaves used by the composition root
-    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints"},
+    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints", "scoring"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
@@ -60,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     # the composition root and the command line
     "supervisor": set(),
     "server": {
+        "scoring",
         "supervisor",
         "api",
         "checkpoint",

@@ -40,6 +40,7 @@ from rolloutd.engines.factory import EngineFactoryConfig
 from rolloutd.engines.synthetic import SyntheticConfig
 from rolloutd.engines.vllm_config import VLLMConfig
 from rolloutd.entrypoints import SPEC
+from rolloutd.scoring import FilterConfig, OnFailure, ScoringConfig
 
 ENV_PREFIX = "ROLLOUTD_"
 
@@ -189,6 +190,28 @@ class RecoveryConfig(_Section):
     tokens into checkpoints."""
 
 
+class ScoringSettings(_Section):
+    verifier: str | None = owned(ScoringConfig, "verifier")
+    group_verifier: str | None = owned(ScoringConfig, "group_verifier")
+    workers: int = owned(ScoringConfig, "workers", gt=0)
+    timeout_s: float = owned(ScoringConfig, "timeout_s", gt=0)
+    on_failure: Literal["drop", "deliver"] = "drop"
+    """What becomes of a group with a failed score: dropped (reason ``scoring_failed``), or
+    delivered with its failed scores (no reward, the reason in ``reward_info_json``)."""
+    http_concurrency: int = owned(ScoringConfig, "http_concurrency", gt=0)
+    http_retries: int = owned(ScoringConfig, "http_retries", ge=0)
+    http_backoff_s: float = owned(ScoringConfig, "http_backoff_s", ge=0)
+
+
+class FilterSettings(_Section):
+    zero_variance: bool = owned(FilterConfig, "zero_variance")
+    min_reward_std: float = owned(FilterConfig, "min_reward_std", ge=0)
+    max_oversample_ratio: float = Field(0.5, ge=0, le=10)
+    """With ``zero_variance``: up to ``(1 + ratio) x limits.max_in_flight`` groups generate or
+    finish at once (never more than ``limits.buffer_capacity``), so that dropped groups are
+    replaced without waiting; however many get dropped, no more are admitted."""
+
+
 class PipelineConfig(_Section):
     sibling_runner: str | None = Field(None, pattern=SPEC.pattern)
     """Entry point ``package.module:attribute`` of a sibling runner: a class (or factory) called
@@ -250,6 +273,8 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    scoring: ScoringSettings = ScoringSettings()
+    filter: FilterSettings = FilterSettings()
     weights: WeightsConfig = WeightsConfig()
     restore: str = "latest"
     """Snapshot to restore at start: latest, none, a sequence number or a tag."""
@@ -275,6 +300,16 @@ class Config(_Section):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
         if self.grpc.tls_client_ca is not None and self.grpc.tls_cert is None:
             raise ValueError("grpc.tls_client_ca needs grpc.tls_cert and grpc.tls_key")
+        self.scoring_config()  # its cross-field checks name their keys
+        self.filter_config()
+        if self.filter.zero_variance and not (self.scoring.verifier or self.scoring.group_verifier):
+            raise ValueError(
+                "filter.zero_variance needs rewards: set scoring.verifier or scoring.group_verifier"
+            )
+        if self.pipeline.finishing_stage and (self.scoring.verifier or self.scoring.group_verifier):
+            raise ValueError(
+                "pipeline.finishing_stage replaces the scoring stage: unset it or scoring.verifier"
+            )
         if self.fleet.replica >= self.fleet.replicas:
             raise ValueError(
                 f"fleet.replica must be below fleet.replicas ({self.fleet.replica} >= "
@@ -285,9 +320,15 @@ class Config(_Section):
     def controller(self) -> ControllerConfig:
         """The controller's config: its keys from ``limits``, ``group_size``, ``dataset.seed``
         and the sampling keys of ``engine``."""
+        in_flight = self.limits.max_in_flight
+        if self.filter.zero_variance:
+            in_flight = min(
+                int(in_flight * (1 + self.filter.max_oversample_ratio)), self.limits.buffer_capacity
+            )
         return _compose(
             ControllerConfig,
             self.limits,
+            max_in_flight=in_flight,
             group_size=self.group_size,
             seed=self.dataset.seed,
             sampling=_compose(SamplingParams, self.engine),
@@ -295,6 +336,12 @@ class Config(_Section):
             replicas=self.fleet.replicas,
             capture_partials=self.recovery.granularity == "token",
         )
+
+    def scoring_config(self) -> ScoringConfig:
+        return _compose(ScoringConfig, self.scoring, on_failure=OnFailure(self.scoring.on_failure))
+
+    def filter_config(self) -> FilterConfig:
+        return _compose(FilterConfig, self.filter)
 
     def checkpointer(self) -> CheckpointerConfig:
         return _compose(CheckpointerConfig, self.checkpoint)

@@ -46,6 +46,7 @@ from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
 from rolloutd.entrypoints import EntryPointError, load
+from rolloutd.scoring import build_stage
 from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
@@ -95,6 +96,11 @@ class RolloutService:
         self.config = config
         runner = _plugged("pipeline.sibling_runner", config.pipeline.sibling_runner)
         stage = _plugged("pipeline.finishing_stage", config.pipeline.finishing_stage)
+        try:
+            self.scoring = build_stage(config.scoring_config(), config.filter_config())
+        except ValueError as exc:  # a verifier's entry point that cannot be loaded
+            raise ConfigError(str(exc)) from exc
+        stage = stage or self.scoring
         prompts, dataset_digest = load_prompts(config.dataset.path)
         if engine is None:
             built = build_engine(
@@ -235,6 +241,8 @@ class RolloutService:
         self.supervisor.spawn("status-gauges", self._refresh_status())
         await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
+        if self.scoring is not None:
+            await self.scoring.start()  # before a restore: it may score restored groups
         if self.config.restore != "none":
             await self.lifecycle.enter(ServingState.RESTORING)
             await restore(
@@ -318,6 +326,8 @@ class RolloutService:
                 await asyncio.to_thread(self.store.claim.release)
             except OSError as exc:
                 log.warning("could not release the store's claim: %s", exc)
+        if self.scoring is not None:
+            await self.scoring.aclose()
         await self.engine.stop()
         if self._admin is not None:
             await asyncio.to_thread(self.history.sample)  # the final checkpoint on the dashboard

@@ -222,9 +222,11 @@ class ScoringStage:
                 failures[0].info,
             )
             if self.on_failure is OnFailure.DROP:
-                return Verdict(DropReason.SCORING_FAILED.value, scores)
+                detail = f"{len(failures)} of {len(scores.samples)} scores failed"
+                return Verdict(DropReason.SCORING_FAILED.value, detail, scores)
         if self.filter.zero_variance and scores.std <= self.filter.min_reward_std:
-            return Verdict(DropReason.ZERO_VARIANCE.value, scores)
+            detail = f"reward std {scores.std:.4g} <= {self.filter.min_reward_std}"
+            return Verdict(DropReason.ZERO_VARIANCE.value, detail, scores)
         return Verdict(scores=scores)
 
     async def aclose(self) -> None:
