@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 from rolloutd.domain.core import Core
@@ -29,7 +30,7 @@ from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
 from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFinished
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
@@ -249,6 +250,7 @@ class Generation:
                 group.meta.policy_version,
                 group.ordered_samples(),
             )
+            started = time.time_ns()
             try:
                 verdict = await self.stage.finish(view)
             except Exception as exc:  # the stage is the operator's code: its failure is the group's
@@ -257,6 +259,15 @@ class Generation:
         finally:
             if self._finishing.get(group.group_id) is task:
                 del self._finishing[group.group_id]
+        self.core.observer.group_finished(
+            GroupFinished(
+                group.group_id,
+                started,
+                time.time_ns(),
+                verdict,
+                sum(len(s.token_ids) for s in view.samples),
+            )
+        )
         if verdict.drop_reason is None:
             await self._commit(group, verdict.scores)
         else:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from rolloutd.domain.finishing import Verdict
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import CheckpointReport, RestoreReport
 
@@ -42,6 +43,19 @@ class GroupCommitted:
     group_size: int
 
 
+@dataclass(frozen=True)
+class GroupFinished:
+    """The finishing stage decided about a group (before it is committed or dropped)."""
+
+    group_id: int
+    started_ns: int
+    ended_ns: int
+    """Wall-clock nanoseconds: when the stage was asked, and when it answered."""
+    verdict: Verdict
+    tokens: int
+    """Generated tokens of all siblings (what a drop wastes)."""
+
+
 class Observer(Protocol):
     def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None: ...
 
@@ -58,6 +72,10 @@ class Observer(Protocol):
         """``queue_s``: for each leased group, time from commit to its first lease."""
 
     def groups_evicted(self, count: int) -> None: ...
+
+    def group_finished(self, event: GroupFinished) -> None:
+        """Called while the group's generation is still open (before it commits or is
+        abandoned), so its scoring can be told as part of it."""
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None: ...
 
@@ -83,6 +101,9 @@ class NullObserver:
         return None
 
     def groups_evicted(self, count: int) -> None:
+        return None
+
+    def group_finished(self, event: GroupFinished) -> None:
         return None
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:
