@@ -72,12 +72,15 @@ ALLOWED: dict[str, set[str]] = {
         "telemetry",
         "weights",
     },
+    # `rolloutd rescore`: a store's rewards scored again
+    "rescore": {"checkpoint", "config", "domain", "scoring"},
     # start-up failures a user causes, told in one line
     "startup": {"api", "checkpoint", "config", "dataset", "domain"},
     "cli": {
         "checkpoint",
         "config",
         "engines",
+        "rescore",
         "server",
         "startup",
         "telemetry",

@@ -108,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("checkpoints", help="list, show or verify snapshots", add_help=False)
     ckpt.add_argument("args", nargs=argparse.REMAINDER)
+    rescore = sub.add_parser(
+        "rescore", help="recompute a store's rewards and report mismatches", add_help=False
+    )
+    rescore.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     # `checkpoints` has a parser of its own (rolloutd.checkpoint.inspect): what this one does not
     # know, `--help` included, is passed on to it.
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command != "checkpoints":
+    if unknown and args.command not in ("checkpoints", "rescore"):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     # A descriptor of its own: while vLLM starts, stdout and stderr point at vLLM's log file.
     handler = logging.StreamHandler(os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1))
@@ -233,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         from rolloutd.checkpoint.inspect import main as checkpoints_main
 
         return checkpoints_main([*unknown, *args.args])
+    if args.command == "rescore":
+        from rolloutd.rescore import main as rescore_main
+
+        return rescore_main([*unknown, *args.args])
     raise AssertionError(args.command)
 
 

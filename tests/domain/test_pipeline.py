@@ -63,7 +63,7 @@ async def test_a_stage_that_drops_every_other_group_consumes_their_positions(cap
         assert c.counters.dropped_by_reason == {"odd": 5} and c.counters.dropped_tokens == 5 * 10
         assert len(stage.seen) == 10 == len(set(stage.seen))  # each group decided once
         assert not c.sampler.has_next()  # a dropped position is consumed, not admitted again
-        assert "dropped: odd: prompt p1" in caplog.text
+        assert "(prompt p1) dropped: odd: prompt p1" in caplog.text
     finally:
         await c.stop()
 

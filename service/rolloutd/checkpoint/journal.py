@@ -47,6 +47,7 @@ from rolloutd.domain.state import (
     IdReservation,
     Journaled,
     JournaledAck,
+    JournaledDrop,
     JournaledLease,
     JournaledSubmission,
 )
@@ -340,12 +341,16 @@ class Journal:
         """Journals that group ids up to ``through`` may be handed out; durable on return."""
         await self.enqueue({"kind": IDS, "through": through})
 
+    async def drop(self, drop: JournaledDrop) -> None:
+        """Journals a group dropped before delivery; durable on return."""
+        await self.enqueue({"kind": DROP, **to_json(drop)})
+
     def events_after(self, after: int) -> list[Journaled]:
         """The events journaled after position ``after``, in order."""
         return [decode(entry.record) for entry in self.read(after)]
 
 
-ACK, LEASE, SUBMIT, IDS = "ack", "lease", "submit", "ids"
+ACK, LEASE, SUBMIT, IDS, DROP = "ack", "lease", "submit", "ids", "drop"
 
 
 def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
@@ -371,6 +376,8 @@ def decode(d: Mapping[str, Any]) -> Journaled:
         return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
     if kind == IDS:
         return IdReservation(int(d["through"]))
+    if kind == DROP:
+        return from_json(JournaledDrop, d)
     raise CorruptJournal(f"{JOURNAL}: a record of unknown kind {kind!r}")
 
 

@@ -34,6 +34,7 @@ from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFin
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
+from rolloutd.domain.state import JournaledDrop
 from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
@@ -304,21 +305,45 @@ class Generation:
 
     async def drop(self, group_id: int, reason: str, detail: str, *, error: bool = False) -> None:
         """Drops a group (an engine error, or the finishing stage's verdict) for ``reason``:
-        its prompt position counts as consumed."""
+        its prompt position counts as consumed.
+
+        The drop is journaled before the group leaves the buffer, so it is exactly-once like
+        what a client is told: a restart replays it (the group, or its position when no
+        snapshot held it, is never admitted again), and a snapshot taken in between holds the
+        group with a journal position that covers the record, so its stage runs again."""
         core = self.core
+        group = core.buffer.groups.get(group_id)
+        if group is None:
+            return
+        tokens = group.generated_tokens
+        record = JournaledDrop(
+            group_id, Admission(group.meta.prompt, group.meta.position), reason, tokens
+        )
+        try:
+            await core.journal.drop(record)
+        except OSError as exc:
+            log.error(
+                "the drop of group %d could not be journaled (%s): until the next checkpoint, "
+                "a restart may generate its prompt again",
+                group_id,
+                exc,
+            )
         async with core.barrier.mutation(MutationKind.EVICT):
-            if group_id not in core.buffer.groups:
+            if core.buffer.groups.get(group_id) is not group:
                 return
             await self.cancel(group_id)
-            group = core.buffer.remove(group_id, GroupState.DROPPED)
-            counters = core.counters
-            counters.dropped_groups += 1
-            counters.dropped_by_reason[reason] = counters.dropped_by_reason.get(reason, 0) + 1
-            counters.dropped_tokens += group.generated_tokens
+            core.buffer.remove(group_id, GroupState.DROPPED)
+            core.counters.dropped(reason, tokens)
         why = f"{reason}: {detail}" if detail else reason
         self._abandoned(group_id, why)
         # an engine error is a fault; a verdict is routine (counted), so it logs at DEBUG
-        log.log(logging.ERROR if error else logging.DEBUG, "group %d dropped: %s", group_id, why)
+        log.log(
+            logging.ERROR if error else logging.DEBUG,
+            "group %d (prompt %s) dropped: %s",
+            group_id,
+            group.meta.prompt.prompt_id,
+            why,
+        )
         await core.notify()
 
     async def cancel(self, group_id: int) -> None:

@@ -43,6 +43,7 @@ from rolloutd.domain.state import (
     ControllerState,
     IdReservation,
     Journaled,
+    JournaledDrop,
     JournaledLease,
     JournaledSubmission,
     LostLease,
@@ -228,6 +229,9 @@ class Recovery:
                     core.next_group_id = max(core.next_group_id, event.through + 1)
                 elif isinstance(event, JournaledSubmission):
                     core.sampler.submit(event.prompts, bounded=False)
+                elif isinstance(event, JournaledDrop):
+                    self._bump_ids([event.group_id])
+                    self._replay_drop(event)
                 elif isinstance(event, JournaledLease):
                     self._bump_ids(event.lease.group_ids)
                     if event.lease.expires_at > now:
@@ -237,6 +241,17 @@ class Recovery:
                     core.lost_leased.pop(event.record.lease_id, None)
                     self.delivery.apply_ack(event)
         return len(events)
+
+    def _replay_drop(self, drop: JournaledDrop) -> None:
+        """A drop journaled after the snapshot: the group leaves the buffer when the snapshot
+        held it unfinished, else its position is never admitted (inside the RESTORE mutation)."""
+        core = self.core
+        group = core.buffer.groups.get(drop.group_id)
+        if group is None:
+            core.sampler.skip(drop.admission)
+        else:
+            core.buffer.remove(drop.group_id, GroupState.DROPPED)
+        core.counters.dropped(drop.reason, drop.tokens)
 
     def _bump_ids(self, group_ids: Iterable[int]) -> None:
         core = self.core

@@ -44,6 +44,12 @@ class Counters:
     dropped_tokens: int = 0
     """Generated tokens of the dropped groups' staged siblings."""
 
+    def dropped(self, reason: str, tokens: int) -> None:
+        """Counts one dropped group."""
+        self.dropped_groups += 1
+        self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
+        self.dropped_tokens += tokens
+
 
 @dataclass(frozen=True)
 class LostAck:
@@ -117,7 +123,19 @@ class IdReservation:
     through: int
 
 
-Journaled = JournaledAck | JournaledLease | JournaledSubmission | IdReservation
+@dataclass(frozen=True)
+class JournaledDrop:
+    """A group the finishing stage (or an engine error) dropped before delivery: its position
+    counts as consumed even when no snapshot held the group."""
+
+    group_id: int
+    admission: Admission
+    reason: str
+    tokens: int
+    """Generated tokens of its siblings."""
+
+
+Journaled = JournaledAck | JournaledLease | JournaledSubmission | IdReservation | JournaledDrop
 """One event of the journal, in the order it was made durable."""
 
 
@@ -140,6 +158,10 @@ class DeliveryJournal(Protocol):
 
     async def reserve_ids(self, through: int) -> None: ...
 
+    async def drop(self, drop: JournaledDrop) -> None:
+        """Journals a dropped group; durable on return."""
+        ...
+
 
 def _kept() -> asyncio.Future[int]:
     """A future already resolved: what the null journal keeps is kept at once."""
@@ -161,4 +183,7 @@ class NullJournal:
         return None
 
     async def reserve_ids(self, through: int) -> None:
+        return None
+
+    async def drop(self, drop: JournaledDrop) -> None:
         return None
