@@ -761,7 +761,12 @@ class Controller:
         return accepted, duplicates
 
     async def update_weights(
-        self, version: int, weights_path: str, *, timeline: WeightsTimeline | None = None
+        self,
+        version: int,
+        weights_path: str,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> int:
         """Loads new weights, bumps the policy version, evicts groups now too stale.
 
@@ -776,7 +781,7 @@ class Controller:
             raise InvalidArgument("weights_path", "must not be empty")
         self._check_serving()
         try:
-            await self.engine.update_weights(weights_path, version, timeline=timeline)
+            await self.engine.update_weights(weights_path, version, timeline=timeline, only=only)
         except EngineDeadError as exc:
             self._die(exc)
             raise Unavailable(f"the service is not ready: {exc}") from exc
