@@ -136,6 +136,7 @@ class WeightsStore:
         if not files:
             raise ValueError(f"{source} holds no *.safetensors files")
         folder = self._path("anchors", f"v{version}")
+        self._fs.makedirs(folder, exist_ok=True)
         sums = []
         for path in files:
             self._fs.put_file(str(path), f"{folder}/{path.name}")
