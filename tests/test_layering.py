@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc", "v1"},
     # new weights: staged, checked against the served model, then loaded through the controller
-    "weights": {"domain", "fsspec", "botocore"},
+    "weights": {"domain", "fsspec", "botocore", "numpy", "zstandard", "torch"},
     "v1": {"google", "grpc"},
     "api": {
         "domain",

@@ -91,7 +91,7 @@ def test_applied_to_other_weights_the_tensor_is_named(bf16, tmp_path: Path) -> N
     other = dict(base)
     other["layer.0.weight"] = _bf16_step({"x": base["layer.0.weight"]}, seed=9)["x"]
     save_file(other, str(base_dir / "model.safetensors"))
-    with pytest.raises(WeightsRejected, match="tensor layer.0.weight: the result's SHA-256"):
+    with pytest.raises(WeightsRejected, match=r"tensor layer\.0\.weight: the result's SHA-256"):
         delta.apply_delta(tmp_path / "d.delta", base_dir, _out(tmp_path))
 
 
@@ -113,14 +113,14 @@ def test_a_flipped_bit_in_a_payload_names_the_tensor(bf16, tmp_path: Path) -> No
     data = bytearray(path.read_bytes())
     data[header.data_start + (entry.begin + entry.end) // 2] ^= 0x10
     path.write_bytes(bytes(data))
-    with pytest.raises(WeightsRejected, match="tensor embed.weight: "):
+    with pytest.raises(WeightsRejected, match=r"tensor embed\.weight: "):
         delta.apply_delta(path, base_dir, _out(tmp_path))
 
 
 def test_a_delta_for_another_model_is_refused(bf16, tmp_path: Path) -> None:
     base_dir, _, base, new = bf16
     new = {**new, "layer.0.weight": new["layer.0.weight"][:16]}
-    with pytest.raises(ValueError, match="tensor layer.0.weight is BF16\\[16, 32\\]"):
+    with pytest.raises(ValueError, match=r"tensor layer\.0\.weight is BF16\[16, 32\]"):
         delta.make_delta(base, new, tmp_path / "d.delta", base_version=4, version=5)
     small = {n: t for n, t in base.items() if n != "norm.weight"}
     delta.make_delta(small, small, tmp_path / "d.delta", base_version=4, version=5)

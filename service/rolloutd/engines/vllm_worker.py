@@ -40,9 +40,7 @@ class _ExpectedPartialLoad(logging.Filter):
         )
 
 
-def complete_layers(
-    names: set[str], available: set[str], packed: dict[str, list[str]]
-) -> set[str]:
+def complete_layers(names: set[str], available: set[str], packed: dict[str, list[str]]) -> set[str]:
     """``names`` with every tensor of ``available`` that belongs to the same vLLM layer: the same
     module, or a module packed with it (``packed``: the model's ``packed_modules_mapping``)."""
     siblings: dict[str, list[str]] = {}
