@@ -177,7 +177,7 @@ def _misshapen(models: Models, tmp_path: Path, change: str) -> Path:
     else:
         tensors["model.extra.weight"] = torch.zeros(4)
     out = tmp_path / change
-    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", "SHA256SUMS"))
+    out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
     return out
 
@@ -233,12 +233,8 @@ async def test_deltas_load_only_what_changed_and_bad_ones_change_nothing(
     """Runs after the tests above (v2 from S3 serves): a delta to v3 generates like
     transformers on the full v3 weights; then a delta on the wrong base, a truncated one and
     one with a flipped bit are each refused, and v3 generates as before."""
-    new = _edited(
-        models.from_s3,
-        tmp_path / "v3",
-        ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"),
-        seed=13,
-    )
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    new = _edited(models.from_s3, tmp_path / "v3", names, seed=13)
     good = tmp_path / "v3.delta"
     stats = make_delta(models.from_s3, new, good, base_version=2, version=3)
     assert stats.tensors_changed == 2
@@ -249,12 +245,17 @@ async def test_deltas_load_only_what_changed_and_bad_ones_change_nothing(
     assert set(r.phase_seconds) == {"decode", "pause", "load", "resume"}
     await assert_greedy_matches_hf(running.stub, 3, new)
 
-    header = read_delta_header(good)
+    # Damaged copies of a delta from v3 to v4, and the v3 delta again (now on the wrong base).
+    nxt = tmp_path / "v4.delta"
+    make_delta(
+        new, _edited(new, tmp_path / "v4", names[1:], seed=14), nxt, base_version=3, version=4
+    )
+    header = read_delta_header(nxt)
     entry = header.entries["model.layers.1.mlp.down_proj.weight"]
-    data = bytearray(good.read_bytes())
+    data = bytearray(nxt.read_bytes())
     data[header.data_start + entry.begin + 9] ^= 0x04
     (tmp_path / "flipped.delta").write_bytes(bytes(data))
-    (tmp_path / "cut.delta").write_bytes(good.read_bytes()[:-100])
+    (tmp_path / "cut.delta").write_bytes(nxt.read_bytes()[:-100])
     cases = [
         (str(good), 2, grpc.StatusCode.FAILED_PRECONDITION,
          "base_version: the delta applies to v2 but v3 is served"),
