@@ -30,15 +30,29 @@ For each model size (the tiny model, and a larger random model built the same wa
 - the end-to-end update time seen by the trainer, for a push (hashing included) and from S3
   (with a ``SHA256SUMS`` file, so the service verifies checksums on both paths).
 
+The delta run (also in ``--quick``) serves the tiny model in bf16 on vLLM. This process is the
+trainer: float32 master weights (Hugging Face ``LlamaForCausalLM``), Adam at lr 1e-6 on a language
+modelling loss over random token batches, the bf16 cast of the weights published after each of
+``DELTA_STEPS`` steps twice, side by side: first as a delta pushed on the served version
+(``RolloutClient.push_delta``), then as full weights (``push_weights``) under the next version.
+It reports ``delta_bytes_vs_full`` (median delta size over the safetensors file),
+``bit_identical_fraction`` (mean fraction of bf16 elements unchanged by a step),
+``delta_pause_ms_p50`` and ``full_pause_ms_p50`` (generation stopped, pause to resume) and their
+ratio ``delta_pause_vs_full``, and ``delta_state_matches_full``: after every delta, the weights
+the service staged and the engine loaded from hold, tensor by tensor, the SHA-256 of the trainer's
+bf16 weights, and a greedy sample (token ids and every logprob) equals the one generated after the
+full load of the same weights.
+
 Each figure is the median over the repetitions; one push on a fresh channel comes first and is
 reported on its own (the HTTP/2 windows grow during the first transfer).
 
 The service and the client share 2 cores here with vLLM's CPU engine. The transfer path does not
 involve the engine, so the transfer rates and ``push_vs_local_copy`` are measured against the
 synthetic engine serving the same model (its layout is what pushes are checked against), as
-DESIGN.md has it for figures of the service's own overhead; the same rates measured beside the
+docs/design.md has it for figures of the service's own overhead; the same rates measured beside the
 vLLM engine are kept as ``*_beside_engine``. Pauses, loads and end-to-end times come from vLLM.
-``--quick`` runs the synthetic engine (no real pause or load) on the tiny model and a ~60 MB one.
+``--quick`` runs the synthetic engine (no real pause or load) on the tiny model and a ~60 MB one;
+its delta run is on vLLM all the same.
 """
 
 from __future__ import annotations
@@ -96,13 +110,21 @@ QUICK_LARGE = Size(
 class Service(common.Serve):
     """``rolloutd serve`` on one model, its log in a file."""
 
-    def __init__(self, model: Path, work: Path, engine: str, s3: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model: Path,
+        work: Path,
+        engine: str,
+        s3: dict[str, Any],
+        dtype: str = "float32",
+        env: dict[str, str] | None = None,
+    ) -> None:
         dataset = work / "one-prompt.jsonl"
         dataset.write_text(json.dumps({"id": "warm", "prompt": "What is 1 + 1?"}) + "\n")
-        env = {
+        env_vars = {
             "OTEL_SDK_DISABLED": "true",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "ROLLOUTD_ENGINE__VLLM__DTYPE": "float32",
+            "ROLLOUTD_ENGINE__VLLM__DTYPE": dtype,
             "ROLLOUTD_ENGINE__VLLM__KV_CACHE_MEMORY_GIB": "1",
             "ROLLOUTD_ENGINE__VLLM__MAX_MODEL_LEN": "512",
             "ROLLOUTD_ENGINE__MAX_TOKENS": "32",
@@ -110,6 +132,7 @@ class Service(common.Serve):
             "ROLLOUTD_WEIGHTS__STORAGE_OPTIONS": json.dumps(s3),
             "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
             "ROLLOUTD_LIMITS__BUFFER_CAPACITY": "64",
+            **(env or {}),
         }
         args = [
             "--engine", engine, "--model", str(model), "--dataset", str(dataset), "--epochs", "1",
@@ -117,7 +140,7 @@ class Service(common.Serve):
             "--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-interval", "0",
             "--restore", "none",
         ]  # fmt: skip
-        super().__init__(args, env, work, work / f"serve-{engine}.log")
+        super().__init__(args, env_vars, work, work / f"serve-{engine}-{dtype}.log")
 
 
 def sha256(path: Path) -> str:
@@ -414,6 +437,177 @@ def run_service(
     return run
 
 
+DELTA_STEPS = 50
+DELTA_LR = 1e-6
+TARGET_DELTA_BYTES = 0.10
+TARGET_PAUSE_RATIO = 1.0
+
+
+def bf16_model(source: Path, out: Path) -> Path:
+    """The tiny model with its weights stored in bf16, as served (configuration and tokenizer
+    copied as they are)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    for p in source.glob("*.safetensors"):
+        tensors = {n: t.to(torch.bfloat16) for n, t in load_file(str(p)).items()}
+        save_file(tensors, str(out / p.name), metadata={"format": "pt"})
+    return out
+
+
+def tensor_digests(tensors: dict[str, Any]) -> dict[str, str]:
+    """SHA-256 of every tensor's bytes, as a safetensors file holds them."""
+    from rolloutd.weights.delta import raw_tensor
+
+    return {n: hashlib.sha256(raw_tensor(t).data).hexdigest() for n, t in tensors.items()}
+
+
+def staged_digests(directory: Path) -> dict[str, str]:
+    from rolloutd.weights.delta import read_safetensors
+
+    return {
+        n: hashlib.sha256(t.data).hexdigest()
+        for _, _, tensors in read_safetensors(directory)
+        for n, t in tensors.items()
+    }
+
+
+def greedy(client: RolloutClient, prompt_id: str) -> tuple[list[int], list[float], int]:
+    """A greedy group for one submitted prompt: its first sample's token ids, logprobs and
+    policy version."""
+    client.submit_prompts([{"prompt_id": prompt_id, "text": "Count: 1 2 3 4 5"}])
+    while True:
+        lease = client.fetch(max_groups=4, wait_ms=2000)
+        if lease is None:
+            continue
+        client.ack(lease, trainer_step=0)
+        for group in lease.groups:
+            if group.prompt_id == prompt_id:
+                s = group.samples[0]
+                return list(s.token_ids), list(s.logprobs), s.policy_version
+
+
+def delta_run(root: Path, steps: int) -> dict[str, Any]:
+    """See the module docstring."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from rolloutd.weights.delta import make_delta
+
+    work = root / "delta"
+    work.mkdir()
+    common.progress(f"delta: building the tiny model in bf16, then {steps} Adam steps")
+    built = build_tiny_model(work / "f32", seed=0, progress=lambda _: None)
+    served = bf16_model(built, work / "model")
+    torch.manual_seed(0)
+    trainer = LlamaForCausalLM.from_pretrained(str(built), torch_dtype=torch.float32)
+    names = set(common_names(served))
+    optimizer = torch.optim.Adam(trainer.parameters(), lr=DELTA_LR)
+    vocab = trainer.config.vocab_size
+
+    def bf16_weights() -> dict[str, Any]:
+        return {
+            n: p.detach().to(torch.bfloat16).contiguous()
+            for n, p in trainer.state_dict().items()
+            if n in names
+        }
+
+    service = Service(
+        served, work, "vllm", {}, dtype="bfloat16", env={"ROLLOUTD_ENGINE__TEMPERATURE": "0"}
+    )
+    rows: list[dict[str, Any]] = []
+    matches = True
+    try:
+        service.wait_listening(600.0, poll_s=0.2)
+        common.progress(f"delta: vLLM (bf16) service up at {service.address}")
+        client = RolloutClient(service.address, interceptors=(), timeout_s=600)
+        previous, version = bf16_weights(), 0
+        for step in range(1, steps + 1):
+            batch = torch.randint(0, vocab, (4, 64))
+            loss = trainer(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            current = bf16_weights()
+            full = work / f"full-{step}"
+            full.mkdir()
+            save_file_bf16(current, full / "model.safetensors")
+            delta_file = work / f"step-{step}.delta"
+            stats = make_delta(
+                previous, current, delta_file, base_version=version, version=version + 1
+            )
+            [by_delta] = client.push_delta(version, version + 1, delta_file).values()
+            version += 1
+            expected = tensor_digests(current)
+            staged_ok = staged_digests(work / "staging" / f"v{version}") == expected
+            tokens_d, logprobs_d, at_d = greedy(client, f"delta-{step}")
+            [by_full] = client.push_weights(version + 1, full).values()
+            version += 1
+            tokens_f, logprobs_f, at_f = greedy(client, f"full-{step}")
+            same = staged_ok and (tokens_d, logprobs_d) == (tokens_f, logprobs_f)
+            same = same and (at_d, at_f) == (version - 1, version)
+            matches = matches and same
+            rows.append(
+                {
+                    "step": step,
+                    "loss": float(loss),
+                    "delta_bytes": stats.bytes,
+                    "full_bytes": by_full.bytes,
+                    "bit_identical_fraction": stats.bit_identical_fraction,
+                    "tensors_changed": stats.tensors_changed,
+                    "delta_pause_ms": 1000 * paused_s(by_delta),
+                    "full_pause_ms": 1000 * paused_s(by_full),
+                    "delta_decode_ms": 1000 * by_delta.phase_seconds["decode"],
+                    "state_matches_full": same,
+                }
+            )
+            r = rows[-1]
+            common.progress(
+                f"delta: step {step}/{steps}: delta {r['delta_bytes'] / 1e3:.1f} kB of "
+                f"{r['full_bytes'] / 1e6:.2f} MB, {r['bit_identical_fraction']:.4%} bit-identical, "
+                f"pause {r['delta_pause_ms']:.1f} ms (full {r['full_pause_ms']:.1f} ms), "
+                f"{'matches' if same else 'DIFFERS FROM'} the full load"
+            )
+            shutil.rmtree(full)
+            delta_file.unlink()
+            previous = current
+        client.close()
+    finally:
+        service.stop(120.0)
+    delta_p50 = common.median([r["delta_pause_ms"] for r in rows])
+    full_p50 = common.median([r["full_pause_ms"] for r in rows])
+    return {
+        "steps": steps,
+        "lr": DELTA_LR,
+        "dtype": "bfloat16",
+        "delta_bytes_vs_full": common.median([r["delta_bytes"] / r["full_bytes"] for r in rows]),
+        "bit_identical_fraction": sum(r["bit_identical_fraction"] for r in rows) / len(rows),
+        "delta_state_matches_full": matches,
+        "delta_pause_ms_p50": delta_p50,
+        "full_pause_ms_p50": full_p50,
+        "delta_pause_vs_full": delta_p50 / full_p50,
+        "delta_decode_ms_p50": common.median([r["delta_decode_ms"] for r in rows]),
+        "rows": rows,
+    }
+
+
+def common_names(directory: Path) -> list[str]:
+    from rolloutd.weights.delta import read_safetensors
+
+    return [n for _, _, tensors in read_safetensors(directory) for n in tensors]
+
+
+def save_file_bf16(tensors: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def paused_s(answer: Any) -> float:
+    return float(sum(answer.phase_seconds[k] for k in ("pause", "load", "resume")))
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = [
         (
@@ -492,6 +686,7 @@ def main() -> None:
     fsspec.filesystem("s3", **s3, skip_instance_cache=True).mkdir(BUCKET)
     try:
         with tempfile.TemporaryDirectory(prefix="rolloutd-weights-") as tmp:
+            delta = delta_run(Path(tmp), DELTA_STEPS)
             rows = [measure(size, Path(tmp), engine, s3, reps) for size in sizes]
     finally:
         server.stop()
@@ -528,11 +723,27 @@ def main() -> None:
             f"push end-to-end, {large['bytes'] / 1e6:.0f} MB model", large["push_end_to_end_s"],
             "s", "", None, f"S3: {large['s3_end_to_end_s']:.2f} s",
         ),
+        common.headline(
+            f"delta / full bytes, tiny model in bf16, Adam lr {DELTA_LR:g}",
+            delta["delta_bytes_vs_full"], "", f"<= {TARGET_DELTA_BYTES}",
+            delta["delta_bytes_vs_full"] <= TARGET_DELTA_BYTES,
+            f"{delta['bit_identical_fraction']:.4%} of bf16 elements bit-identical per step",
+        ),
+        common.headline(
+            "engine pause, delta / full (same weights, side by side)",
+            delta["delta_pause_vs_full"], "", f"<= {TARGET_PAUSE_RATIO}",
+            delta["delta_pause_vs_full"] <= TARGET_PAUSE_RATIO,
+            f"p50 {delta['delta_pause_ms_p50']:.1f} / {delta['full_pause_ms_p50']:.1f} ms; "
+            f"state matches a full load after all {delta['steps']} deltas: "
+            f"{delta['delta_state_matches_full']}",
+        ),
     ]  # fmt: skip
     result = {
         "benchmark": NAME,
         "quick": args.quick,
         "headline": headline,
+        **{k: v for k, v in delta.items() if k.startswith(("delta_", "full_", "bit_"))},
+        "delta": delta,
         "sizes": rows,
         "conditions": common.conditions(started),
     }

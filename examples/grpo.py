@@ -57,6 +57,18 @@ def say(line: str) -> None:
 # --- rolloutd ----------------------------------------------------------------------------------
 
 
+def bf16_copy(model: Path, out: Path) -> Path:
+    """The tiny model with bf16 weights: what rolloutd serves and deltas apply to."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    for p in model.glob("*.safetensors"):
+        tensors = {n: t.to(torch.bfloat16) for n, t in load_file(str(p)).items()}
+        save_file(tensors, str(out / p.name), metadata={"format": "pt"})
+    return out
+
+
 def service_config(run: Path, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """rolloutd's configuration for this run (written as ``rolloutd.yaml``)."""
     return {
@@ -66,7 +78,9 @@ def service_config(run: Path, model: Path, args: argparse.Namespace) -> dict[str
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
             "vllm": {
-                "dtype": "float32",
+                # bf16 where the trainer sends deltas: most bf16 weights stay bit-identical
+                # from one step to the next, which is what makes a delta small.
+                "dtype": "bfloat16" if args.weights == "delta" else "float32",
                 "max_model_len": 512,
                 "kv_cache_memory_gib": 1,
                 "max_num_seqs": 64,
@@ -320,6 +334,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=4, help="rolloutd limits.max_staleness")
     p.add_argument("--temperature", type=float, default=2.0, help="sampling temperature")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    p.add_argument(
+        "--weights",
+        choices=("full", "delta"),
+        default="full",
+        help="full: float32 weights loaded from a path after each step; delta: served in bf16, "
+        "and only what changed is pushed (docs/operations.md, 'Deltas')",
+    )
     args = p.parse_args(argv)
     quick = {"steps": 60, "crash_at": 33, "checkpoint_every": 5}
     full = {"steps": 150, "crash_at": 77, "checkpoint_every": 10}
@@ -380,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model(REPO / ".rolloutd" / "cache", progress=say)
+    if args.weights == "delta":
+        model = bf16_copy(model, run / "model-bf16")
     cfg = TrainConfig(
+        weights=args.weights,
         model=str(model),
         steps=args.steps,
         groups_per_step=args.groups_per_step,

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -46,6 +47,7 @@ from transformers import AutoModelForCausalLM
 from rolloutd.client import Lease, RolloutClient
 from rolloutd.trainer import wait_until_ready
 from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.weights.delta import make_delta
 
 _SMALL_NUMBER = re.compile(r"\d{1,2}")
 
@@ -97,6 +99,14 @@ class TrainConfig:
     seed: int = 0
     fetch_timeout_s: float = 600.0
     """A step that cannot gather its groups within this long fails."""
+    weights: str = "full"
+    """How new weights reach rolloutd: ``full`` (float32 safetensors, loaded from a path) or
+    ``delta`` (bf16, what changed since the version served, pushed over gRPC; rolloutd serves
+    in bf16 and the model directory holds bf16 weights)."""
+
+    @property
+    def served_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.weights == "delta" else torch.float32
 
 
 # --- the policy --------------------------------------------------------------------------------
@@ -191,17 +201,22 @@ def _publish_dir(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def write_weights(model: Any, out: Path) -> None:
+def served_weights(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The parameters as rolloutd serves them (the trainer keeps float32 masters)."""
+    return {n: p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
+
+
+def write_weights(model: Any, out: Path, dtype: torch.dtype = torch.float32) -> None:
     """``out/model.safetensors`` with the parameter names and dtypes of the served model."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {n: p.detach().to(torch.float32).contiguous() for n, p in model.named_parameters()}
+    tensors = served_weights(model, dtype)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     _publish_dir(tmp, out)
 
 
-def check_weight_names(model: Any, model_dir: Path) -> None:
+def check_weight_names(model: Any, model_dir: Path, dtype: str = "F32") -> None:
     """The pushed tensors must be exactly the served model's (vLLM's ``reload_weights`` maps them
     by name and would silently keep an old tensor it is not given)."""
     served: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -209,7 +224,7 @@ def check_weight_names(model: Any, model_dir: Path) -> None:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             t = f.get_slice(name)
             served[name] = (t.get_dtype(), tuple(t.get_shape()))
-    ours = {n: ("F32", tuple(p.shape)) for n, p in model.named_parameters()}
+    ours = {n: (dtype, tuple(p.shape)) for n, p in model.named_parameters()}
     if served != ours:
         raise RuntimeError(
             f"trainer parameters differ from {model_dir}: "
@@ -275,7 +290,9 @@ class Trainer:
         torch.set_num_threads(cfg.threads)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
         self.model.train()
-        check_weight_names(self.model, Path(cfg.model))
+        check_weight_names(self.model, Path(cfg.model), "BF16" if cfg.weights == "delta" else "F32")
+        self.pushed: tuple[int, dict[str, torch.Tensor]] | None = None
+        """The version last loaded on every endpoint and its served weights: a delta's base."""
         self.pad_id = int(self.model.config.pad_token_id)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.state = TrainerState()
@@ -347,15 +364,46 @@ class Trainer:
         """Writes the current weights and loads them on every endpoint; returns the milliseconds
         it took and the groups rolloutd evicted as now too stale (their prompts are re-admitted)."""
         started = time.perf_counter()
+        if self.cfg.weights == "delta" and self.pushed is not None:
+            responses = self.push_delta(*self.pushed)
+            if responses is not None:
+                ms = (time.perf_counter() - started) * 1000
+                return ms, sum(r.evicted_groups for r in responses.values())
         # A resumed trainer may reuse a version number that the crashed one had pushed.
         out = self.run / "weights" / f"v{self.state.version:06d}-life{self.life}"
-        write_weights(self.model, out)
+        write_weights(self.model, out, self.cfg.served_dtype)
         responses = self.client.update_weights(self.state.version, str(out.resolve()))
+        if self.cfg.weights == "delta":
+            self.pushed = (self.state.version, served_weights(self.model, torch.bfloat16))
         ms = (time.perf_counter() - started) * 1000
         kept = sorted((self.run / "weights").glob("v[0-9]*-life[0-9]*"))
         for old in kept[: -self.cfg.keep_weights]:
             shutil.rmtree(old)
         return ms, sum(r.evicted_groups for r in responses.values())
+
+    def push_delta(self, base: int, served: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+        """Pushes what changed since ``base`` to every endpoint; None when an endpoint serves
+        another version (restarted from an older snapshot), and full weights must go instead."""
+        current = served_weights(self.model, torch.bfloat16)
+        path = self.run / "weights" / f"v{self.state.version:06d}.delta"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stats = make_delta(served, current, path, base_version=base, version=self.state.version)
+        try:
+            responses = self.client.push_delta(base, self.state.version, path)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            print(f"delta refused ({exc.details()}); pushing full weights", flush=True)
+            return None
+        finally:
+            path.unlink()
+        print(
+            f"v{self.state.version}: delta of {stats.bytes / 1e3:.1f} kB, "
+            f"{stats.density:.3%} of the elements changed",
+            flush=True,
+        )
+        self.pushed = (self.state.version, current)
+        return responses
 
     def fetch(self) -> tuple[list[pb.Group], list[Lease]]:
         groups: list[pb.Group] = []

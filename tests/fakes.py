@@ -99,7 +99,12 @@ class GatedEngine:
         self.aborted.extend(request_ids)
 
     async def update_weights(
-        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+        self,
+        path: str,
+        version: int,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> None:
         self._version = version
 

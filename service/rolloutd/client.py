@@ -259,9 +259,14 @@ class RolloutClient:
         }
 
     def update_weights(
-        self, version: int, weights_path: str
+        self, version: int, weights_path: str, *, base_version: int | None = None
     ) -> dict[str, pb.UpdateWeightsResponse]:
-        request = pb.UpdateWeightsRequest(version=version, weights_path=weights_path)
+        """Every endpoint loads ``weights_path`` (a directory or URL of safetensors files; with
+        ``base_version``, a delta file from :func:`rolloutd.weights.delta.make_delta` that
+        applies to that version) as policy ``version``."""
+        request = pb.UpdateWeightsRequest(
+            version=version, weights_path=weights_path, base_version=base_version
+        )
         return {
             ep: self._call(ep, lambda s: s.UpdateWeights(request, **self._kw(600)))
             for ep in self.endpoints
@@ -278,14 +283,18 @@ class RolloutClient:
         stay below the service's ``grpc.max_message_mb``). Raises the first endpoint's error
         (the others still finish their push).
         """
-        header = weights_header(version, directory)
+        return self._push(weights_header(version, directory), Path(directory), chunk_mb)
+
+    def _push(
+        self, header: pb.PushWeightsHeader, directory: Path, chunk_mb: float
+    ) -> dict[str, pb.PushWeightsResponse]:
         chunk = int(chunk_mb * 2**20)
 
         def push(ep: str) -> pb.PushWeightsResponse:
             return self._call(
                 ep,
                 lambda _: self._push_calls[ep](
-                    _push_requests(header, Path(directory), chunk), **self._kw(600)
+                    _push_requests(header, directory, chunk), **self._kw(600)
                 ),
             )
 
@@ -295,6 +304,25 @@ class RolloutClient:
                 ep: pool.submit(contextvars.copy_context().run, push, ep) for ep in self.endpoints
             }
             return {ep: f.result() for ep, f in futures.items()}
+
+    def push_delta(
+        self,
+        base_version: int,
+        version: int,
+        delta_file: str | os.PathLike[str],
+        *,
+        chunk_mb: float = 1.0,
+    ) -> dict[str, pb.PushWeightsResponse]:
+        """Streams a delta (a ``.delta`` file from :func:`rolloutd.weights.delta.make_delta`)
+        to every endpoint, each of which must serve ``base_version`` (FAILED_PRECONDITION
+        otherwise); each applies it, checks every resulting tensor, and serves ``version``."""
+        path = Path(delta_file)
+        header = pb.PushWeightsHeader(
+            version=version,
+            files=[pb.WeightsFile(name=path.name, size=path.stat().st_size, sha256=_sha256(path))],
+            base_version=base_version,
+        )
+        return self._push(header, path.parent, chunk_mb)
 
     def status_of(self, endpoint: str) -> pb.GetStatusResponse:
         """One endpoint's status, without retries (for polling)."""

@@ -180,6 +180,10 @@ class WeightsConfig(_Section):
     """Passed to fsspec when UpdateWeights names a URL; unset uses checkpoint.storage_options."""
     fetch_concurrency: int = Field(8, gt=0)
     """Ranged reads in flight when copying weights from a URL (also the threads that hash)."""
+    store: str | None = None
+    """Directory or fsspec URL of the weights store the trainer publishes to (the newest full
+    version and the deltas after it, see docs/operations.md): at start-up, after restoring, the
+    service catches up to its newest version before admitting work. Unset: no catching up."""
 
 
 class RecoveryConfig(_Section):

@@ -41,7 +41,12 @@ from rolloutd.config import Config, ConfigError
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.engine import EngineDeadError, GenerationEngine
-from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantError,
+    RestoreRefused,
+)
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
@@ -55,6 +60,7 @@ from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot, status_s
 from rolloutd.telemetry.vllm_metrics import VLLMFamilies
 from rolloutd.weights.layout import served_layout
 from rolloutd.weights.staging import StagingArea
+from rolloutd.weights.store import WeightsStore
 from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
@@ -137,15 +143,25 @@ class RolloutService:
         self.fingerprint = config.semantic_fingerprint(dataset_digest, model_id)
         weights = config.weights
         self.staging = StagingArea(weights.staging_dir)
+        layout = served_layout(model_dir)
         self.weights = WeightsUpdater(
             self.controller,
             self.staging,
-            served_layout(model_dir),
+            layout,
             storage_options=(
                 ckpt.storage_options if weights.storage_options is None else weights.storage_options
             ),
             concurrency=weights.fetch_concurrency,
             observer=self.observer,
+            served_dir=None if layout is None else model_dir,
+            store=None
+            if weights.store is None
+            else WeightsStore(
+                weights.store,
+                ckpt.storage_options
+                if weights.storage_options is None
+                else weights.storage_options,
+            ),
         )
         self.lifecycle = Lifecycle(self._state_changed)
         self.checkpointer = Checkpointer(
@@ -256,6 +272,10 @@ class RolloutService:
             )
             if self.controller.weights_path is not None:
                 self.weights.restored(self.controller.weights_path)
+        try:
+            await self.weights.catch_up()  # before the first admission
+        except (FailedPrecondition, InvalidArgument) as exc:
+            raise RestoreRefused(f"catching up with the weights store: {exc}") from exc
         if self.config.restore == "none":
             # What start-up built (modules, configuration, engine) lives as long as the service:
             # out of the collector's view, full collections scan only what changes afterwards

@@ -1,6 +1,7 @@
-"""New weights into the real service on vLLM (tiny model, CPU): pushed over gRPC and from S3
-(moto's server), each checked token for token against Hugging Face float32 greedy decoding on the
-same weights; bad pushes are refused without touching the engine, and output stays as it was.
+"""New weights into the real service on vLLM (tiny model, CPU): pushed over gRPC, from S3 (moto's
+server) and as a delta, each checked token for token against Hugging Face float32 greedy decoding
+on the same weights; bad pushes and deltas are refused without touching the engine, and output
+stays as it was.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import shutil
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from rolloutd.engines.tiny_model import build_tiny_model, write_random_weights
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from rolloutd.weights.delta import make_delta
+from rolloutd.weights.delta import read_header as read_delta_header
 from tests.api.test_weights_rpc import EngineSpy
 from tests.conftest import BUCKET
 from tests.integration.test_vllm_engine import hf_greedy
@@ -209,3 +213,66 @@ async def test_bad_pushes_are_refused_and_change_nothing(
     status = await running.stub.GetStatus(pb.GetStatusRequest())
     assert (status.policy_version, status.state) == (2, pb.SERVING_STATE_SERVING)
     await assert_greedy_matches_hf(running.stub, 2, models.from_s3)
+
+
+def _edited(source: Path, out: Path, names: tuple[str, ...], seed: int) -> Path:
+    """``source`` with ``names`` redrawn (std 0.5, as the tiny model's weights), the rest as is:
+    a delta that touches part of a packed layer (q_proj of qkv_proj) and a plain one."""
+    tensors = load_file(str(source / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name in names:
+        tensors[name] = torch.randn(tensors[name].shape, generator=g) * 0.5
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", "SHA256SUMS"))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+async def test_deltas_load_only_what_changed_and_bad_ones_change_nothing(
+    running: Running, models: Models, tmp_path: Path
+) -> None:
+    """Runs after the tests above (v2 from S3 serves): a delta to v3 generates like
+    transformers on the full v3 weights; then a delta on the wrong base, a truncated one and
+    one with a flipped bit are each refused, and v3 generates as before."""
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    new = _edited(models.from_s3, tmp_path / "v3", names, seed=13)
+    good = tmp_path / "v3.delta"
+    stats = make_delta(models.from_s3, new, good, base_version=2, version=3)
+    assert stats.tensors_changed == 2
+    r = await running.stub.UpdateWeights(
+        pb.UpdateWeightsRequest(version=3, weights_path=str(good), base_version=2)
+    )
+    assert (r.policy_version, r.bytes) == (3, stats.bytes)
+    assert set(r.phase_seconds) == {"decode", "pause", "load", "resume"}
+    await assert_greedy_matches_hf(running.stub, 3, new)
+
+    # Damaged copies of a delta from v3 to v4, and the v3 delta again (now on the wrong base).
+    nxt = tmp_path / "v4.delta"
+    make_delta(
+        new, _edited(new, tmp_path / "v4", names[1:], seed=14), nxt, base_version=3, version=4
+    )
+    header = read_delta_header(nxt)
+    entry = header.entries["model.layers.1.mlp.down_proj.weight"]
+    data = bytearray(nxt.read_bytes())
+    data[header.data_start + entry.begin + 9] ^= 0x04
+    (tmp_path / "flipped.delta").write_bytes(bytes(data))
+    (tmp_path / "cut.delta").write_bytes(nxt.read_bytes()[:-100])
+    cases = [
+        (str(good), 2, grpc.StatusCode.FAILED_PRECONDITION,
+         "base_version: the delta applies to v2 but v3 is served"),
+        (str(tmp_path / "cut.delta"), 3, grpc.StatusCode.INVALID_ARGUMENT,
+         "tensor model.layers.1.mlp.down_proj.weight: payload ends"),
+        (str(tmp_path / "flipped.delta"), 3, grpc.StatusCode.INVALID_ARGUMENT,
+         "tensor model.layers.1.mlp.down_proj.weight: "),
+    ]  # fmt: skip
+    calls = len(running.spy.calls)
+    for path, base, code, message in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await running.stub.UpdateWeights(
+                pb.UpdateWeightsRequest(version=4, weights_path=path, base_version=base)
+            )
+        assert info.value.code() == code, message
+        assert message in (info.value.details() or ""), info.value.details()
+    assert len(running.spy.calls) == calls, "a refused delta reached the engine"
+    status = await running.stub.GetStatus(pb.GetStatusRequest())
+    assert (status.policy_version, status.state) == (3, pb.SERVING_STATE_SERVING)
+    await assert_greedy_matches_hf(running.stub, 3, new)

@@ -28,7 +28,13 @@ from rolloutd.domain.report import (
     Trigger,
 )
 from rolloutd.domain.weights import PhaseTiming as WeightsTiming
-from rolloutd.domain.weights import WeightsObserver, WeightsPhase, WeightsReport, WeightsSource
+from rolloutd.domain.weights import (
+    WeightsKind,
+    WeightsObserver,
+    WeightsPhase,
+    WeightsReport,
+    WeightsSource,
+)
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 T0 = 1_767_000_000_000_000_000
@@ -110,11 +116,18 @@ def restore_report(*, start_ns: int = T0, failing: RestorePhase | None = None) -
 
 
 def weights_report(
-    *, start_ns: int = T0, source: WeightsSource = WeightsSource.PUSH, refused: bool = False
+    *,
+    start_ns: int = T0,
+    source: WeightsSource = WeightsSource.PUSH,
+    refused: bool = False,
+    delta: bool = False,
 ) -> WeightsReport:
-    """A push of 3 MB: every phase (i + 1) ms, or refused during verify."""
+    """A push of 3 MB (a delta of 3 MB with a 2 % density): every phase (i + 1) ms (decode only
+    for the delta), or refused during verify."""
     timings, at = [], start_ns
     for i, phase in enumerate(WeightsPhase):
+        if phase is WeightsPhase.DECODE and not delta:
+            continue
         timings.append(WeightsTiming(phase, at, at + (i + 1) * MS))
         at += (i + 1) * MS
         if refused and phase is WeightsPhase.VERIFY:
@@ -123,6 +136,8 @@ def weights_report(
     return WeightsReport(
         version=5, source=source, started_ns=start_ns, ended_ns=at, phases=tuple(timings),
         files=1, bytes=3_000_000, error=error if refused else None,
+        kind=WeightsKind.DELTA if delta else WeightsKind.FULL,
+        base_version=4 if delta else None, density=0.02 if delta else None,
     )  # fmt: skip
 
 
@@ -171,3 +186,4 @@ def scripted_run(observer: ServiceObserver) -> None:
     )
     observer.weights_updated(weights_report(start_ns=T0 + 62_000 * MS, refused=True))
     observer.weights_updated(weights_report(start_ns=T0 + 63_000 * MS))
+    observer.weights_updated(weights_report(start_ns=T0 + 63_500 * MS, delta=True))

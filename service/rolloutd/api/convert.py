@@ -287,7 +287,8 @@ async def push_messages(
         kind = r.WhichOneof("payload")
         if kind == "header":
             files = tuple(FileSpec(f.name, f.size, f.sha256 or None) for f in r.header.files)
-            yield PushHeader(r.header.version, files)
+            base = r.header.base_version if r.header.HasField("base_version") else None
+            yield PushHeader(r.header.version, files, base)
         elif kind == "chunk":
             yield PushChunk(r.chunk.file, r.chunk.offset, r.chunk.data)
         else:
@@ -302,4 +303,5 @@ def weights_update_fields(result: UpdateResult, seconds: float) -> dict[str, Any
         "seconds": seconds,
         "bytes": result.report.bytes,
         "phase_seconds": result.report.phase_seconds(),
+        "density": result.report.density or 0.0,
     }

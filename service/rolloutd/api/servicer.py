@@ -154,7 +154,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         started = time.perf_counter()
-        result = await self._weights.update(request.version, request.weights_path)
+        base = request.base_version if request.HasField("base_version") else None
+        result = await self._weights.update(request.version, request.weights_path, base)
         return pb.UpdateWeightsResponse(
             **convert.weights_update_fields(result, time.perf_counter() - started)
         )

@@ -207,9 +207,16 @@ class Controller:
         return await self.delivery.submit(admissions)
 
     async def update_weights(
-        self, version: int, weights_path: str, *, timeline: WeightsTimeline | None = None
+        self,
+        version: int,
+        weights_path: str,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> int:
-        return await self.generation.update_weights(version, weights_path, timeline=timeline)
+        return await self.generation.update_weights(
+            version, weights_path, timeline=timeline, only=only
+        )
 
     async def evict_stale(self) -> int:
         return await self.generation.evict_stale()

@@ -84,7 +84,8 @@ class GenerationEngine(Protocol):
     stream at all.
     ``update_weights`` must not interleave with token generation: new samples started after it
     returns carry ``version``. It records its ``pause``, ``load`` and ``resume`` phases in
-    ``timeline`` when one is given.
+    ``timeline`` when one is given. With ``only``, the tensors that differ from the served ones
+    (after a delta); ``path`` still holds every tensor, and the engine may load just those.
     """
 
     name: str
@@ -100,7 +101,12 @@ class GenerationEngine(Protocol):
     async def abort(self, request_ids: list[str]) -> None: ...
 
     async def update_weights(
-        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+        self,
+        path: str,
+        version: int,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> None: ...
 
     def counters(self) -> EngineCounters: ...

@@ -389,9 +389,15 @@ class Generation:
     # --- weights ---------------------------------------------------------------------------
 
     async def update_weights(
-        self, version: int, weights_path: str, *, timeline: WeightsTimeline | None = None
+        self,
+        version: int,
+        weights_path: str,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> int:
-        """Loads new weights, bumps the policy version, evicts groups now too stale.
+        """Loads new weights (``only``: just these tensors changed), bumps the policy version,
+        evicts groups now too stale.
 
         An engine that fails while loading may hold a mix of old and new weights: the controller
         then stops (not ready) rather than generate from them.
@@ -405,7 +411,7 @@ class Generation:
             raise InvalidArgument("weights_path", "must not be empty")
         core.check_serving()
         try:
-            await core.engine.update_weights(weights_path, version, timeline=timeline)
+            await core.engine.update_weights(weights_path, version, timeline=timeline, only=only)
         except EngineDeadError as exc:
             core.die(exc)
             raise Unavailable(f"the service is not ready: {exc}") from exc

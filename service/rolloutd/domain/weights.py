@@ -26,6 +26,8 @@ class WeightsPhase(enum.Enum):
     """Files copied from an fsspec URL, or received from a push, into local staging."""
     VERIFY = "verify"
     """Sizes, checksums, and safetensors headers against the served model."""
+    DECODE = "decode"
+    """A delta applied to the served weights, and every resulting tensor's checksum checked."""
     PAUSE = "pause"
     """Generation pausing (requests in flight finish or are aborted)."""
     LOAD = "load"
@@ -43,6 +45,15 @@ class WeightsSource(enum.Enum):
     """An fsspec URL (object storage), copied into staging."""
     PUSH = "push"
     """Streamed by the trainer over ``PushWeights``."""
+    STORE = "store"
+    """The weights store's anchor and chain of deltas, caught up with before admitting work."""
+
+
+class WeightsKind(enum.Enum):
+    """What was moved: whole weights, or what changed since the served version."""
+
+    FULL = "full"
+    DELTA = "delta"
 
 
 class WeightsOutcome(enum.Enum):
@@ -106,7 +117,12 @@ class WeightsReport:
     files: int
     """Safetensors files loaded (or that would have been)."""
     bytes: int
-    """Their total size."""
+    """Bytes moved: the safetensors files, or the delta (with the anchor when one was fetched)."""
+    kind: WeightsKind = WeightsKind.FULL
+    base_version: int | None = None
+    """The version a delta applies to."""
+    density: float | None = None
+    """Of a delta: the fraction of elements it changes (known once its header was read)."""
     error: BaseException | None = None
     """Why the update was refused or failed; None when the new version serves."""
 

@@ -175,7 +175,12 @@ class SyntheticEngine:
                 task.cancel()
 
     async def update_weights(
-        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+        self,
+        path: str,
+        version: int,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> None:
         """No weights to load, but the path must exist, as it must for vLLM: a trainer that
         tests against this engine learns of a wrong path here, not on the GPU fleet."""

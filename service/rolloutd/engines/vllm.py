@@ -226,6 +226,7 @@ class VLLMEngine:
             enable_log_requests=False,
             enable_chunked_prefill=False if whole_prefill else None,
             max_num_batched_tokens=max(s.max_model_len, 8192) if whole_prefill else None,
+            worker_extension_cls="rolloutd.engines.vllm_worker.RolloutdWorker",
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._tally.stat_logger_factory()])
 
@@ -398,9 +399,18 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     async def update_weights(
-        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+        self,
+        path: str,
+        version: int,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> None:
         """Load the safetensors files under ``path`` into the running engine.
+
+        With ``only`` (the tensors a delta changed) the workers read those tensors, completed to
+        whole layers, before generation pauses (:mod:`rolloutd.engines.vllm_worker`), and the
+        pause loads just them.
 
         Generation is paused around the load (``vllm.weight_update_mode`` says what happens to
         requests in flight). Once begun, an update runs to the end even if the caller is
@@ -411,12 +421,27 @@ class VLLMEngine:
         llm = self._live_engine()
         if not await asyncio.to_thread(_has_safetensors, Path(path)):
             raise EngineError(f"weights path {path}: not a directory with *.safetensors files")
-        await asyncio.shield(self._swap_weights(llm, path, version, timeline or WeightsTimeline()))
+        await asyncio.shield(
+            self._swap_weights(llm, path, version, timeline or WeightsTimeline(), only)
+        )
 
     async def _swap_weights(
-        self, llm: AsyncLLM, path: str, version: int, timeline: WeightsTimeline
+        self,
+        llm: AsyncLLM,
+        path: str,
+        version: int,
+        timeline: WeightsTimeline,
+        only: tuple[str, ...] | None,
     ) -> None:
         async with self._weights_lock:
+            if only:
+                try:
+                    await llm.collective_rpc(
+                        "rolloutd_stage", kwargs={"path": path, "names": list(only)}
+                    )
+                # Nothing was loaded yet: the request fails, the engine serves on.
+                except Exception as exc:
+                    raise EngineError(f"reading the changed tensors from {path}: {exc}") from exc
             started = time.monotonic()
             try:
                 with timeline.phase(WeightsPhase.PAUSE):
@@ -425,7 +450,10 @@ class VLLMEngine:
                     )
                 paused = time.monotonic()
                 with timeline.phase(WeightsPhase.LOAD):
-                    await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                    if only is None:
+                        await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                    elif only:
+                        await llm.collective_rpc("rolloutd_load_staged")
                     await llm.update_weight_version(str(version))
             # vLLM reports a failed engine-core call (a worker's load error) as a bare Exception.
             except Exception as exc:

@@ -28,7 +28,7 @@ from rolloutd.domain.report import (
     TokenDisposition,
     Trigger,
 )
-from rolloutd.domain.weights import WeightsOutcome, WeightsPhase, WeightsSource
+from rolloutd.domain.weights import WeightsKind, WeightsOutcome, WeightsPhase, WeightsSource
 from rolloutd.v1 import rollout_pb2 as pb
 
 
@@ -83,6 +83,11 @@ SECONDS_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 """From 100 µs (an exclusive hold) to 5 min (a long restore or a slow group)."""
 
+FRACTION_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0,
+)  # fmt: skip
+"""Fractions, logarithmically: a delta's density is typically 0.1-3 %."""
+
 
 def _values(e: type[enum.Enum], *extra: str) -> tuple[str, ...]:
     return (*[m.value for m in e], *extra)
@@ -106,7 +111,9 @@ class Instrument:
 
     @property
     def buckets(self) -> tuple[float, ...] | None:
-        return SECONDS_BUCKETS if self.kind is Kind.HISTOGRAM and self.unit == "s" else None
+        if self.kind is not Kind.HISTOGRAM:
+            return None
+        return {"s": SECONDS_BUCKETS, "1": FRACTION_BUCKETS}.get(self.unit)
 
     def attribute_sets(self) -> list[dict[str, str]]:
         """Every known combination of attribute values (one empty set when there are none)."""
@@ -257,9 +264,23 @@ WEIGHTS_UPDATE_DURATION = Instrument(
 )  # fmt: skip
 WEIGHTS_BYTES = Instrument(
     "rolloutd.weights.bytes", Kind.COUNTER, "By",
-    "Bytes of safetensors files in weight update attempts, by source and outcome.",
+    "Bytes moved by weight update attempts (safetensors files, or a delta), by source, kind "
+    "(full, delta) and outcome.",
     Area.WEIGHTS,
-    attributes={"source": _values(WeightsSource), "outcome": _values(WeightsOutcome)},
+    attributes={
+        "source": _values(WeightsSource),
+        "kind": _values(WeightsKind),
+        "outcome": _values(WeightsOutcome),
+    },
+)  # fmt: skip
+WEIGHTS_DELTA_DENSITY = Instrument(
+    "rolloutd.weights.delta.density", Kind.HISTOGRAM, "1",
+    "Fraction of the elements each delta that was loaded changed.", Area.WEIGHTS,
+)  # fmt: skip
+WEIGHTS_PAUSE = Instrument(
+    "rolloutd.weights.pause.duration", Kind.HISTOGRAM, "s",
+    "Generation stopped by each loaded update (start of pause to end of resume), by kind.",
+    Area.WEIGHTS, attributes={"kind": _values(WeightsKind)},
 )  # fmt: skip
 WEIGHTS_UPDATES = Instrument(
     "rolloutd.weights.updates", Kind.COUNTER, "{update}",

@@ -29,7 +29,7 @@ from rolloutd.domain.group import BUFFERED
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
-from rolloutd.domain.weights import WeightsReport
+from rolloutd.domain.weights import WeightsOutcome, WeightsReport
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import TOTAL, EngineRequestState, Instrument, Kind
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
@@ -118,6 +118,8 @@ class MetricsObserver:
         self._weights_duration = self._histogram(cat.WEIGHTS_UPDATE_DURATION)
         self._weights_bytes = self._counter(cat.WEIGHTS_BYTES)
         self._weights_updates = self._counter(cat.WEIGHTS_UPDATES)
+        self._weights_density = self._histogram(cat.WEIGHTS_DELTA_DENSITY)
+        self._weights_pause = self._histogram(cat.WEIGHTS_PAUSE)
         self._rpc_duration = self._histogram(cat.RPC_SERVER_DURATION)
 
         self._observable(cat.COMMITTED_TOKENS, self._observe_committed_tokens)
@@ -150,6 +152,8 @@ class MetricsObserver:
         self._request_state = _Series(cat.ENGINE_REQUESTS)
         self._weights_phase = _Series(cat.WEIGHTS_UPDATE_DURATION)
         self._weights_attempt = _Series(cat.WEIGHTS_UPDATES)
+        self._weights_moved = _Series(cat.WEIGHTS_BYTES)
+        self._weights_kind = _Series(cat.WEIGHTS_PAUSE)
         self._rpc = _Series(cat.RPC_SERVER_DURATION)
 
         self._start_counters_at_zero()
@@ -276,7 +280,13 @@ class MetricsObserver:
         self._weights_duration.record(report.seconds, self._weights_phase(TOTAL))
         attempt = self._weights_attempt(report.source, report.outcome)
         self._weights_updates.add(1, attempt)
-        self._weights_bytes.add(report.bytes, attempt)
+        self._weights_bytes.add(
+            report.bytes, self._weights_moved(report.source, report.kind, report.outcome)
+        )
+        if report.outcome is WeightsOutcome.LOADED:
+            self._weights_pause.record(report.paused_s, self._weights_kind(report.kind))
+            if report.density is not None:
+                self._weights_density.record(report.density)
 
     # -- observable callbacks (reader threads) --------------------------------------------------
 

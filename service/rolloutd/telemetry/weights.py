@@ -26,6 +26,9 @@ class WeightsAttr:
     BYTES = "rolloutd.weights.bytes"
     PAUSED_SECONDS = "rolloutd.weights.paused_seconds"
     PHASE = "rolloutd.weights.phase"
+    KIND = "rolloutd.weights.kind"
+    BASE_VERSION = "rolloutd.weights.base_version"
+    DENSITY = "rolloutd.weights.density"
 
 
 def record_weights_update(tracer: Tracer, report: WeightsReport) -> None:
@@ -37,7 +40,12 @@ def record_weights_update(tracer: Tracer, report: WeightsReport) -> None:
         WeightsAttr.FILES: report.files,
         WeightsAttr.BYTES: report.bytes,
         WeightsAttr.PAUSED_SECONDS: report.paused_s,
+        WeightsAttr.KIND: report.kind.value,
     }
+    if report.base_version is not None:
+        attributes[WeightsAttr.BASE_VERSION] = report.base_version
+    if report.density is not None:
+        attributes[WeightsAttr.DENSITY] = report.density
     root = tracer.start_span(
         WEIGHTS_SPAN, kind=SpanKind.INTERNAL, attributes=attributes, start_time=report.started_ns
     )

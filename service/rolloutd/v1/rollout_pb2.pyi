@@ -220,15 +220,17 @@ class SubmitPromptsResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "weights_path")
+    __slots__ = ("version", "weights_path", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     weights_path: str
-    def __init__(self, version: _Optional[int] = ..., weights_path: _Optional[str] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., weights_path: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "evicted_groups", "seconds", "bytes", "phase_seconds")
+    __slots__ = ("policy_version", "evicted_groups", "seconds", "bytes", "phase_seconds", "density")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,12 +243,14 @@ class UpdateWeightsResponse(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DENSITY_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     evicted_groups: int
     seconds: float
     bytes: int
     phase_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    density: float
+    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., density: _Optional[float] = ...) -> None: ...
 
 class WeightsFile(_message.Message):
     __slots__ = ("name", "size", "sha256")
@@ -259,12 +263,14 @@ class WeightsFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PushWeightsHeader(_message.Message):
-    __slots__ = ("version", "files")
+    __slots__ = ("version", "files", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     files: _containers.RepeatedCompositeFieldContainer[WeightsFile]
-    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightsFile, _Mapping]]] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightsFile, _Mapping]]] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("file", "offset", "data")
@@ -285,7 +291,7 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushWeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightsChunk, _Mapping]] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "evicted_groups", "seconds", "bytes", "phase_seconds")
+    __slots__ = ("policy_version", "evicted_groups", "seconds", "bytes", "phase_seconds", "density")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -298,12 +304,14 @@ class PushWeightsResponse(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DENSITY_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     evicted_groups: int
     seconds: float
     bytes: int
     phase_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    density: float
+    def __init__(self, policy_version: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., density: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("trainer_step", "tag")

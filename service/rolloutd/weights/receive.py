@@ -39,6 +39,8 @@ MAX_PENDING = 32 * 2**20
 class PushHeader:
     version: int
     files: tuple[FileSpec, ...]
+    base_version: int | None = None
+    """Set for a delta: the version it applies to."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from rolloutd.weights.layout import WeightsRejected
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HASH_BLOCK = 8 * 2**20
 
@@ -44,15 +44,19 @@ class FileSpec:
     """Lowercase hex; None when the source gives no checksum (an fsspec URL without SHA256SUMS)."""
 
 
-def check_specs(specs: Iterable[FileSpec], *, need_sha256: bool) -> list[FileSpec]:
-    """Refuses names that could leave the staging directory or that the engine would not read,
-    duplicate names, and malformed checksums."""
+def check_specs(
+    specs: Iterable[FileSpec], *, need_sha256: bool, suffix: str = ".safetensors"
+) -> list[FileSpec]:
+    """Refuses names that could leave the staging directory or that the engine would not read
+    (``suffix``: ``.delta`` for a delta, which is one file), duplicate names, and malformed
+    checksums."""
     out: list[FileSpec] = []
     seen: set[str] = set()
+    pattern = re.compile(_NAME + re.escape(suffix))
     for spec in specs:
-        if not _NAME.fullmatch(spec.name):
+        if not pattern.fullmatch(spec.name):
             raise WeightsRejected(
-                f"file {spec.name!r}", "must be a plain file name ending in .safetensors"
+                f"file {spec.name!r}", f"must be a plain file name ending in {suffix}"
             )
         if spec.name in seen:
             raise WeightsRejected(spec.name, "is declared twice")
@@ -64,7 +68,9 @@ def check_specs(specs: Iterable[FileSpec], *, need_sha256: bool) -> list[FileSpe
             raise WeightsRejected(spec.name, "sha256 must be 64 lowercase hexadecimal digits")
         out.append(spec)
     if not out:
-        raise WeightsRejected("files", "must name at least one .safetensors file")
+        raise WeightsRejected("files", f"must name at least one {suffix} file")
+    if suffix != ".safetensors" and len(out) != 1:
+        raise WeightsRejected("files", f"a delta is one {suffix} file, {len(out)} were declared")
     return out
 
 
