@@ -19,7 +19,7 @@ from opentelemetry.trace import TracerProvider
 from rolloutd import __version__
 from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFinished
 from rolloutd.domain.report import CheckpointReport, RestoreReport
 from rolloutd.domain.weights import WeightsReport
 from rolloutd.telemetry import spans, throttle
@@ -94,6 +94,9 @@ class TelemetryObserver:
     def groups_evicted(self, count: int) -> None:
         with _never_raises("evicted groups"):
             self.metrics.groups_evicted(count)
+
+    def group_finished(self, event: GroupFinished) -> None:
+        return None  # the scoring telemetry comes with its instruments
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:
         self.record_checkpoint(report)
