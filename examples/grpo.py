@@ -46,7 +46,7 @@ from grpo_trainer import TrainConfig, read_ledger  # noqa: E402
 
 from rolloutd.engines.tiny_model import ensure_tiny_model  # noqa: E402
 
-LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+)")
+LISTENING = re.compile(r"\bgRPC (?P<grpc>[^\s,]+), dashboard")
 STARTED = time.monotonic()
 
 

@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # The admin server logs its own start and stop; rolloutd says where it listens.
+        logging.getLogger("uvicorn").setLevel(logging.WARNING)
     if args.command == "serve":
         return _serve(args)
     if args.command == "trainer":

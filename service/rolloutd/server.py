@@ -4,8 +4,10 @@ Nothing here decides policy or encodes anything: checkpoint cadence and the read
 are the :class:`CheckpointScheduler`'s, serving state the :class:`Lifecycle`'s, background tasks
 the :class:`Supervisor`'s, proto encoding ``api/convert.py``'s.
 
-Start-up: gRPC and admin servers (health NOT_SERVING), engine, restore, admission, periodic
-checkpoints, SERVING. A start that fails shuts down what it started, without a final checkpoint.
+Start-up: gRPC and admin servers (health NOT_SERVING), a check that the snapshot ``--restore``
+names exists, engine, restore, admission, periodic checkpoints, SERVING, and one ``ready`` line
+that says where to connect and what was restored. A start that fails shuts down what it
+started, without a final checkpoint.
 
 Shutdown (SIGTERM/SIGINT, idempotent): DRAINING, stop accepting RPCs with a grace period, stop
 generation, final checkpoint, stop the engine, flush telemetry.
@@ -34,16 +36,18 @@ from rolloutd.checkpoint.claim import Fenced, StoreHeld
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.segments import ArrowSealer
-from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.checkpoint.store import LATEST, SnapshotStore
+from rolloutd.checkpoint.tags import NONE, sequence_of
 from rolloutd.config import Config
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.engine import EngineDeadError, GenerationEngine
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
+from rolloutd.domain.report import RestoreReport
 from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
-from rolloutd.startup import PortUnavailable
+from rolloutd.startup import PortUnavailable, ready_line
 from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
@@ -199,6 +203,9 @@ class RolloutService:
         await self._state_changed(self.lifecycle.state)
         await self._claim_store()  # a store held elsewhere fails fast
         self.supervisor.spawn("store-claim", self._keep_claim())
+        if self.config.restore not in (LATEST, NONE):
+            # a snapshot that is not there fails the start before the engine takes its time
+            await asyncio.to_thread(sequence_of, self.store, self.config.restore)
         port = await self._grpc.start()
         http = None
         if self._admin is not None:
@@ -216,10 +223,11 @@ class RolloutService:
         self.supervisor.spawn("status-gauges", self._refresh_status())
         await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
-        if self.config.restore != "none":
+        restored: RestoreReport | None = None
+        if self.config.restore != NONE:
             await self.lifecycle.enter(ServingState.RESTORING)
             self.checkpointer.restoring = True
-            await restore(
+            restored = await restore(
                 self.controller,
                 self.store,
                 self.checkpointer,
@@ -230,7 +238,7 @@ class RolloutService:
             self.checkpointer.restoring = False
             if self.controller.weights_path is not None:
                 self.weights.restored(self.controller.weights_path)
-        if self.config.restore == "none":
+        if self.config.restore == NONE:
             # What start-up built (modules, configuration, engine) lives as long as the service:
             # out of the collector's view, full collections scan only what changes afterwards
             # (a restore does the same for what it built).
@@ -247,11 +255,14 @@ class RolloutService:
         await self.lifecycle.enter(ServingState.SERVING)
         self.addresses = Addresses(grpc=f"{self.config.grpc.host}:{port}", http=http)
         log.info(
-            "listening: grpc=%s http=%s engine=%s group_size=%d",
-            self.addresses.grpc,
-            self.addresses.http or "off",
-            self.engine.name,
-            self.config.group_size,
+            "%s",
+            ready_line(
+                self.addresses.grpc,
+                self.addresses.http,
+                self.config.checkpoint.dir,
+                restored,
+                not_ready=self.lifecycle.reason,
+            ),
         )
         return self.addresses
 

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+) http=(?P<http>\S+)")
+LISTENING = re.compile(r"\bgRPC (?P<grpc>[^\s,]+), dashboard (?:http://(?P<http>[^/\s]+)/|off)")
+"""The addresses in the ``ready`` line that ends a start (``rolloutd.startup.ready_line``)."""
 
 
 class ServeProcess:

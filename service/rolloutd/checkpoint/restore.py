@@ -154,6 +154,7 @@ async def _run(
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
             events = await asyncio.to_thread(store.events_after, 0)
             await controller.replay(events)
+        report.replayed = len(events)
         log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
         return None
 
@@ -213,6 +214,7 @@ async def _run(
     with clock.phase(RestorePhase.RECOVERY_LEDGER):
         events = await asyncio.to_thread(store.events_after, manifest.acks_through)
         await controller.replay(events)
+        report.replayed = len(events)
 
     with clock.phase(RestorePhase.REDISPATCH):
         started = time.perf_counter()

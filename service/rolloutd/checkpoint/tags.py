@@ -11,7 +11,9 @@ from __future__ import annotations
 from rolloutd.checkpoint.store import LATEST, SnapshotNotFound, SnapshotReader
 
 MAX_TAG_LENGTH = 128
-RESERVED = frozenset({LATEST, "none"})
+NONE = "none"
+"""``--restore none``: start fresh, whatever the store holds."""
+RESERVED = frozenset({LATEST, NONE})
 
 
 def tag_problem(tag: str) -> str | None:

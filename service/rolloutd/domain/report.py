@@ -172,6 +172,9 @@ class RestoreReport:
     """Partial tokens of unfinished siblings, by what the restore did with them."""
     redispatch_s: float = 0.0
     skipped: list[SkippedSnapshot] = field(default_factory=list)
+    replayed: int = 0
+    """Journal records (acks, lease grants, submitted prompts) applied after the snapshot, or
+    from the start of the journal when there was none."""
     error: BaseException | None = None
 
     @property
