@@ -215,7 +215,19 @@ class Checkpointer:
                 self._report(report)
                 raise
             report.ended_ns = time.time_ns()
+            if tag and report.outcome is Outcome.COMPLETED:
+                report.retagged = await asyncio.to_thread(self._tagged_before, report)
             return self._report(report)
+
+    def _tagged_before(self, report: CheckpointReport) -> int | None:
+        """The newest snapshot older than ``report``'s with its tag (a trainer restarted from an
+        earlier step reuses its tags): the tag now names the new one, by newest-first lookup."""
+        older = [
+            m.sequence
+            for m in self.store.list()
+            if m.tag == report.tag and report.sequence is not None and m.sequence < report.sequence
+        ]
+        return max(older, default=None)
 
     def _skip_reason(self, trigger: Trigger) -> Reason | None:
         if self.restoring:
@@ -443,11 +455,12 @@ def describe(report: CheckpointReport) -> str:
     if report.outcome is not Outcome.COMPLETED:
         return line
     rows = report.rows
-    return (
+    line = (
         f"{line}: {rows.get(RowKind.NEW, 0):,} rows new, {rows.get(RowKind.REMOVED, 0):,} "
         f"removed, {rows.get(RowKind.LIVE, 0):,} live; "
         f"{_size(report.size_bytes.get(SizePart.TOTAL, 0))} written"
     )
+    return f"{line}; {report.message()}" if report.retagged is not None else line
 
 
 def _size(n: int) -> str:
