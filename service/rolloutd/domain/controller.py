@@ -212,6 +212,7 @@ class Controller:
         """Live leases restored from the journal whose groups no snapshot held, by lease id: the
         admissions of those groups, skipped by the sampler until the lease is acked or expires."""
         self.max_acked_step = -1
+        self._told_step_went_back = False
         self.finalized_through = -1
         self.lost_acks: list[LostAck] = []
         """Acks journaled for groups no snapshot held (found by a restore)."""
@@ -611,6 +612,16 @@ class Controller:
                 lease = self.buffer.leases.get(lease_id)
                 if lease is None:
                     raise NotFound(f"lease {lease_id!r} is unknown or expired")
+                if trainer_step < self.max_acked_step and not self._told_step_went_back:
+                    self._told_step_went_back = True  # once until a Rewind: trainers may lag
+                    log.warning(
+                        "ack at trainer step %d, below step %d acked before: a trainer restarted "
+                        "from its checkpoint S calls Rewind(trainer_step=S) before fetching, or "
+                        "the groups it acked after S are not delivered again (trainers whose "
+                        "steps lag one another's can ignore this; said once until a Rewind)",
+                        trainer_step,
+                        self.max_acked_step,
+                    )
                 lost = self._lost_leased.get(lease_id, {})
                 record = AckRecord(
                     lease_id, lease.group_ids + tuple(lost), trainer_step, self.clock()
@@ -720,6 +731,7 @@ class Controller:
             self.lost_acks = keep
             self.counters.requeued_groups += len(groups)
             self.max_acked_step = min(self.max_acked_step, trainer_step)
+            self._told_step_went_back = False
         await self._notify()
         return RewindResult(len(groups), readmitted)
 
