@@ -179,6 +179,8 @@ class ControllerStatus:
     counters: Counters
     replica: int
     replicas: int
+    trainer_step: int = -1
+    """The highest trainer step acked (lowered by a Rewind); -1 before the first ack."""
 
 
 class Controller:
@@ -554,7 +556,8 @@ class Controller:
                         await self._notify()
                         raise Unavailable(f"the lease could not be made durable: {exc}") from exc
                     self.observer.groups_leased(
-                        [now - (g.meta.committed_at or now) for g in groups]
+                        [now - (g.meta.committed_at or now) for g in groups],
+                        [self.policy_version - g.policy_version for g in groups],
                     )
                     return lease, groups
             remaining = deadline - time.monotonic()
@@ -1022,4 +1025,5 @@ class Controller:
             counters=self.counters,
             replica=self.config.replica,
             replicas=self.config.replicas,
+            trainer_step=self.max_acked_step,
         )
