@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from rolloutd.cli import SERVE_FLAGS
 from rolloutd.config import ENV_PREFIX, Config
 from rolloutd.telemetry.catalogue import (
     CATALOGUE,
@@ -227,7 +228,47 @@ def render_configuration() -> str:
         "`enableServiceLinks: false`.",
         "",
         "OpenTelemetry is configured with the standard `OTEL_*` variables instead",
-        "(see [metrics.md](metrics.md) for what is exported).",
+        "(see [telemetry.md](telemetry.md)).",
+        "",
+        "```yaml",
+        "engine: {kind: vllm, model: /models/qwen2.5-1.5b, max_tokens: 1024, temperature: 1.0}",
+        "dataset: {path: /data/prompts.jsonl, seed: 0, epochs: 3}",
+        "group_size: 8",
+        "limits: {max_in_flight: 64, buffer_capacity: 512, max_staleness: 2, lease_timeout_s: 300}",
+        'checkpoint: {dir: "s3://bucket/rolloutd/pod-0", interval_s: 60, keep_latest: 3}',
+        "```",
+        "",
+        "`rolloutd serve` with no file and no flag runs on embedded defaults: vLLM on a tiny",
+        "random Llama built locally, a bundled set of arithmetic prompts, checkpoints under",
+        "`./.rolloutd/checkpoints`, gRPC on 50051, admin HTTP on 8080.",
+        "",
+        "## Flags of `rolloutd serve`",
+        "",
+        "Each sets one key; `make run ARGS=\"...\"` passes them.",
+        "",
+        "| Flag | Key |",
+        "|---|---|",
+        *(
+            f"| `--{dest.replace('_', '-')}` | `{key}` |"
+            for dest, (key, _) in SERVE_FLAGS.items()
+        ),
+        "",
+        "Also `--config FILE`, and `--log-level` (`debug` shows vLLM's output and tracebacks) and",
+        "`--log-format json`, before or after `serve`.",
+        "",
+        "## Datasets",
+        "",
+        "A dataset (`--dataset`, `dataset.path`) is JSONL or Parquet with one prompt a row:",
+        "`prompt` (text) or `messages` (chat, rendered with the tokenizer's template), an optional",
+        "`id` (else the prompt's position in the file, counted from 0) and optional `metadata` (any",
+        "JSON, returned with the group, e.g. the reference answer a reward function needs). A",
+        "problem in the file is named by its line (JSONL) or row (Parquet), counted from 1 as an",
+        "editor counts them.",
+        "",
+        "```json",
+        '{"id": "q1", "prompt": "What is 2 + 3?", "metadata": {"answer": 5}}',
+        '{"id": "q2", "messages": [{"role": "user", "content": "What is 7 - 4?"}]}',
+        "```",
         "",
         *_section(Config, ()),
     ]
