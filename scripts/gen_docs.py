@@ -244,14 +244,11 @@ def render_configuration() -> str:
         "",
         "## Flags of `rolloutd serve`",
         "",
-        "Each sets one key; `make run ARGS=\"...\"` passes them.",
+        'Each sets one key; `make run ARGS="..."` passes them.',
         "",
         "| Flag | Key |",
         "|---|---|",
-        *(
-            f"| `--{dest.replace('_', '-')}` | `{key}` |"
-            for dest, (key, _) in SERVE_FLAGS.items()
-        ),
+        *(f"| `--{dest.replace('_', '-')}` | `{key}` |" for dest, (key, _) in SERVE_FLAGS.items()),
         "",
         "Also `--config FILE`, and `--log-level` (`debug` shows vLLM's output and tracebacks) and",
         "`--log-format json`, before or after `serve`.",
