@@ -316,10 +316,14 @@ class RolloutBuffer:
         unheld one.
         """
         if record.lease_id in self.acks:
-            check_same_step(record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step)
+            check_same_step(
+                record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step
+            )
             return None
         if record.lease_id in self.finalized_leases:
-            check_same_step(record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step)
+            check_same_step(
+                record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step
+            )
             return None
         for gid in record.group_ids:
             if gid in self.groups and self.groups[gid].state is GroupState.GENERATING:

@@ -35,8 +35,8 @@ from rolloutd.domain.buffer import (
     Lease,
     RolloutBuffer,
     RowSealer,
-    restored_groups,
     check_same_step,
+    restored_groups,
 )
 from rolloutd.domain.engine import (
     EngineDeadError,
@@ -59,9 +59,9 @@ from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObse
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.sampler import Admission, Sampler
 from rolloutd.domain.state import (
-    DeliveryJournal,
     ControllerState,
     Counters,
+    DeliveryJournal,
     IdReservation,
     Journaled,
     JournaledAck,
