@@ -155,7 +155,13 @@ async def _run(
             events = await asyncio.to_thread(store.events_after, 0)
             await controller.replay(events)
         report.replayed = len(events)
-        log.info("no snapshot to restore (%s); replayed %d journal records", spec, len(events))
+        # the ready line says so; the journal replayed without a snapshot is worth a line
+        log.log(
+            logging.INFO if events else logging.DEBUG,
+            "no snapshot to restore (%s); replayed %d journal records",
+            spec,
+            len(events),
+        )
         return None
 
     while True:
