@@ -3,8 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+ARGS ?=
 
-.PHONY: setup run test test-fast lint format bench bench-quick example proto docs clean
+.PHONY: setup run test test-fast lint format bench bench-quick example proto docs clean distclean
 
 $(STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	@scripts/setup.sh $(VENV)
@@ -12,8 +13,9 @@ $(STAMP): pyproject.toml constraints.txt scripts/setup.sh
 
 setup: $(STAMP)
 
+# make run ARGS="--restore none"   (any flag of `rolloutd serve`)
 run: $(STAMP)
-	$(VENV)/bin/rolloutd serve
+	$(VENV)/bin/rolloutd serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -47,5 +49,9 @@ proto: $(STAMP)
 docs: $(STAMP)
 	$(PY) scripts/gen_docs.py
 
+# clean keeps .venv (a fresh install takes minutes); distclean removes it too.
 clean:
-	rm -rf $(VENV) .rolloutd .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .rolloutd .pytest_cache .mypy_cache .ruff_cache
+
+distclean: clean
+	rm -rf $(VENV)

@@ -265,14 +265,14 @@ def fail(message: str) -> None:
     raise SystemExit(1)
 
 
-LISTENING = re.compile(r"listening: grpc=\S+:(?P<grpc>\d+) http=\S+:(?P<http>\d+)")
-"""The line ``rolloutd serve`` logs once it serves, with the ports it bound."""
+LISTENING = re.compile(r"\bgRPC \S+:(?P<grpc>\d+), dashboard http://\S+:(?P<http>\d+)/")
+"""The ``ready`` line ``rolloutd serve`` logs once it serves, with the ports it bound."""
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Serve:
     """``rolloutd serve`` (the real CLI) in a subprocess and session of its own: its output goes
-    to ``log_path``, and its addresses are read from its ``listening`` line (ports 0 in ``args``
+    to ``log_path``, and its addresses are read from its ``ready`` line (ports 0 in ``args``
     let it bind free ones). ``env`` is added to this process's environment."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path, log_path: Path) -> None:

@@ -24,6 +24,7 @@ Usage: ``python benchmarks/control_plane.py [--quick] [--json FILE]``.
 from __future__ import annotations
 
 import asyncio
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -85,7 +86,7 @@ class Service(common.Serve):
 
     def checkpoints(self) -> int:
         """Completed checkpoints so far, from the service's own log lines."""
-        return self.log_path.read_text().count("checkpoint completed/completed")
+        return len(re.findall(r"checkpoint \d+ completed in", self.log_path.read_text()))
 
 
 # --- the trainers -----------------------------------------------------------------------------

@@ -15,7 +15,10 @@ From the trainer's ledger (one fsynced line per step) it reports, in JSON and as
 the reward at the start and the end, weight updates and their median time, logprob parity between
 the trainer and rolloutd, stale groups (trained with samples more than ``limits.max_staleness``
 versions old) and duplicate groups (a group whose training the lineage already holds, delivered
-again; each group acked after S must come back exactly once).
+again; each group acked after S must come back exactly once). The report goes to the run
+directory (``.rolloutd/grpo/report.json`` by default, untracked); ``--json FILE`` puts it
+elsewhere, e.g. ``benchmarks/results/grpo-quick.json`` to refresh the figures the repository
+keeps. It ends with a rounded summary and one PASS or FAIL line against :data:`EXPECTED`.
 """
 
 from __future__ import annotations
@@ -46,8 +49,24 @@ from grpo_trainer import TrainConfig, read_ledger  # noqa: E402
 
 from rolloutd.engines.tiny_model import ensure_tiny_model  # noqa: E402
 
-LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+)")
+LISTENING = re.compile(r"\bgRPC (?P<grpc>[^\s,]+), dashboard")
+PROGRESS = re.compile(r" (?:INFO|WARNING|ERROR) rolloutd\.(?:engines\.\w+|server): (?P<text>.*)$")
+"""rolloutd's lines worth showing while it starts: its engine's progress and its ready line."""
 STARTED = time.monotonic()
+
+EXPECTED: dict[str, tuple[str, Any]] = {
+    "reward_rise": (">=", 0.3),
+    "logprob_abs_diff_mean": ("<=", 1e-3),
+    "stale_groups": ("==", 0),
+    "duplicate_groups": ("==", 0),
+    "redelivery_missing": ("==", 0),
+}
+"""What a run must show to PASS (``benchmarks/README.md``, the GRPO example, documents them).
+The reward is not held to a value: where it ends depends on the run's timing (which groups a
+step gets, from which weights), and quick runs have ended anywhere from about 0.45 to 1.0 from a
+start near 0.05. Only its rise is checked, and only in runs of at least :data:`LEARNING_STEPS`
+steps (shorter ones check the mechanics alone)."""
+LEARNING_STEPS = 60
 
 
 def say(line: str) -> None:
@@ -128,6 +147,8 @@ class Rolloutd:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
+                if self.target is None and (progress := PROGRESS.search(line)):
+                    say(f"rolloutd: {progress['text']}")  # vLLM takes a minute or so to start
                 m = LISTENING.search(line)
                 if m and self.target is None:
                     self.target = "127.0.0.1:" + m["grpc"].rsplit(":", 1)[1]
@@ -320,7 +341,11 @@ def plot(result: dict[str, Any], out: Path) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short run (about 5 minutes here)")
-    p.add_argument("--json", type=Path, help="report file (the PNG goes next to it)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="report file, the PNG next to it (default: report.json in the run directory)",
+    )
     p.add_argument("--target", help="use these rolloutd endpoints instead of starting one")
     p.add_argument("--run-dir", type=Path, default=REPO / ".rolloutd" / "grpo")
     p.add_argument("--steps", type=int, help="trainer steps (quick 60, full 150)")
@@ -354,9 +379,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.crash_at is not None and not args.crash_at < args.steps:
         p.error("--crash-at must be below --steps")
     if args.json is None:
-        args.json = (
-            REPO / "benchmarks" / "results" / ("grpo-quick.json" if args.quick else "grpo.json")
-        )
+        args.json = args.run_dir / "report.json"
     return args
 
 
@@ -371,6 +394,11 @@ def supervise(run: Path, model: Path, args: argparse.Namespace) -> None:
         try:
             target = service.wait_listening()
             say(f"rolloutd (pid {service.proc.pid}) listening on {target}")
+            if crash is not None:
+                say(
+                    f"after step {crash} the trainer will SIGKILL rolloutd and itself: a "
+                    "deliberate crash, to show the resume"
+                )
             rc = run_trainer(run, target, life, crash, service.proc.pid)
         except BaseException:
             service.stop()
@@ -378,8 +406,9 @@ def supervise(run: Path, model: Path, args: argparse.Namespace) -> None:
         if rc == -signal.SIGKILL and crash is not None:
             service.proc.wait(60)
             say(
-                f"trainer and rolloutd were SIGKILLed (rolloutd exit {service.proc.returncode});"
-                " restarting rolloutd with --restore latest and resuming the trainer"
+                "the deliberate crash happened: trainer and rolloutd were SIGKILLed (rolloutd "
+                f"exit {service.proc.returncode}); restarting rolloutd with --restore latest and "
+                "resuming the trainer from its last checkpoint"
             )
             life += 1
             continue
@@ -426,21 +455,57 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {args.json}")
     plot(result, args.json.with_suffix(".png"))
-    for key in (
-        "reward_first",
-        "reward_last",
-        "steps",
-        "weight_updates",
-        "weight_update_ms_p50",
-        "logprob_abs_diff_mean",
-        "logprob_abs_diff_max",
-        "stale_groups",
-        "duplicate_groups",
-        "redelivery_missing",
-        "resumed",
-    ):
-        say(f"{key}: {result[key]}")
-    return 0
+    for line in summary(result):
+        say(line)
+    failed = verdict(result)
+    print("PASS" if not failed else f"FAIL: {'; '.join(failed)}", flush=True)
+    return 1 if failed else 0
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    """The report's headline figures, rounded."""
+    parity = result["logprob_abs_diff_mean"]
+    resumed = (
+        f"resumed from step {result['resumed_from_step']}: {result['acked_after_checkpoint']} "
+        f"groups acked after it, {result['redelivered_after_rewind']} delivered again"
+        if result["resumed"]
+        else "no crash"
+    )
+    judged = (
+        "" if result["steps"] >= LEARNING_STEPS else f", not judged under {LEARNING_STEPS} steps"
+    )
+    return [
+        f"reward {result['reward_first']:.2f} -> {result['reward_last']:.2f} "
+        f"(mean of the first / last 3 steps; rise {reward_rise(result):+.2f}{judged})",
+        f"steps {result['steps']} ({result['steps_executed']} executed); "
+        f"{result['weight_updates']} weight updates, median {result['weight_update_ms_p50']:.0f} ms",
+        "logprob difference trainer / rolloutd: mean "
+        + ("n/a" if parity is None else f"{parity:.1e}")
+        + f", max {result['logprob_abs_diff_max']:.1e} "
+        f"over {result['logprob_tokens_compared']:,} tokens",
+        f"stale groups {result['stale_groups']}, duplicate groups {result['duplicate_groups']}, "
+        f"missing after Rewind {result['redelivery_missing']}; {resumed}",
+    ]
+
+
+def reward_rise(result: dict[str, Any]) -> float:
+    return float(result["reward_last"] - result["reward_first"])
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """What missed :data:`EXPECTED`; empty when the run passes."""
+    values = {**result, "reward_rise": reward_rise(result)}
+    checks = {">=": lambda v, x: v >= x, "<=": lambda v, x: v <= x, "==": lambda v, x: v == x}
+    missed = []
+    for key, (op, bound) in EXPECTED.items():
+        if key == "reward_rise" and result["steps"] < LEARNING_STEPS:
+            continue
+        value = values[key]
+        if value is None or not checks[op](value, bound):
+            missed.append(
+                f"{key} {value if value is None else round(value, 4)} (expected {op} {bound})"
+            )
+    return missed
 
 
 if __name__ == "__main__":

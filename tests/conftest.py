@@ -34,3 +34,24 @@ def s3_options() -> Iterator[dict[str, object]]:
     fsspec.filesystem("s3", **options, skip_instance_cache=True).mkdir(BUCKET)
     yield options
     server.stop()
+
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Once the summary is printed and every plugin is done, a session that imported Triton (vLLM
+    does, even where it disables it) ends without Python's finalization: there, nanobind's
+    teardown of Triton's module prints dozens of lines of leak reports after the summary. This is
+    what ``rolloutd serve`` does too (``rolloutd.cli._end_process``)."""
+    import sys
+
+    if "triton" in sys.modules and _EXIT_STATUS:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(_EXIT_STATUS[-1])

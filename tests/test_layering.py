@@ -61,6 +61,7 @@ ALLOWED: dict[str, set[str]] = {
     "supervisor": set(),
     "server": {
         "scoring",
+        "startup",
         "supervisor",
         "api",
         "checkpoint",

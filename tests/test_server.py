@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolloutd.api.errors import STATUS, status_of
 from rolloutd.checkpoint.manifest import Manifest
+from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.config import load_config
 from rolloutd.domain.engine import EngineDeadError, EngineError
 from rolloutd.domain.errors import InvalidArgument, InvariantError, RestoreRefused, RolloutError
@@ -189,6 +190,36 @@ async def test_a_failed_start_shuts_down_what_it_started(tmp_path):
         again.bind(("127.0.0.1", port))  # the gRPC server let its port go
     assert second.lifecycle.state is ServingState.DRAINING
     assert sequences(second) == [1]  # no final checkpoint hides the snapshot it refused
+
+
+async def test_a_restore_target_that_does_not_exist_fails_before_the_engine_starts(
+    tmp_path, monkeypatch
+):
+    s = service(tmp_path, interval_s=0, restore="step-999")
+    started: list[bool] = []
+
+    async def start() -> None:
+        started.append(True)
+
+    monkeypatch.setattr(s.engine, "start", start)
+    with pytest.raises(SnapshotNotFound, match="step-999"):
+        await s.start()
+    assert started == []
+
+
+async def test_the_ready_line_says_what_the_start_restored(tmp_path, caplog):
+    caplog.set_level("INFO", logger="rolloutd.server")
+    first = service(tmp_path, interval_s=0, restore="latest")
+    await first.start()
+    await first.shutdown()
+    second = service(tmp_path, interval_s=0, restore="latest")
+    await second.start()
+    await second.shutdown()
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
+    assert len(ready) == 2, ready
+    assert "started fresh: no snapshot in" in ready[0] and "--restore none" in ready[0]
+    assert "restored snapshot 1 from" in ready[1] and "--restore none starts fresh" in ready[1]
+    assert "dashboard off" in ready[1]
 
 
 def test_every_domain_and_engine_error_has_a_status():

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from rolloutd import __version__
 from rolloutd.config import ConfigError, load_config
@@ -143,6 +143,8 @@ def _keep_freed_memory() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Ends the process itself once the service stopped or failed to start (see
+    :func:`_end_process`); returns only for a configuration error."""
     from rolloutd.server import RolloutService
     from rolloutd.startup import START_FAILURES, describe
 
@@ -173,7 +175,22 @@ def _serve(args: argparse.Namespace) -> int:
             return 1
         return await service.run_until_stopped()
 
-    return asyncio.run(main())
+    code = asyncio.run(main())
+    _end_process(code)
+
+
+def _end_process(code: int) -> NoReturn:
+    """Ends ``rolloutd serve`` once it has shut down in order (final checkpoint, engine stopped,
+    telemetry flushed), without Python's finalization.
+
+    Finalization has nothing left to do for the service, but it tears down native extension
+    modules, and nanobind's (Triton's, which vLLM imports even where it disables Triton) print
+    dozens of lines of leak reports to stderr then; a thread still running at that point could
+    print an empty ``Error in sys.excepthook``. Output is flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # The admin server logs its own start and stop; rolloutd says where it listens.
+        logging.getLogger("uvicorn").setLevel(logging.WARNING)
+        # vLLM says on import, before its output goes to its log, that Triton has no CPU backend.
+        logging.getLogger("vllm.triton_utils").setLevel(logging.ERROR)
     if args.command == "serve":
         return _serve(args)
     if args.command == "trainer":

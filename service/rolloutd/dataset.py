@@ -1,7 +1,11 @@
 """Prompt files: JSONL or Parquet, one prompt a row.
 
 A row has ``prompt`` (text) or ``messages`` (chat, rendered by the engine's tokenizer), an optional
-``id`` (else the row index) and optional ``metadata`` (any JSON, returned with the group).
+``id`` (else its position among the prompts, counted from 0) and optional ``metadata`` (any JSON,
+returned with the group).
+
+Messages about a row count as an editor does, from 1: ``line N`` of a JSONL file (blank lines
+count), ``row N`` of a Parquet file.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ class DatasetError(ValueError):
 
 
 def _prompt(row: Any, index: int, where: str) -> Prompt:
+    """``index``: the prompt's position (its default id); ``where``: file and 1-based line or row."""
     if not isinstance(row, dict):
-        raise DatasetError(f"{where}: row {index} is not an object")
+        raise DatasetError(f"{where} is not an object")
     text = row.get("prompt")
     messages = row.get("messages")
     if text is None and messages is None:
-        raise DatasetError(f"{where}: row {index} has neither 'prompt' nor 'messages'")
+        raise DatasetError(f"{where} has neither 'prompt' nor 'messages'")
     if text is not None and (not isinstance(text, str) or not text.strip()):
-        raise DatasetError(f"{where}: row {index}: 'prompt' must be non-empty text")
+        raise DatasetError(f"{where}: 'prompt' must be non-empty text")
     chat: tuple[dict[str, str], ...] = ()
     if messages is not None:
         if (
@@ -42,9 +47,7 @@ def _prompt(row: Any, index: int, where: str) -> Prompt:
                 for m in messages
             )
         ):
-            raise DatasetError(
-                f"{where}: row {index}: 'messages' must be a list of {{role, content}}"
-            )
+            raise DatasetError(f"{where}: 'messages' must be a list of {{role, content}}")
         chat = tuple({"role": m["role"], "content": m["content"]} for m in messages)
     metadata = row.get("metadata")  # any JSON value, delivered as it is (metadata_json)
     prompt_id = str(row["id"]) if row.get("id") is not None else str(index)
@@ -73,7 +76,7 @@ def load_prompts(path: str | None) -> tuple[list[Prompt], str]:
         import pyarrow.parquet as pq
 
         rows = pq.read_table(io.BytesIO(data)).to_pylist()
-        prompts = [_prompt(r, i, str(p)) for i, r in enumerate(rows)]
+        prompts = [_prompt(r, i, f"{p}: row {i + 1}") for i, r in enumerate(rows)]
     else:
         prompts = _from_jsonl(data, str(p))
     if not prompts:
@@ -93,5 +96,5 @@ def _from_jsonl(data: bytes, where: str) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: line {lineno + 1} is not JSON: {exc.msg}") from exc
-        prompts.append(_prompt(row, len(prompts), where))
+        prompts.append(_prompt(row, len(prompts), f"{where}: line {lineno + 1}"))
     return prompts

@@ -4,8 +4,10 @@ Nothing here decides policy or encodes anything: checkpoint cadence and the read
 are the :class:`CheckpointScheduler`'s, serving state the :class:`Lifecycle`'s, background tasks
 the :class:`Supervisor`'s, proto encoding ``api/convert.py``'s.
 
-Start-up: gRPC and admin servers (health NOT_SERVING), engine, restore, admission, periodic
-checkpoints, SERVING. A start that fails shuts down what it started, without a final checkpoint.
+Start-up: gRPC and admin servers (health NOT_SERVING), a check that the snapshot ``--restore``
+names exists, engine, restore, admission, periodic checkpoints, SERVING, and one ``ready`` line
+that says where to connect and what was restored. A start that fails shuts down what it
+started, without a final checkpoint.
 
 Shutdown (SIGTERM/SIGINT, idempotent): DRAINING, stop accepting RPCs with a grace period, stop
 generation, final checkpoint, stop the engine, flush telemetry.
@@ -33,10 +35,12 @@ from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.api.view import ServiceView
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.claim import Fenced, StoreHeld
+from rolloutd.checkpoint.resolver import LATEST
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.scheduler import CheckpointScheduler
 from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.checkpoint.tags import NONE, sequence_of
 from rolloutd.config import Config, ConfigError
 from rolloutd.dataset import load_prompts
 from rolloutd.domain.controller import Controller
@@ -48,10 +52,12 @@ from rolloutd.domain.errors import (
     RestoreRefused,
 )
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
+from rolloutd.domain.report import RestoreReport
 from rolloutd.domain.sampler import Sampler, fleet_share
 from rolloutd.engines.factory import build_engine
 from rolloutd.entrypoints import EntryPointError, load
 from rolloutd.scoring import build_stage
+from rolloutd.startup import ready_line
 from rolloutd.supervisor import Supervisor
 from rolloutd.telemetry.history import MetricHistory, history_path
 from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
@@ -240,6 +246,9 @@ class RolloutService:
         await self._state_changed(self.lifecycle.state)
         await self._claim_store()  # a store held elsewhere fails fast
         self.supervisor.spawn("store-claim", self._keep_claim())
+        if self.config.restore not in (LATEST, NONE):
+            # a snapshot that is not there fails the start before the engine takes its time
+            await asyncio.to_thread(sequence_of, self.store, self.config.restore)
         port = await self._grpc.start()
         http = None
         if self._admin is not None:
@@ -259,9 +268,10 @@ class RolloutService:
         await self.engine.start()
         if self.scoring is not None:
             await self.scoring.start()  # before a restore: it may score restored groups
-        if self.config.restore != "none":
+        restored: RestoreReport | None = None
+        if self.config.restore != NONE:
             await self.lifecycle.enter(ServingState.RESTORING)
-            await restore(
+            restored = await restore(
                 self.controller,
                 self.store,
                 self.checkpointer,
@@ -276,7 +286,7 @@ class RolloutService:
             await self.weights.catch_up()  # before the first admission
         except (FailedPrecondition, InvalidArgument) as exc:
             raise RestoreRefused(f"catching up with the weights store: {exc}") from exc
-        if self.config.restore == "none":
+        if self.config.restore == NONE:
             # What start-up built (modules, configuration, engine) lives as long as the service:
             # out of the collector's view, full collections scan only what changes afterwards
             # (a restore does the same for what it built).
@@ -293,11 +303,14 @@ class RolloutService:
         await self.lifecycle.enter(ServingState.SERVING)
         self.addresses = Addresses(grpc=f"{self.config.grpc.host}:{port}", http=http)
         log.info(
-            "listening: grpc=%s http=%s engine=%s group_size=%d",
-            self.addresses.grpc,
-            self.addresses.http or "off",
-            self.engine.name,
-            self.config.group_size,
+            "%s",
+            ready_line(
+                self.addresses.grpc,
+                self.addresses.http,
+                self.config.checkpoint.dir,
+                restored,
+                not_ready=self.lifecycle.reason,
+            ),
         )
         return self.addresses
 

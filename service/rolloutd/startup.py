@@ -1,4 +1,9 @@
-"""Start-up failures a user causes, told in one line: the cause, then what to do about it.
+"""How a start ends, told in one line: the ``ready`` line, or a failure a user caused.
+
+A start that succeeds ends with :func:`ready_line`: where to connect, where the dashboard is,
+and what the service started from (a snapshot, the journal alone, or nothing), with the flag
+that starts fresh. Start-up failures a user causes are one line too: the cause, then what to do
+about it.
 
 ``rolloutd serve`` catches exactly the types in ``START_FAILURES``, prints ``rolloutd: <line>`` and
 exits 1; the traceback goes to the debug log. Anything else is a bug and keeps its traceback. The
@@ -18,6 +23,10 @@ from rolloutd.checkpoint.restore import RestoreRefused
 from rolloutd.config import Config
 from rolloutd.dataset import DatasetError
 from rolloutd.domain.engine import EngineStartError
+from rolloutd.domain.report import RestoreReport
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+"""Bind addresses that accept connections on every interface: shown as ``localhost``."""
 
 START_FAILURES: tuple[type[BaseException], ...] = (
     EngineStartError,
@@ -59,3 +68,55 @@ def _under(path: str, directory: str) -> bool:
         return path.startswith(directory.split("://", 1)[1].rstrip("/"))
     resolved = Path(directory).resolve()
     return os.path.commonpath([Path(path).resolve(), resolved]) == str(resolved)
+
+
+def ready_line(
+    grpc: str,
+    http: str | None,
+    checkpoint_dir: str,
+    restored: RestoreReport | None,
+    *,
+    not_ready: str = "",
+) -> str:
+    """The last line of a start: ``restored`` is None after ``--restore none``.
+
+    Scripts find the addresses by ``gRPC <host:port>,`` and ``dashboard http://<host:port>/``
+    (or ``dashboard off``); a wildcard bind address is shown as ``localhost``."""
+    dashboard = "dashboard off (http.enabled is false)"
+    if http is not None:
+        dashboard = f"dashboard http://{_reachable(http)}/"
+    head = "ready" if not not_ready else f"started but {not_ready}"
+    return (
+        f"{head}: gRPC {_reachable(grpc)}, {dashboard}; {_started_from(checkpoint_dir, restored)}"
+    )
+
+
+def _started_from(checkpoint_dir: str, restored: RestoreReport | None) -> str:
+    if restored is None:
+        return "started fresh (--restore none)"
+    if restored.sequence is not None:
+        tag = f" (tag {restored.tag})" if restored.tag else ""
+        skipped = f", {len(restored.skipped)} newer skipped" if restored.skipped else ""
+        return (
+            f"restored snapshot {restored.sequence}{tag} from {checkpoint_dir}{skipped}; "
+            "--restore none starts fresh"
+        )
+    if restored.skipped:
+        return (
+            f"started fresh: no snapshot in {checkpoint_dir} verifies "
+            f"({len(restored.skipped)} skipped, see above)"
+        )
+    if restored.replayed:
+        return (
+            f"no snapshot in {checkpoint_dir} yet; replayed {restored.replayed} journal records "
+            "(acks, leases, submitted prompts); --restore none starts fresh"
+        )
+    return (
+        f"started fresh: no snapshot in {checkpoint_dir} yet "
+        "(a restart restores the latest; --restore none starts fresh)"
+    )
+
+
+def _reachable(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    return f"localhost:{port}" if host in WILDCARD_HOSTS else address

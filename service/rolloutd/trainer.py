@@ -180,6 +180,8 @@ def _train(cfg: TrainerConfig, client: RolloutClient, out: Callable[[str], objec
                 if r.outcome != pb.CHECKPOINT_OUTCOME_COMPLETED:  # its acks stay unfinalized
                     reason = pb.CheckpointReason.Name(r.reason)
                     out(f"checkpoint step {step} on {ep} not completed: {reason} {r.message}")
+                elif r.message:  # e.g. a tag that an earlier run of the trainer used already
+                    out(f"checkpoint step {step} on {ep}: {r.message}")
         if now - last_report >= cfg.report_every_s:
             last_report = now
             elapsed = now - started

@@ -649,3 +649,21 @@ async def test_a_slow_attempt_logs_how_long_each_phase_took(nodes, monkeypatch, 
     )
     assert list(phases) == [p.value for p in CheckpointPhase]
     assert int(phases[CheckpointPhase.BUFFER_SAVE.value]) >= 300
+
+
+async def test_a_reused_tag_answers_with_the_snapshot_it_now_names(nodes, caplog):
+    """A trainer restarted from an earlier step tags its checkpoints as it did before: the tag
+    moves to the new snapshot, and the one it named stays reachable by its sequence."""
+    caplog.set_level("INFO", logger="rolloutd.checkpoint.checkpointer")
+    a = nodes()
+    first = await a.checkpoint(tag="step-10", trainer_step=None)
+    assert first.outcome is Outcome.COMPLETED and first.retagged is None
+    assert first.message() == ""
+    second = await a.checkpoint(tag="step-10", trainer_step=None)
+    assert second.outcome is Outcome.COMPLETED and second.retagged == first.sequence
+    assert f"now names snapshot {second.sequence}" in second.message()
+    assert f"snapshot {first.sequence}, which it named before, stays reachable" in (
+        second.message()
+    )
+    assert any("now names snapshot" in r.getMessage() for r in caplog.records)
+    assert {m.sequence for m in a.store.list()} >= {first.sequence, second.sequence}

@@ -127,6 +127,16 @@ def test_show_takes_what_restore_takes(location: Location, snapshots: list[Manif
     assert code == 1
 
 
+def test_show_by_a_reused_tag_says_it_picked_the_newest(location: Location, snapshots, capsys):
+    store = location.open()
+    third = publish(store, snapshots[1], make_rows(40, 5), tag="step-10", trainer_step=10)
+    code, out = _run(location, "show", "step-10")
+    assert code == 0 and Manifest.from_json(out.encode()) == third
+    note = capsys.readouterr().err
+    assert f"names the newest of its snapshots, {third.sequence}" in note
+    assert f"older ones with that tag: {snapshots[0].sequence}" in note
+
+
 def test_a_store_that_does_not_exist_is_an_error(location: Location, capsys):
     for command in ("list", "show", "verify"):
         argv = [command, "latest"] if command == "show" else [command]

@@ -132,6 +132,30 @@ async def test_rewind_redelivers_exactly_the_groups_acked_after_the_step(running
     assert [g.group_id for g in groups] == [acked[2], acked[3]]
 
 
+async def test_a_trainer_step_going_back_is_logged_once_with_the_rewind_hint(running, caplog):
+    """A trainer restarted from its checkpoint at step 5 that forgot Rewind acks at 6 after 50."""
+    caplog.set_level("WARNING", logger="rolloutd.domain.controller")
+    engine = GatedEngine(auto=True)
+    c = running(engine, rewind_window=100, buffer_capacity=8, max_in_flight=4)
+
+    async def ack_at(step: int) -> None:
+        lease, _ = await c.fetch(1, 2000, "t")
+        await c.ack(lease.lease_id, step)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "acked before" in r.getMessage()]
+
+    await ack_at(50)
+    await ack_at(6)
+    await ack_at(7)
+    (told,) = warnings()
+    assert "trainer step 6, below step 50" in told and "Rewind(trainer_step=S)" in told
+    await c.rewind(7)
+    await ack_at(8)
+    await ack_at(3)
+    assert len(warnings()) == 2, "said again after a Rewind"
+
+
 async def test_update_weights_evicts_stale_groups_and_readmits_their_prompts(running):
     engine = GatedEngine()
     c = running(engine, max_staleness=0, max_in_flight=2)

@@ -13,7 +13,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-LISTENING = re.compile(r"listening: grpc=(?P<grpc>\S+) http=(?P<http>\S+)")
+LISTENING = re.compile(r"\bgRPC (?P<grpc>[^\s,]+), dashboard (?:http://(?P<http>[^/\s]+)/|off)")
+"""The addresses in the ``ready`` line that ends a start (``rolloutd.startup.ready_line``)."""
+OWN_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:INFO|WARNING|ERROR|CRITICAL) rolloutd[.\w]*: "
+    r"|^rolloutd: "
+)
+"""A line ``rolloutd serve`` prints at the default log level: its log format, or a start-up
+failure's one line."""
+
+
+def foreign_lines(output: str) -> list[str]:
+    """Lines of ``output`` that are not rolloutd's own: another library's log or noise."""
+    return [line for line in output.splitlines() if line.strip() and not OWN_LINE.match(line)]
 
 
 class ServeProcess:

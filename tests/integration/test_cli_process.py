@@ -5,12 +5,13 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.proc import ServeProcess
+from tests.integration.proc import ServeProcess, foreign_lines
 
 pytestmark = pytest.mark.process
 
@@ -89,6 +90,27 @@ def test_sigterm_shuts_down_in_order(served):
     assert p.terminate() == 0
     out = p.output
     assert out.index("state: draining") < out.index("stopped in")
+
+
+def test_start_restart_and_a_failed_start_print_only_rolloutds_own_lines(tmp_path):
+    """At the default log level: no library's start-up or shutdown chatter, no noise at exit."""
+    outputs = []
+    for _ in range(2):  # a fresh start, then a restore
+        p = ServeProcess.synthetic(tmp_path / "ck", "--checkpoint-interval", "0", cwd=tmp_path)
+        p.wait_listening()
+        assert p.terminate() == 0
+        outputs.append(p.output)
+    assert "started fresh" in outputs[0] and "restored snapshot 1" in outputs[1]
+    failed = subprocess.run(
+        [sys.executable, "-m", "rolloutd.cli", "serve", "--engine",
+         "synthetic", "--grpc-port", "0", "--http-port", "0", "--checkpoint-dir",
+         str(tmp_path / "ck"), "--restore", "step-999"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.splitlines()[-1].startswith("rolloutd: no snapshot tagged 'step-999'")
+    for output in [*outputs, failed.stderr]:
+        assert foreign_lines(output) == [], output
 
 
 @pytest.mark.parametrize(

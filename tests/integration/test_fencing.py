@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -70,7 +71,7 @@ def fetch_and_ack(address: str, step: int) -> None:
 
 
 def completed(p: ServeProcess) -> int:
-    return p.output.count("checkpoint completed/completed")
+    return len(re.findall(r"checkpoint \d+ completed in", p.output))
 
 
 def wait_for(predicate, within_s: float = 30.0) -> None:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from rolloutd.client import RolloutClient
-from tests.integration.proc import ServeProcess
+from tests.integration.proc import ServeProcess, foreign_lines
 
 pytestmark = [pytest.mark.process]
 
@@ -131,6 +131,10 @@ def test_make_run_serves_the_tiny_model_on_a_busy_machine(tmp_path: Path, memory
     finally:
         service.terminate(timeout=120)
     assert wait_none_marked(mark) == []
+    # vLLM's and Triton's own output (start, shutdown, nanobind's leak reports at exit) stays
+    # out of the terminal: only rolloutd's lines at the default log level
+    assert foreign_lines(service.output) == [], service.output
+    assert "ready: gRPC localhost:" in service.output
 
 
 def run_unstartable(

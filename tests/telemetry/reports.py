@@ -153,6 +153,8 @@ STATUS = StatusSnapshot(
     groups={GroupState.GENERATING: 4, GroupState.COMMITTED: 2, GroupState.LEASED: 1},
     inflight_samples=13,
     policy_version=3,
+    acked_groups=5,
+    trainer_step=7,
 )
 CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
 
@@ -172,7 +174,7 @@ def scripted_run(observer: ServiceObserver) -> None:
     observer.mutation_blocked(MutationKind.ADMIT, 0.0005)
     observer.group_committed(GroupCommitted(1, 256, True, 1.5, prompt_tokens=12, group_size=4))
     observer.group_committed(GroupCommitted(2, 100, False, 0.75, prompt_tokens=9, group_size=4))
-    observer.groups_leased([0.25, 0.5])
+    observer.groups_leased([0.25, 0.5], [0, 1])
     observer.groups_evicted(2)
     observer.checkpoint_attempted(checkpoint_report(start_ns=T0 + 1_000 * MS, sequence=7))
     observer.checkpoint_attempted(

@@ -22,6 +22,7 @@ from rolloutd.telemetry.catalogue import (
     FRACTION_BUCKETS,
     REASON_OUTCOME,
     SECONDS_BUCKETS,
+    VERSION_BUCKETS,
     Kind,
 )
 from rolloutd.telemetry.metrics import MetricsObserver
@@ -171,14 +172,16 @@ def test_observable_instruments_report_nothing_until_sources_are_registered(metr
 
 
 @pytest.mark.parametrize("views", [True, False], ids=["views", "advisory"])
-def test_histograms_in_seconds_use_the_catalogue_buckets(
-    views, metric_reader, viewed_metric_reader
-):
+def test_histograms_use_the_catalogue_buckets(views, metric_reader, viewed_metric_reader):
+    """Seconds get second-scale buckets, policy versions small integers."""
     provider, reader = viewed_metric_reader if views else metric_reader
     scripted_run(MetricsObserver(provider))
     for name, metric in collect(reader).items():
-        if BY_NAME[name].kind is Kind.HISTOGRAM:
-            expected = SECONDS_BUCKETS if BY_NAME[name].unit == "s" else FRACTION_BUCKETS
+        instrument = BY_NAME[name]
+        if instrument.kind is Kind.HISTOGRAM:
+            expected = {"s": SECONDS_BUCKETS, "1": FRACTION_BUCKETS}.get(
+                instrument.unit, VERSION_BUCKETS
+            )
             for point in points(metric).values():
                 assert tuple(point.explicit_bounds) == expected, name
 

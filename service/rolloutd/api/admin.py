@@ -112,6 +112,11 @@ class CheckpointResult(BaseModel):
     seconds: float = Field(description="Duration of the whole attempt.")
     phase_seconds: dict[str, float] = Field(description="Duration of each phase that ran.")
     error: str | None = Field(description="What went wrong, for a failed attempt.")
+    message: str = Field(
+        description="What the caller should know beyond the outcome: the error, or that the tag "
+        "moved from an older snapshot (still reachable by its sequence) to this one; empty if "
+        "nothing."
+    )
 
     @classmethod
     def from_report(cls, report: CheckpointReport) -> CheckpointResult:
@@ -127,6 +132,7 @@ class CheckpointResult(BaseModel):
             error=None
             if report.error is None
             else f"{type(report.error).__name__}: {report.error}",
+            message=report.message(),
         )
 
 

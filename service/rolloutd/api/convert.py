@@ -153,7 +153,7 @@ def checkpoint_to_proto(r: CheckpointReport) -> pb.CheckpointResponse:
         phase_seconds=r.phase_seconds(),
         rows_written=r.rows.get(RowKind.NEW, 0),
         bytes_written=r.size_bytes.get(SizePart.TOTAL, 0),
-        message="" if r.error is None else str(r.error),
+        message=r.message(),
     )
 
 

@@ -142,6 +142,13 @@ def _show(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int:
     except (SnapshotNotFound, CorruptSnapshot) as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
+    if manifest.tag == args.snapshot:
+        older = [m.sequence for m in store.list() if m.tag == manifest.tag][1:]
+        if older:
+            sys.stderr.write(
+                f"tag {manifest.tag!r} names the newest of its snapshots, {manifest.sequence}; "
+                f"older ones with that tag: {', '.join(map(str, older))} (show them by sequence)\n"
+            )
     pretty = json.dumps(manifest.to_dict(), indent=1)
     out.write(re.sub(r"\[\s+(-?\d+),\s+(-?\d+)\s+\]", r"[\1, \2]", pretty))  # one range a line
     out.write("\n")

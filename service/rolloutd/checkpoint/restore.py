@@ -161,7 +161,14 @@ async def _run(
             return None
         journal = functools.partial(store.journal.events_after, 0)
         counts = await controller.recover(Recovered(None, None, journal, granularity), clock)
-        log.info("no snapshot to restore (%s); replayed %d journal records", spec, counts.events)
+        report.replayed = counts.events
+        # the ready line says so; the journal replayed without a snapshot is worth a line
+        log.log(
+            logging.INFO if counts.events else logging.DEBUG,
+            "no snapshot to restore (%s); replayed %d journal records",
+            spec,
+            counts.events,
+        )
         return None
 
     while True:
@@ -215,7 +222,7 @@ async def _run(
     journal = functools.partial(store.journal.events_after, manifest.acks_through)
     counts = await controller.recover(Recovered(state, prepared, journal, granularity), clock)
     report.groups, report.siblings, report.tokens = counts.groups, counts.siblings, counts.tokens
-    report.redispatch_s = counts.redispatch_s
+    report.redispatch_s, report.replayed = counts.redispatch_s, counts.events
     continuation.adopt(manifest, state, resumed)
     return manifest
 

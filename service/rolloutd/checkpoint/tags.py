@@ -13,7 +13,9 @@ from rolloutd.checkpoint.resolver import LATEST
 from rolloutd.checkpoint.store import SnapshotReader
 
 MAX_TAG_LENGTH = 128
-RESERVED = frozenset({LATEST, "none"})
+NONE = "none"
+"""``--restore none``: start fresh, whatever the store holds."""
+RESERVED = frozenset({LATEST, NONE})
 
 
 def tag_problem(tag: str) -> str | None:

@@ -66,6 +66,8 @@ class ControllerStatus:
     counters: Counters
     replica: int
     replicas: int
+    trainer_step: int = -1
+    """The highest trainer step acked (lowered by a Rewind); -1 before the first ack."""
 
 
 class Controller:
@@ -267,4 +269,5 @@ class Controller:
             counters=core.counters,
             replica=core.config.replica,
             replicas=core.config.replicas,
+            trainer_step=core.max_acked_step,
         )

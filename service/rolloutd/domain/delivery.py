@@ -69,6 +69,7 @@ class Delivery:
         """Settlements of acks whose callers went away, kept until done."""
         self._submitting = asyncio.Lock()
         """Serialises submissions: check, journal, accept, with no other in between."""
+        self._told_step_went_back = False
 
     # --- leases ----------------------------------------------------------------------------
 
@@ -120,7 +121,8 @@ class Delivery:
                         await core.notify()
                         raise Unavailable(f"the lease could not be made durable: {exc}") from exc
                     core.observer.groups_leased(
-                        [now - (g.meta.committed_at or now) for g in groups]
+                        [now - (g.meta.committed_at or now) for g in groups],
+                        [core.policy_version - g.policy_version for g in groups],
                     )
                     return lease, groups
             remaining = deadline - time.monotonic()
@@ -211,6 +213,16 @@ class Delivery:
                 lease = core.buffer.leases.get(lease_id)
                 if lease is None:
                     raise NotFound(f"lease {lease_id!r} is unknown or expired")
+                if trainer_step < core.max_acked_step and not self._told_step_went_back:
+                    self._told_step_went_back = True  # once until a Rewind: trainers may lag
+                    log.warning(
+                        "ack at trainer step %d, below step %d acked before: a trainer restarted "
+                        "from its checkpoint S calls Rewind(trainer_step=S) before fetching, or "
+                        "the groups it acked after S are not delivered again (trainers whose "
+                        "steps lag one another's can ignore this; said once until a Rewind)",
+                        trainer_step,
+                        core.max_acked_step,
+                    )
                 lost = core.lost_leased.get(lease_id, {})
                 record = AckRecord(
                     lease_id, lease.group_ids + tuple(lost), trainer_step, core.clock()
@@ -327,6 +339,7 @@ class Delivery:
             core.lost_acks = keep
             core.counters.requeued_groups += len(groups)
             core.max_acked_step = min(core.max_acked_step, trainer_step)
+            self._told_step_went_back = False
         await core.notify()
         return RewindResult(len(groups), readmitted)
 

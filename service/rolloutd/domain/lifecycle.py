@@ -71,5 +71,6 @@ class Lifecycle:
         before = self.state
         apply()
         if self.state is not before:
-            log.info("state: %s%s", self.state.value, f" ({self.reason})" if self.reason else "")
+            why = "; ".join(self._blocks.values()) if self.state is ServingState.NOT_READY else ""
+            log.info("state: %s%s", self.state.value, f" ({why})" if why else "")
             await self._on_change(self.state)

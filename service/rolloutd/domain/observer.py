@@ -68,8 +68,9 @@ class Observer(Protocol):
 
     def group_committed(self, event: GroupCommitted) -> None: ...
 
-    def groups_leased(self, queue_s: list[float]) -> None:
-        """``queue_s``: for each leased group, time from commit to its first lease."""
+    def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
+        """For each leased group: ``queue_s``, time from commit to its first lease;
+        ``staleness``, policy versions between the weights generating now and the group's."""
 
     def groups_evicted(self, count: int) -> None: ...
 
@@ -97,7 +98,7 @@ class NullObserver:
     def group_committed(self, event: GroupCommitted) -> None:
         return None
 
-    def groups_leased(self, queue_s: list[float]) -> None:
+    def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
         return None
 
     def groups_evicted(self, count: int) -> None:

@@ -144,6 +144,9 @@ class CheckpointReport:
     rows: dict[RowKind, int] = field(default_factory=dict)
     size_bytes: dict[SizePart, int] = field(default_factory=dict)
     error: BaseException | None = None
+    retagged: int | None = None
+    """The newest older snapshot with the same tag: the tag names this one now, and that one
+    stays reachable by its sequence number."""
 
     @property
     def seconds(self) -> float:
@@ -151,6 +154,18 @@ class CheckpointReport:
 
     def phase_seconds(self) -> dict[str, float]:
         return {p.phase.value: p.seconds for p in self.phases}
+
+    def message(self) -> str:
+        """What the caller should know beyond the outcome: the error of a failed attempt, or
+        that its tag moved to this snapshot."""
+        if self.error is not None:
+            return str(self.error)
+        if self.retagged is not None:
+            return (
+                f"tag {self.tag!r} now names snapshot {self.sequence}; snapshot {self.retagged}, "
+                f"which it named before, stays reachable by its sequence ({self.retagged})"
+            )
+        return ""
 
 
 @dataclass
@@ -172,6 +187,9 @@ class RestoreReport:
     """Partial tokens of unfinished siblings, by what the restore did with them."""
     redispatch_s: float = 0.0
     skipped: list[SkippedSnapshot] = field(default_factory=list)
+    replayed: int = 0
+    """Journal records (acks, lease grants, submitted prompts) applied after the snapshot, or
+    from the start of the journal when there was none."""
     error: BaseException | None = None
 
     @property

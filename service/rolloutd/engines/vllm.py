@@ -242,7 +242,10 @@ class VLLMEngine:
         # Cancelled requests abort themselves in vLLM, which needs the engine still up.
         await asyncio.gather(*in_flight, return_exceptions=True)
         # Blocks while the engine processes exit (a few seconds); the service is stopping anyway.
-        llm.shutdown()
+        # What vLLM says meanwhile goes where its start-up output went.
+        log_path = None if logger.isEnabledFor(logging.DEBUG) else self._config.log_path
+        with output_to(Path(log_path), rotate=False) if log_path else contextlib.nullcontext():
+            llm.shutdown()
         if reaper is not None:
             reaper.close()
         logger.info("vLLM engine stopped")

@@ -72,8 +72,9 @@ def _usable_cpus() -> int:
 
 
 @contextlib.contextmanager
-def output_to(path: Path) -> Iterator[None]:
-    """Points this process's stdout and stderr at ``path`` while vLLM starts its processes.
+def output_to(path: Path, *, rotate: bool = True) -> Iterator[None]:
+    """Points this process's stdout and stderr at ``path`` while vLLM starts its processes (or
+    stops them: ``rotate=False`` appends to the file of the start).
 
     vLLM's engine processes inherit the two descriptors when they are created and keep writing to
     the file for their whole life; this process gets its own descriptors back on exit. Anything
@@ -82,7 +83,7 @@ def output_to(path: Path) -> Iterator[None]:
     previous file is kept as ``<name>.1``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
+    if rotate and path.exists():
         path.replace(path.with_name(path.name + ".1"))
     saved = [os.dup(1), os.dup(2)]
     with open(path, "ab", buffering=0) as log:

@@ -77,6 +77,8 @@ class Area(enum.Enum):
     RPC = "rpc"
 
 
+VERSION_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+"""Staleness in policy versions: small integers, bounded by limits.max_staleness."""
 SECONDS_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -113,7 +115,9 @@ class Instrument:
     def buckets(self) -> tuple[float, ...] | None:
         if self.kind is not Kind.HISTOGRAM:
             return None
-        return {"s": SECONDS_BUCKETS, "1": FRACTION_BUCKETS}.get(self.unit)
+        return {"s": SECONDS_BUCKETS, "1": FRACTION_BUCKETS, "{version}": VERSION_BUCKETS}.get(
+            self.unit
+        )
 
     def attribute_sets(self) -> list[dict[str, str]]:
         """Every known combination of attribute values (one empty set when there are none)."""
@@ -296,6 +300,20 @@ LEASES_EXPIRED = Instrument(
 GROUPS_REQUEUED = Instrument(
     "rolloutd.groups.requeued", Kind.OBSERVABLE_COUNTER, "{group}",
     "Groups made available again, by an expired lease or a Rewind.", Area.DELIVERY,
+)  # fmt: skip
+ACKED_GROUPS = Instrument(
+    "rolloutd.acked.groups", Kind.OBSERVABLE_COUNTER, "{group}",
+    "Groups acknowledged by trainers (delivered), over the life of the store.", Area.DELIVERY,
+)  # fmt: skip
+TRAINER_STEP = Instrument(
+    "rolloutd.trainer.step", Kind.OBSERVABLE_GAUGE, "{step}",
+    "Highest trainer step acknowledged (a Rewind lowers it); absent before the first ack.",
+    Area.DELIVERY,
+)  # fmt: skip
+DELIVERED_STALENESS = Instrument(
+    "rolloutd.delivered.staleness", Kind.HISTOGRAM, "{version}",
+    "Policy versions between the weights generating when a group is leased and the weights "
+    "that generated it (0: on-policy).", Area.DELIVERY,
 )  # fmt: skip
 PROMPTS_PENDING = Instrument(
     "rolloutd.prompts.pending", Kind.OBSERVABLE_GAUGE, "{prompt}",

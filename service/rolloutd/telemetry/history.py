@@ -96,6 +96,10 @@ class Series:
 PHASE = (cat.PHASE_ATTR,)
 
 SERIES: tuple[Series, ...] = (
+    Series("acked_groups", cat.ACKED_GROUPS),
+    Series("trainer_step", cat.TRAINER_STEP),
+    Series("staleness_sum", cat.DELIVERED_STALENESS, "_sum"),
+    Series("staleness_count", cat.DELIVERED_STALENESS, "_count"),
     Series("generation_tokens", cat.GENERATION_TOKENS),
     Series("committed_tokens", cat.COMMITTED_TOKENS),
     Series("committed_groups", cat.COMMITTED_GROUPS),

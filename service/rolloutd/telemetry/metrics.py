@@ -103,6 +103,7 @@ class MetricsObserver:
 
         self._group_completion = self._histogram(cat.GROUP_COMPLETION)
         self._group_queue = self._histogram(cat.GROUP_QUEUE)
+        self._delivered_staleness = self._histogram(cat.DELIVERED_STALENESS)
         self._checkpoint_duration = self._histogram(cat.CHECKPOINT_DURATION)
         self._mutation_blocked = self._counter(cat.MUTATION_BLOCKED)
         self._mutation_wait = self._histogram(cat.MUTATION_WAIT)
@@ -137,6 +138,8 @@ class MetricsObserver:
         self._observable(cat.LEASES_EXPIRED, self._observe_leases_expired)
         self._observable(cat.GROUPS_REQUEUED, self._observe_groups_requeued)
         self._observable(cat.PROMPTS_PENDING, self._observe_prompts_pending)
+        self._observable(cat.ACKED_GROUPS, self._observe_acked_groups)
+        self._observable(cat.TRAINER_STEP, self._observe_trainer_step)
 
         self._estimated = _Series(cat.COMMITTED_TOKENS)
         self._mutation_kind = _Series(cat.MUTATION_BLOCKED)
@@ -232,9 +235,11 @@ class MetricsObserver:
         self._committed_tokens["false" if event.exact else "true"] += event.tokens
         self._group_completion.record(event.completion_s)
 
-    def groups_leased(self, queue_s: list[float]) -> None:
+    def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
         for seconds in queue_s:
             self._group_queue.record(seconds)
+        for versions in staleness:
+            self._delivered_staleness.record(versions)
 
     def groups_evicted(self, count: int) -> None:
         self._evicted_groups.add(count)
@@ -264,6 +269,8 @@ class MetricsObserver:
         self._rpc_duration.record(seconds, self._rpc(method, str(status_code)))
 
     def restored(self, report: RestoreReport) -> None:
+        if report.sequence is None and not (report.skipped or report.replayed or report.error):
+            return  # nothing to restore (a fresh store): no restore to time or count
         for phase in report.phases:
             self._restore_duration.record(phase.seconds, self._restore_phase(phase.phase))
         self._restore_duration.record(report.seconds, self._restore_phase(TOTAL))
@@ -364,6 +371,16 @@ class MetricsObserver:
         if (status := self._status()) is None:
             return []
         return [Observation(status.pending_prompts)]
+
+    def _observe_acked_groups(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.acked_groups)]
+
+    def _observe_trainer_step(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None or status.trainer_step < 0:
+            return []  # no trainer has acked yet: no value, rather than a step that never was
+        return [Observation(status.trainer_step)]
 
     def _checkpoint_state(self) -> CheckpointState | None:
         sources = self._sources

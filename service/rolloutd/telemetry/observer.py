@@ -87,9 +87,9 @@ class TelemetryObserver:
         with _never_raises("a generation span"):
             self.generation.committed(event)
 
-    def groups_leased(self, queue_s: list[float]) -> None:
+    def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
         with _never_raises("leased groups"):
-            self.metrics.groups_leased(queue_s)
+            self.metrics.groups_leased(queue_s, staleness)
 
     def groups_evicted(self, count: int) -> None:
         with _never_raises("evicted groups"):

@@ -91,7 +91,8 @@ def build_resource(settings: TelemetrySettings) -> Resource:
 
 
 def histogram_views() -> list[View]:
-    """Second-scale buckets for every histogram in seconds (the SDK default suits ms)."""
+    """The catalogue's buckets: second-scale for seconds (the SDK default suits ms), small
+    integers for policy versions."""
     return [
         View(
             instrument_name=instrument.name,

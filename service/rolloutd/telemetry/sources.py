@@ -30,6 +30,10 @@ class StatusSnapshot:
     """Leases that expired unacked, since the store began (cumulative)."""
     requeued_groups: int = 0
     """Groups made available again by an expired lease or a Rewind (cumulative)."""
+    acked_groups: int = 0
+    """Groups acked by trainers, since the store began (cumulative)."""
+    trainer_step: int = -1
+    """The highest trainer step acked; -1 before the first ack."""
 
 
 @dataclass(frozen=True)
@@ -60,4 +64,6 @@ def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
         pending_prompts=status.pending_prompts,
         expired_leases=status.counters.expired_leases,
         requeued_groups=status.counters.requeued_groups,
+        acked_groups=status.counters.acked_groups,
+        trainer_step=status.trainer_step,
     )

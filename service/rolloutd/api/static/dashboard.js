@@ -1,4 +1,5 @@
-// rolloutd's built-in dashboard: eight areas of live charts over v1/dashboard/history.
+// rolloutd's built-in dashboard: nine areas of live charts over v1/dashboard/history, the
+// trainer's side first. An area with nothing to show says so instead of plotting zeros.
 //
 // The service samples its own metrics every few seconds (rolloutd.telemetry.history); counters
 // arrive as totals since the history began, so a rate is the difference of two points of one run
@@ -20,15 +21,31 @@
   // Series kinds: "rate" (per second, within one run), "value" (as sampled), "mean"
   // (increase of sum / increase of count, drawn as dots: one per interval with events).
   // A series with `prefix` stands for every key under it that is non-zero somewhere.
+  // A value counts as something to show when it is non-zero, or present at all for a series
+  // marked `zeroIsData` (a trainer step of 0, on-policy staleness); an area where nothing
+  // counts shows its `empty` sentence instead of its charts.
   const AREAS = [
+    {
+      id: "trainer", title: "Trainer",
+      what: "What trainers receive: groups delivered (acked), groups leased and not yet acked, the highest trainer step acked, and how many policy versions behind the served weights delivered groups were.",
+      empty: "No trainer has fetched or acked yet. Start one (rolloutd trainer --target HOST:PORT, or your own loop) and its side shows here.",
+      charts: [
+        { title: "delivered groups/s", series: [{ label: "acked", kind: "rate", key: "acked_groups" }] },
+        { title: "groups leased to trainers", series: [{ label: "leased", kind: "value", key: "buffer_groups/leased" }] },
+        { title: "trainer step", series: [{ label: "highest acked", kind: "value", key: "trainer_step", zeroIsData: true }] },
+        { title: "staleness delivered (policy versions)", series: [{ label: "mean", kind: "mean", sum: "staleness_sum", count: "staleness_count", zeroIsData: true }] },
+      ],
+    },
     {
       id: "generation", title: "Generation",
       what: "Raw generation throughput: every token the engine produced, used or not.",
+      empty: "No tokens generated yet.",
       charts: [{ title: "generation tokens/s", series: [{ label: "generated", kind: "rate", key: "generation_tokens" }] }],
     },
     {
       id: "usable-output", title: "Usable output",
       what: "Tokens and groups that became training-ready (committed).",
+      empty: "No group committed yet.",
       charts: [
         { title: "committed tokens/s", series: [{ label: "committed", kind: "rate", key: "committed_tokens" }] },
         { title: "committed groups/s", series: [{ label: "committed", kind: "rate", key: "committed_groups" }] },
@@ -37,11 +54,13 @@
     {
       id: "checkpoint-latency", title: "Checkpoint latency",
       what: "Mean duration of the attempts in each interval: the whole attempt and each phase.",
+      empty: "No checkpoint written yet: one runs every checkpoint.interval_s, when a trainer calls Checkpoint, and at shutdown.",
       charts: [{ title: "duration (ms)", series: CKPT_PHASES.map((p) => mean("checkpoint_seconds_sum", "checkpoint_seconds_count", p, 1000)) }],
     },
     {
       id: "backpressure", title: "Backpressure",
       what: "Mutations that waited for a checkpoint's exclusive hold, by kind, and how long.",
+      empty: "No mutation has waited for a checkpoint.",
       charts: [
         { title: "blocked mutations/s", series: [{ label: "all kinds", kind: "rate", sumOf: "blocked/" }, { prefix: "blocked/", kind: "rate" }] },
         { title: "mean wait (ms)", series: [{ label: "wait", kind: "mean", sum: "blocked_wait_sum", count: "blocked_wait_count", scale: 1000 }] },
@@ -50,6 +69,7 @@
     {
       id: "reliability", title: "Reliability",
       what: "Checkpoint attempts by outcome and reason (totals), and the cadence achieved.",
+      empty: "No checkpoint attempted yet.",
       charts: [
         { title: "attempts (total) by outcome / reason", series: [{ prefix: "attempts/", kind: "value" }] },
         {
@@ -64,11 +84,13 @@
     {
       id: "restore", title: "Restore",
       what: "Duration of each restore at start-up: the whole restore and each phase.",
+      empty: "Nothing restored in this history: the service started fresh (no snapshot, or --restore none).",
       charts: [{ title: "duration (ms)", series: RESTORE_PHASES.map((p) => mean("restore_seconds_sum", "restore_seconds_count", p, 1000)) }],
     },
     {
       id: "recovery", title: "Recovery efficiency",
       what: "What restores found (totals): complete groups back as they were; siblings of unfinished groups reused versus generated again; partial tokens of unfinished siblings continued from versus generated again.",
+      empty: "Nothing recovered: no restore in this history found groups to bring back.",
       charts: [
         { title: "groups restored, by state", series: ["committed", "leased", "acked", "unfinished"].map((s) => ({ label: s, kind: "value", key: `recovery_groups/${s}` })) },
         { title: "siblings reused vs rerun", series: ["reused", "rerun"].map((s) => ({ label: s, kind: "value", key: `recovery_siblings/${s}` })) },
@@ -78,6 +100,7 @@
     {
       id: "snapshot-size", title: "Snapshot size",
       what: "The last completed snapshot: rows new in its delta, removed, live; bytes written.",
+      empty: "No snapshot written yet.",
       charts: [
         { title: "rows", series: ["live", "new", "removed"].map((k) => ({ label: k, kind: "value", key: `rows/${k}` })) },
         { title: "bytes written", bytes: true, series: ["total", "segments", "groups", "sidecar", "submissions", "ledger", "partials"].map((k) => ({ label: k, kind: "value", key: `size_bytes/${k}` })) },
@@ -164,7 +187,13 @@
     });
     let ymax = 0;
     let plotted = 0;
-    for (const s of series) for (const [, y] of s.data) if (y !== null) { ymax = Math.max(ymax, y); plotted++; }
+    for (const s of series) {
+      for (const [, y] of s.data) {
+        if (y === null) continue;
+        ymax = Math.max(ymax, y);
+        if (y !== 0 || s.spec.zeroIsData) plotted++;
+      }
+    }
     ymax = ymax > 0 ? ymax * 1.1 : 1;
     const x = (t) => left + ((t - t0) / Math.max(t1 - t0, 1e-9)) * pw;
     const y = (v) => top + ph - (v / ymax) * ph;
@@ -248,12 +277,13 @@
     const main = $("areas");
     for (const area of AREAS) {
       const section = document.createElement("section");
-      section.className = "area";
+      section.className = area === AREAS[0] ? "area first" : "area";
       section.id = `area-${area.id}`;
       section.dataset.points = "0";
-      section.innerHTML = `<h2></h2><p class="what"></p><div class="charts"></div>`;
+      section.innerHTML = `<h2></h2><p class="what"></p><p class="empty" hidden></p><div class="charts"></div>`;
       section.querySelector("h2").textContent = area.title;
       section.querySelector(".what").textContent = area.what;
+      section.querySelector(".empty").textContent = area.empty;
       for (const chart of area.charts) {
         const div = document.createElement("div");
         div.className = "chart";
@@ -288,7 +318,9 @@
       }
       const el = $(`area-${area.id}`);
       el.dataset.points = String(plotted);
-      state.areas[area.id] = { plotted, series: nseries };
+      el.querySelector(".empty").hidden = plotted > 0;
+      el.querySelector(".charts").hidden = plotted === 0;
+      state.areas[area.id] = { plotted, series: nseries, empty: plotted === 0 };
     }
     document.body.dataset.lastT = String(t1);
     window.rolloutdDashboard = state;
@@ -330,7 +362,7 @@
     const list = await getJSON("v1/checkpoints");
     $("checkpoints").replaceChildren(...list.slice(0, 8).map((c) => {
       const tr = document.createElement("tr");
-      for (const v of [c.sequence, c.tag, c.trainer_step ?? "", new Date(c.created_unix_s * 1000).toLocaleTimeString(), fmt(c.rows), fmt(c.size_bytes, true)]) {
+      for (const v of [c.sequence, c.tag || "–", c.trainer_step ?? "–", new Date(c.created_unix_s * 1000).toLocaleTimeString(), fmt(c.rows), fmt(c.size_bytes, true)]) {
         const td = document.createElement("td");
         td.textContent = String(v);
         tr.append(td);
