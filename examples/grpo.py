@@ -116,6 +116,10 @@ def service_config(run: Path, model: Path, args: argparse.Namespace) -> dict[str
             "lease_timeout_s": 120,
             "rewind_window": 4 * args.checkpoint_every,
         },
+        # the reward is scored in the service (examples/grpo_rewards.py), and groups whose
+        # rewards are all equal (no GRPO signal) are dropped before the trainer sees them
+        "scoring": {"verifier": "grpo_rewards:answer_shaped", "workers": 1},
+        "filter": {"zero_variance": True},
         "checkpoint": {"dir": str(run / "checkpoints"), "interval_s": 5.0},
         "grpc": {"host": "127.0.0.1", "port": 0},
         "http": {"enabled": False},
@@ -126,7 +130,16 @@ class Rolloutd:
     """``rolloutd serve`` in its own process group, its log copied to a file."""
 
     def __init__(self, config: Path, restore: str, log: Path) -> None:
-        env = {"PYTHONUNBUFFERED": "1", "OTEL_SDK_DISABLED": "true", **os.environ}
+        # examples/ on the path: the service imports the verifier (grpo_rewards) from there
+        path = os.pathsep.join(
+            p for p in (str(REPO / "examples"), os.environ.get("PYTHONPATH")) if p
+        )
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "OTEL_SDK_DISABLED": "true",
+            **os.environ,
+            "PYTHONPATH": path,
+        }
         cmd = [sys.executable, "-m", "rolloutd.cli", "serve", "--config", str(config)]
         self.proc = subprocess.Popen(
             [*cmd, "--restore", restore],

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -49,25 +48,25 @@ from rolloutd.trainer import wait_until_ready
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.weights.delta import make_delta
 
-_SMALL_NUMBER = re.compile(r"\d{1,2}")
-
 
 def position(group: pb.Group) -> str:
     """Which prompt of which epoch a group answers; rolloutd admits each position once an epoch."""
     return f"{group.epoch}/{group.prompt_id}"
 
 
-def reward(text: str) -> float:
-    """Share of the completion's words that are whole numbers of one or two digits (0 if empty).
+def rewards_of(group: pb.Group) -> list[float]:
+    """The rewards the service's verifier gave the group's samples (examples/grpo_rewards.py)."""
+    if any(s.score_status != pb.SCORE_STATUS_OK for s in group.samples):
+        raise RuntimeError(f"group {group.group_id} came without rewards: is scoring configured?")
+    return [s.reward for s in group.samples]
 
-    The bundled prompts are arithmetic questions whose answers are small numbers, so this rewards
-    answer-shaped output: short numbers instead of long digit runs and stray letters. A random tiny
-    model scores about 0.1 and can climb it within minutes; it does not check the arithmetic.
-    """
-    words = text.split()
-    if not words:
-        return 0.0
-    return sum(_SMALL_NUMBER.fullmatch(w) is not None for w in words) / len(words)
+
+def dropped_share(client: RolloutClient) -> float:
+    """Of the groups the service finished, the share it dropped (zero reward variance)."""
+    statuses = client.status().values()
+    dropped = sum(s.counters.dropped_groups for s in statuses)
+    committed = sum(s.counters.committed_groups for s in statuses)
+    return dropped / (dropped + committed) if dropped + committed else 0.0
 
 
 @dataclass(frozen=True)
@@ -471,7 +470,7 @@ class Trainer:
                 duplicates += 1
             trained.add(g.group_id)
             positions.add(position(g))
-            r = [reward(s.text) for s in g.samples]
+            r = rewards_of(g)
             rewards.extend(r)
             advantages.extend(group_advantages(r))
             samples.extend(g.samples)
@@ -506,6 +505,7 @@ class Trainer:
             "positions": [position(g) for g in groups],
             "sample_versions": [[s.policy_version for s in g.samples] for g in groups],
             "reward": sum(rewards) / len(rewards),
+            "dropped_share": dropped_share(self.client),
             "staleness_max": max(staleness),
             "staleness_mean": sum(staleness) / len(staleness),
             "stale_groups": sum(s > self.cfg.max_staleness for s in staleness),
@@ -532,7 +532,8 @@ class Trainer:
         parity_sum = sum(total for _, total, _ in parity.values())
         mean_diff = f"{parity_sum / parity_n:.1e}" if parity_n else "   -   "
         out(
-            f"step {step:4d}  reward {record['reward']:.3f}  policy v{version}->v{self.state.version}"
+            f"step {step:4d}  reward {record['reward']:.3f}  dropped {record['dropped_share']:4.0%}"
+            f"  policy v{version}->v{self.state.version}"
             f"  staleness max {record['staleness_max']} mean {record['staleness_mean']:.1f}"
             f"  {self.tokens / elapsed:6.0f} tok/s  update {update_ms:5.0f} ms"
             f"  |dlogp| {mean_diff}  fetch {t_fetch:4.1f}s train {t_train:4.1f}s"

@@ -12,13 +12,21 @@ from rolloutd.v1 import rollout_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+from grpo_rewards import answer_shaped
 from grpo_trainer import (
     build_batch,
     group_advantages,
     grpo_loss,
-    reward,
     token_logprobs,
 )
+
+from rolloutd.scoring import ScoringInput
+
+
+def reward(text: str) -> float:
+    """The example's verifier on a completion, as the service calls it."""
+    return answer_shaped(ScoringInput("p", "q", (), None, text, (), "stop", 0))
+
 
 PAD = 2
 
