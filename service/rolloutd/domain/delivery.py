@@ -157,17 +157,24 @@ class Delivery:
             expired = core.buffer.expired_leases(core.clock())
             if not expired:
                 continue
+            evicted = 0
             async with core.barrier.mutation(MutationKind.REQUEUE):
                 for lease in core.buffer.expired_leases(core.clock()):
                     requeued = self.requeue(lease.lease_id)
-                    core.counters.requeued_groups += len(requeued)
+                    stale = self.evict_stale(requeued)
+                    evicted += stale
+                    core.counters.requeued_groups += len(requeued) - stale
                     core.counters.expired_leases += 1
                     log.info(
-                        "lease %s of %s expired; %d groups available again",
+                        "lease %s of %s expired; %d groups available again, %d evicted as too "
+                        "stale",
                         lease.lease_id,
                         lease.consumer or "?",
-                        len(requeued),
+                        len(requeued) - stale,
+                        stale,
                     )
+            if evicted:
+                core.observer.groups_evicted(evicted)
             await core.notify()
 
     def requeue(self, lease_id: str) -> list[int]:
@@ -176,6 +183,18 @@ class Delivery:
         for admission in self.core.lost_leased.pop(lease_id, {}).values():
             self.core.sampler.unskip(admission)
         return self.core.buffer.requeue(lease_id)
+
+    def evict_stale(self, group_ids: Iterable[int]) -> int:
+        """Evicts those of ``group_ids``, committed again just now (an expired lease, a rewind,
+        a restore), that fell more than ``max_staleness`` policy versions behind while the
+        trainer held them: eviction at a weight update passes over a trainer's groups, so this is
+        where a stale group is kept from being delivered. Inside the mutation that committed them
+        again; returns how many."""
+        core = self.core
+        stale = [gid for gid in group_ids if core.too_stale(core.buffer.groups[gid].policy_version)]
+        for gid in stale:
+            core.evict(gid)
+        return len(stale)
 
     # --- acks ------------------------------------------------------------------------------
 
@@ -304,7 +323,7 @@ class Delivery:
 
     async def rewind(self, trainer_step: int) -> RewindResult:
         """Groups acked after ``trainer_step`` become available again, and the prompts of acked
-        groups no snapshot held are admitted again."""
+        groups no snapshot held, or that fell too stale meanwhile, are admitted again."""
         core = self.core
         if trainer_step < 0:
             raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
@@ -315,7 +334,8 @@ class Delivery:
             )
         async with core.barrier.mutation(MutationKind.REQUEUE):
             groups = core.buffer.rewind(trainer_step)
-            readmitted = 0
+            evicted = self.evict_stale(g.group_id for g in groups)
+            readmitted = evicted  # a stale group's prompt is admitted again, like a lost one's
             keep: list[LostAck] = []
             for lost in core.lost_acks:
                 if lost.trainer_step > trainer_step:
@@ -325,10 +345,12 @@ class Delivery:
                 else:
                     keep.append(lost)
             core.lost_acks = keep
-            core.counters.requeued_groups += len(groups)
+            core.counters.requeued_groups += len(groups) - evicted
             core.max_acked_step = min(core.max_acked_step, trainer_step)
+        if evicted:
+            core.observer.groups_evicted(evicted)
         await core.notify()
-        return RewindResult(len(groups), readmitted)
+        return RewindResult(len(groups) - evicted, readmitted)
 
     # --- submissions -----------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ controller starts. ``recover`` times its own phases (``replay_metadata``, ``reco
 ``redispatch``):
 
 * the whole state goes in: leases that have not expired stay granted (their ack succeeds after
-  the restart), the groups of expired ones become available again;
+  the restart), the groups of expired ones become available again, or are evicted (after the
+  journal's replay) when they are too stale;
 * what was journaled after the snapshot is applied in journal order: acks through the one ack
   path, live lease grants granted again, accepted prompts queued again, the id counter moved past
   every reserved and journaled id;
@@ -185,6 +186,9 @@ class Recovery:
             await self._load(state, recovered.buffer or self.prepare(state))
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
             counts.events = await self._replay(recovered.journal)
+            # after the replay, which may ack a group whose lease expired: groups the
+            # snapshot held leased come back committed, and the stale ones must not be delivered
+            await self.generation.evict_stale()
         with clock.phase(RestorePhase.REDISPATCH):
             started = time.perf_counter()
             # a journal replay can end a group's generation (never start one): the snapshot's
