@@ -1,7 +1,7 @@
 """The journal: what a client was told is durable, before the RPC returns.
 
-Four kinds of record, one sequence of positions: acks, lease grants, accepted submissions, and
-reservations of group ids (``kind`` in each record; a record without one is an ack). A snapshot
+Five kinds of record, one sequence of positions: acks, lease grants, accepted submissions,
+rewinds, and reservations of group ids (``kind`` in each record; a record without one is an ack). A snapshot
 records the last position it includes (``acks_through``) and restore replays the records after
 it, on top of nothing when there is no snapshot yet. Retention prunes what every kept snapshot
 covers, at each checkpoint.
@@ -48,6 +48,7 @@ from rolloutd.domain.state import (
     Journaled,
     JournaledAck,
     JournaledLease,
+    JournaledRewind,
     JournaledSubmission,
 )
 
@@ -336,6 +337,10 @@ class Journal:
         """Journals accepted prompts; durable on return."""
         await self.enqueue({"kind": SUBMIT, "prompts": to_json(list(prompts))})
 
+    async def rewind(self, trainer_step: int) -> None:
+        """Journals a ``Rewind(trainer_step)``; durable on return."""
+        await self.enqueue({"kind": REWIND, "trainer_step": trainer_step})
+
     async def reserve_ids(self, through: int) -> None:
         """Journals that group ids up to ``through`` may be handed out; durable on return."""
         await self.enqueue({"kind": IDS, "through": through})
@@ -345,7 +350,7 @@ class Journal:
         return [decode(entry.record) for entry in self.read(after)]
 
 
-ACK, LEASE, SUBMIT, IDS = "ack", "lease", "submit", "ids"
+ACK, LEASE, SUBMIT, REWIND, IDS = "ack", "lease", "submit", "rewind", "ids"
 
 
 def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
@@ -369,6 +374,8 @@ def decode(d: Mapping[str, Any]) -> Journaled:
         return JournaledLease(from_json(Lease, d), _decode_admissions(d))
     if kind == SUBMIT:
         return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
+    if kind == REWIND:
+        return JournaledRewind(int(d["trainer_step"]))
     if kind == IDS:
         return IdReservation(int(d["through"]))
     raise CorruptJournal(f"{JOURNAL}: a record of unknown kind {kind!r}")

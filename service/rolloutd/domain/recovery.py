@@ -9,9 +9,9 @@ controller starts. ``recover`` times its own phases (``replay_metadata``, ``reco
 * the whole state goes in: leases that have not expired stay granted (their ack succeeds after
   the restart), the groups of expired ones become available again, or are evicted (after the
   journal's replay) when they are too stale;
-* what was journaled after the snapshot is applied in journal order: acks through the one ack
-  path, live lease grants granted again, accepted prompts queued again, the id counter moved past
-  every reserved and journaled id;
+* what was journaled after the snapshot is applied in journal order: acks and rewinds through
+  the one ack and rewind paths, live lease grants granted again, accepted prompts queued again,
+  the id counter moved past every reserved and journaled id;
 * unfinished groups resume: staged siblings are reused and missing ones continue from the tokens
   the snapshot held (granularity ``token``), start again (``sibling``), or the whole group is
   generated again (``group``); a FINISHING group goes to the finishing stage again.
@@ -45,6 +45,7 @@ from rolloutd.domain.state import (
     IdReservation,
     Journaled,
     JournaledLease,
+    JournaledRewind,
     JournaledSubmission,
     LostLease,
 )
@@ -232,6 +233,8 @@ class Recovery:
                     core.next_group_id = max(core.next_group_id, event.through + 1)
                 elif isinstance(event, JournaledSubmission):
                     core.sampler.submit(event.prompts, bounded=False)
+                elif isinstance(event, JournaledRewind):
+                    self.delivery.apply_rewind(event.trainer_step)
                 elif isinstance(event, JournaledLease):
                     self._bump_ids(event.lease.group_ids)
                     if event.lease.expires_at > now:
