@@ -128,7 +128,6 @@ class _FileJournal:
         self.root = root
         self._dir = os.path.join(root, JOURNAL)
         self._fd = -1
-        self._mark_fd = -1
 
     def _files(self) -> list[tuple[int, str]]:
         try:
@@ -203,13 +202,15 @@ class _FileJournal:
         return position
 
     def mark(self, position: int) -> None:
-        """Overwrites the acknowledged mark in place (30 bytes, one sector) and syncs it."""
-        if self._mark_fd < 0:
-            makedirs(self._dir)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-            self._mark_fd = os.open(os.path.join(self._dir, MARK), flags, 0o644)
-        os.pwrite(self._mark_fd, _mark_bytes(position), 0)
-        os.fdatasync(self._mark_fd)
+        """Overwrites the acknowledged mark in place (30 bytes, one sector) and syncs it. The file
+        is not kept open: a disk with a file open to write cannot be remounted read-only."""
+        makedirs(self._dir)
+        fd = os.open(os.path.join(self._dir, MARK), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.pwrite(fd, _mark_bytes(position), 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def set_aside(self, where: str, damage: Damage, later: Sequence[str]) -> list[str]:
         """Moves the damaged file ``where`` (its whole records before ``damage`` kept in its
