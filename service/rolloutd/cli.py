@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
 
-    ckpt = sub.add_parser("checkpoints", help="list, show or verify snapshots", add_help=False)
+    ckpt = sub.add_parser(
+        "checkpoints", help="list, show or verify snapshots; repair a journal", add_help=False
+    )
     ckpt.add_argument("args", nargs=argparse.REMAINDER)
     rescore = sub.add_parser(
         "rescore", help="recompute a store's rewards and report mismatches", add_help=False

@@ -256,7 +256,7 @@ class HttpConfig(_Section):
     dashboard_interval_s: float = Field(5.0, gt=0)
     """How often the dashboard on the admin port's front page samples the metrics."""
     dashboard_points: int = Field(1440, gt=0)
-    """Dashboard points kept (in memory and next to local checkpoints): 2 h at 5 s."""
+    """Dashboard points kept (in memory and next to the checkpoints): 2 h at 5 s."""
 
 
 class FleetConfig(_Section):

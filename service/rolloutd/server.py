@@ -33,6 +33,7 @@ from rolloutd.api.dashboard import dashboard_router
 from rolloutd.api.grpc_server import SERVICE_NAME, GrpcServer
 from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.api.view import ServiceView
+from rolloutd.checkpoint.backends import ObjectBackend
 from rolloutd.checkpoint.checkpointer import Checkpointer
 from rolloutd.checkpoint.claim import Fenced, StoreHeld
 from rolloutd.checkpoint.resolver import LATEST
@@ -59,7 +60,7 @@ from rolloutd.entrypoints import EntryPointError, load
 from rolloutd.scoring import build_stage
 from rolloutd.startup import ready_line
 from rolloutd.supervisor import Supervisor
-from rolloutd.telemetry.history import MetricHistory, history_path
+from rolloutd.telemetry.history import MetricHistory, history_log
 from rolloutd.telemetry.interceptors import RpcMetricsInterceptor, server_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot, status_snapshot
@@ -203,7 +204,11 @@ class RolloutService:
             self.telemetry.prometheus_registry,
             run=uuid.uuid4().hex[:12],
             capacity=config.http.dashboard_points,
-            path=history_path(ckpt.dir),
+            log=history_log(
+                ckpt.dir,
+                self.store.backend if isinstance(self.store.backend, ObjectBackend) else None,
+                config.http.dashboard_points,
+            ),
         )
         if engine.name == "vllm":
             self.telemetry.prometheus_registry.register(VLLMFamilies())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rolloutd.api.startup_errors import PortUnavailable
 from rolloutd.checkpoint.claim import StoreHeld
+from rolloutd.checkpoint.journal import CorruptJournal
 from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.checkpoint.restore import RestoreRefused
 from rolloutd.config import Config
@@ -40,7 +41,9 @@ START_FAILURES: tuple[type[BaseException], ...] = (
 
 def describe(exc: BaseException, config: Config) -> str:
     """The one line for a failure in ``START_FAILURES``."""
-    if isinstance(exc, EngineStartError | PortUnavailable | RestoreRefused | StoreHeld):
+    if isinstance(
+        exc, EngineStartError | PortUnavailable | RestoreRefused | StoreHeld | CorruptJournal
+    ):
         return str(exc)
     if isinstance(exc, SnapshotNotFound):
         return (

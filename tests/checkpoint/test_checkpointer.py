@@ -376,6 +376,28 @@ async def test_acks_journaled_after_the_snapshot_are_applied(nodes):
     assert rewound.readmitted_prompts >= 1  # the lost group's prompt comes back on a rewind
 
 
+async def test_a_lease_that_expired_by_the_restore_does_not_deliver_stale_groups(nodes, tmp_path):
+    a = nodes(max_staleness=0, lease_timeout_s=0.2, reap_interval_s=3600)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed == 6)
+    lease, [group] = await a.controller.fetch(1, 100, "t")
+    await a.controller.update_weights(1, str(tmp_path))  # the leased group stays the trainer's
+    assert a.controller.buffer.groups[group.group_id].state is GroupState.LEASED
+    await a.checkpoint()
+    await a.controller.stop()
+    await settle(lambda: time.time() > lease.expires_at)
+
+    b = nodes(max_staleness=0)
+    await b.restore()
+    assert group.group_id not in b.controller.buffer.groups
+    assert b.controller.counters.evicted_groups == a.controller.counters.evicted_groups + 1
+    b.controller.start()
+    await settle(lambda: any(r.prompt == group.meta.prompt for r in b.engine.requests))
+    await settle(lambda: b.controller.status().buffer.committed == 6)
+    while (leased := await b.controller.fetch(8, 0, "t")) is not None:
+        assert {g.policy_version for g in leased[1]} == {1}
+
+
 async def test_changed_configuration_is_refused_with_the_differing_keys(nodes):
     a = nodes()
     a.controller.start()

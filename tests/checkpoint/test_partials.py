@@ -174,6 +174,28 @@ async def test_partials_that_do_not_verify_cost_only_their_tokens(nodes):
     await settle(lambda: b.controller.status().buffer.committed == 3)
 
 
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", [Path.unlink, cut_in_half], ids=["missing", "truncated"])
+async def test_a_missing_or_truncated_partials_file_costs_only_its_tokens(nodes, damage):
+    a = nodes(engine=streaming())
+    await generating(a)
+    report = await a.checkpoint()
+    await a.controller.stop()
+    entry = a.store.load(report.sequence).partials
+    assert entry is not None
+    damage(Path(a.store.backend._path(entry.path)))
+
+    b = nodes(engine=GatedEngine(tokens=TOKENS, auto=True))
+    restored = await b.restore(granularity=Granularity.TOKEN)
+    assert restored.sequence == report.sequence and not restored.skipped
+    assert restored.tokens[TokenDisposition.REUSED] == 0
+    assert all(r.prefix is None for r in b.engine.requests)
+    await settle(lambda: b.controller.status().buffer.committed == 3)
+
+
 async def test_retention_deletes_the_partials_of_retired_snapshots(nodes):
     a = nodes(engine=streaming())
     await generating(a)

@@ -13,11 +13,12 @@ from tests.fakes import GatedEngine, settle
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(50)]
 
 
-def make(engine, **kw):
+def make(engine, clock=None, **kw):
     cfg = ControllerConfig(
         **{"group_size": 3, "max_in_flight": 4, "buffer_capacity": 8, "reap_interval_s": 0.02, **kw}
     )
-    return Controller(cfg, engine, Sampler(PROMPTS, seed=0, epochs=kw.pop("epochs", None)))
+    sampler = Sampler(PROMPTS, seed=0, epochs=kw.pop("epochs", None))
+    return Controller(cfg, engine, sampler, **({"clock": clock} if clock else {}))
 
 
 @pytest.fixture
@@ -169,6 +170,52 @@ async def test_update_weights_evicts_stale_groups_and_readmits_their_prompts(run
     new = [r for r in engine.requests if r.group_id not in old]
     old_prompts = {r.prompt.prompt_id for r in engine.requests if r.group_id in old}
     assert {r.prompt.prompt_id for r in new} == old_prompts  # the same prompts, generated again
+
+
+class Clock:
+    """A wall clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_lease_that_expires_after_its_groups_went_stale_evicts_them(running):
+    clock = Clock()
+    engine = GatedEngine(auto=True)
+    c = running(engine, clock=clock, max_staleness=0, lease_timeout_s=60, max_in_flight=2)
+    lease, groups = await c.fetch(2, 2000, "t")
+    assert {g.policy_version for g in groups} == {0}
+    await c.update_weights(1, "/weights")  # a leased group is the trainer's: not evicted yet
+    assert all(c.buffer.groups[g].state is GroupState.LEASED for g in lease.group_ids)
+    evicted = c.counters.evicted_groups
+
+    clock.now += 61
+    await settle(lambda: c.counters.expired_leases == 1)
+    assert not set(lease.group_ids) & set(c.buffer.groups)
+    assert c.counters.evicted_groups == evicted + 2
+    prompts = {g.meta.prompt.prompt_id for g in groups}
+    await settle(lambda: prompts <= {r.prompt.prompt_id for r in engine.requests[6:]})
+    while (leased := await c.fetch(8, 0, "t")) is not None:
+        assert {g.policy_version for g in leased[1]} == {1}  # generated again, fresh
+
+
+async def test_a_rewind_to_before_an_ack_of_groups_now_stale_admits_their_prompts_again(running):
+    engine = GatedEngine(auto=True)
+    c = running(engine, max_staleness=0, rewind_window=10, max_in_flight=2)
+    lease, [group] = await c.fetch(1, 2000, "t")
+    await c.ack(lease.lease_id, 1)
+    await c.update_weights(1, "/weights")
+
+    result = await c.rewind(0)
+    assert (result.redelivered_groups, result.readmitted_prompts) == (0, 1)
+    assert group.group_id not in c.buffer.groups
+    prompt = group.meta.prompt.prompt_id
+    await settle(lambda: prompt in {r.prompt.prompt_id for r in engine.requests[6:]})
+    while (leased := await c.fetch(8, 0, "t")) is not None:
+        assert {g.policy_version for g in leased[1]} == {1}
 
 
 @pytest.mark.parametrize(

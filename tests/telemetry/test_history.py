@@ -4,24 +4,31 @@ file next to the checkpoints."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry
 
+from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted
 from rolloutd.domain.report import CheckpointPhase
 from rolloutd.telemetry.history import (
     COUNTER_KEYS,
+    HISTORY_BATCH,
+    HISTORY_OBJECTS,
     SERIES,
     HistoryFile,
+    HistoryObjects,
     MetricHistory,
     Point,
+    history_log,
     history_path,
 )
 from rolloutd.telemetry.metrics import MetricsObserver
+from tests.conftest import BUCKET
 from tests.telemetry.reports import checkpoint_report
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -67,12 +74,14 @@ def test_counters_run_on_across_a_restart_and_gauges_do_not(tmp_path):
     observer, registry = observed()
     observer.group_committed(GroupCommitted(1, 40, True, 0.5, prompt_tokens=3, group_size=4))
     observer.checkpoint_attempted(checkpoint_report())
-    first = MetricHistory(registry, run="a", capacity=10, path=path, clock=clock())
+    first = MetricHistory(registry, run="a", capacity=10, log=HistoryFile(path, 10), clock=clock())
     before = first.sample()
 
     observer, registry = observed()  # a new process: counters start at zero again
     observer.group_committed(GroupCommitted(2, 2, True, 0.5, prompt_tokens=3, group_size=4))
-    second = MetricHistory(registry, run="b", capacity=10, path=path, clock=clock(2_000.0))
+    second = MetricHistory(
+        registry, run="b", capacity=10, log=HistoryFile(path, 10), clock=clock(2_000.0)
+    )
     after = second.sample()
     assert [p.run for p in second.points()] == ["a", "b"]
     assert after.values["committed_tokens"] == 42
@@ -84,7 +93,7 @@ def test_counters_run_on_across_a_restart_and_gauges_do_not(tmp_path):
 def test_the_ring_buffer_and_the_file_keep_the_newest_points(tmp_path):
     path = tmp_path / "dashboard" / "history.jsonl"
     _, registry = observed()
-    history = MetricHistory(registry, run="a", capacity=3, path=path, clock=clock())
+    history = MetricHistory(registry, run="a", capacity=3, log=HistoryFile(path, 3), clock=clock())
     taken = [history.sample() for _ in range(8)]
     assert history.points() == taken[-3:]
     lines = path.read_text().splitlines()
@@ -103,6 +112,27 @@ def test_only_a_local_checkpoint_dir_gets_a_file(tmp_path):
     assert history_path("s3://bucket/pod-0") is None
     assert history_path(f"file://{tmp_path}") == tmp_path / "dashboard" / "history.jsonl"
     assert history_path("ckpt") is not None
+
+
+@pytest.mark.s3
+def test_on_an_object_store_the_points_are_objects_next_to_the_checkpoints(s3_options):
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    store = SnapshotStore(url, s3_options)
+    observer, registry = observed()
+    observer.group_committed(GroupCommitted(1, 40, True, 0.5, prompt_tokens=3, group_size=4))
+    log = history_log(url, store.backend, 5)
+    assert isinstance(log, HistoryObjects)
+    first = MetricHistory(registry, run="a", capacity=5, log=log, clock=clock())
+    taken = [first.sample() for _ in range(3 * HISTORY_BATCH)]
+
+    objects = store.backend.listdir(HISTORY_OBJECTS)
+    assert 1 < len(objects) <= 5 // HISTORY_BATCH + 2  # the oldest ones deleted
+    observer, registry = observed()  # a new process, on the same prefix
+    second = MetricHistory(
+        registry, run="b", capacity=5, log=history_log(url, store.backend, 5), clock=clock(9e3)
+    )
+    assert second.points() == taken[-5:]
+    assert second.sample().values["committed_tokens"] == 40  # counters run on
 
 
 def test_counter_keys_are_the_cumulative_instruments():

@@ -1,11 +1,15 @@
-"""Operator commands: ``rolloutd checkpoints list|show|verify --dir URL [--storage-option k=v]``.
+"""Operator commands: ``rolloutd checkpoints list|show|verify|repair-journal --dir URL
+[--storage-option k=v]``.
 
 A snapshot's files are its segments, its sidecar and its submissions and ledger pieces; pieces and
 segments are shared by later snapshots. ``list`` reads manifests only and checks file sizes, so the best
 it can say is ``unverified`` (sizes match) or ``damaged``; ``verify`` re-reads every file of every
 snapshot and compares checksums (a file shared by several snapshots is read once), says ``ok``
-or ``corrupt``, and exits 1 when anything fails; ``show latest|SEQ|TAG`` prints a manifest. A
-store that does not exist (a mistyped ``--dir``) exits 1; exit status 2 is a usage error.
+or ``corrupt``, reads and checks every record of the journal, and exits 1 when anything fails;
+``show latest|SEQ|TAG`` prints a manifest. ``repair-journal`` claims the store (so no service may
+be writing it) and moves a damaged journal's damaged part, and everything after it, aside to
+``journal-damaged/`` (docs/operations.md, a damaged journal). A store that does not exist (a
+mistyped ``--dir``) exits 1; exit status 2 is a usage error.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from rolloutd.checkpoint.backends import CorruptSnapshot
+from rolloutd.checkpoint.claim import StoreHeld
+from rolloutd.checkpoint.journal import DAMAGED
 from rolloutd.checkpoint.manifest import FileEntry, Manifest
 from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.checkpoint.store import SnapshotReader, SnapshotStore
@@ -176,11 +182,39 @@ def _verify(store: SnapshotReader, args: argparse.Namespace, out: TextIO) -> int
         failures += [f"snapshot {sequence}: {problem}" for problem in problems]
     if len(rows) > 1:
         _table(rows, out)
+    journal = store.journal.check()
+    failures += [f"journal: {problem}" for problem in journal.problems]
     out.write(f"{len(sequences)} snapshots, {len(checked)} files checked, ")
     out.write(f"{len(failures)} problems\n")
+    held = "" if journal.first is None else f", positions {journal.first} to {journal.last}"
+    out.write(f"journal: {journal.records} records in {journal.files} files{held}\n")
     for failure in failures:
         out.write(f"  {failure}\n")
+    for tail in journal.tails:
+        out.write(f"  journal: {tail}: a torn tail (an append that never returned), ignored\n")
     return 1 if failures else 0
+
+
+def _repair_journal(store: SnapshotStore, args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        store.claim.acquire()
+    except StoreHeld as exc:
+        sys.stderr.write(f"rolloutd checkpoints: {exc}\n")
+        return 1
+    try:
+        repaired = store.journal.repair()
+    finally:
+        store.claim.release()
+    if repaired is None:
+        out.write(f"the journal of {store.url} holds no damage before its tail: nothing to do\n")
+        return 0
+    moved, kept, cut = repaired
+    out.write(f"moved aside to {DAMAGED}/: {', '.join(moved)}\n")
+    out.write(
+        f"the journal now ends at position {kept}; {cut} whole records after the damage were "
+        f"set aside with it (kept in {DAMAGED}/, never read): what they told clients is undone\n"
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", parents=[common], help="re-check every checksum")
     verify.add_argument("sequences", type=int, nargs="*", help="only these (default: all)")
     verify.set_defaults(func=_verify)
+    repair = commands.add_parser(
+        "repair-journal",
+        parents=[common],
+        help="move a damaged journal's damaged part aside, so the service can start",
+    )
+    repair.set_defaults(func=_repair_journal)
     return parser
 
 

@@ -1,10 +1,10 @@
 """The journal: what a client was told is durable, before the RPC returns.
 
-Four kinds of record, one sequence of positions: acks, lease grants, accepted submissions, and
-reservations of group ids (``kind`` in each record; a record without one is an ack). A snapshot
-records the last position it includes (``acks_through``) and restore replays the records after
-it, on top of nothing when there is no snapshot yet. Retention prunes what every kept snapshot
-covers, at each checkpoint.
+Five kinds of record, one sequence of positions: acks, lease grants, accepted submissions,
+rewinds, and reservations of group ids (``kind`` in each record; a record without one is an
+ack). A snapshot records the last position it includes (``acks_through``) and restore replays
+the records after it, on top of nothing when there is no snapshot yet. Retention prunes what
+every kept snapshot covers, at each checkpoint.
 
 Group commit: writers that arrive while a sync is in progress queue up; the next sync makes the
 whole queue durable at once (one ``fdatasync`` locally, one put on an object store), so the cost
@@ -14,20 +14,30 @@ no thread until their batch is written, one worker thread per batch, and the pos
 checkpoint reads moves in the loop together with the writers' futures, so a capture sees exactly
 the records whose writers were told "durable".
 
-Layout: ``journal/<first position>-<token>.jsonl`` locally (JSON lines appended; one file per run
-of appends), ``journal/<first>-<last>.jsonl`` on an object store (one object per batch).
+Layout: ``journal/<first position>-<token>.jsonl`` locally (framed records appended, see
+``journal_frames.py``; one file per run of appends), ``journal/<first>-<last>.jsonl`` on an
+object store (one object per batch).
+
+Damage (docs/operations.md, "A damaged journal"): a local file's torn tail is an append that
+never returned and is discarded with a warning naming the file, offset and bytes; the
+*acknowledged mark* (``journal/acknowledged``, the last position whose writers were told, written
+after the syncs, off their path) tells when such a tail held records that were acknowledged, and
+restore reports them lost. Damage followed by whole records refuses a replay that needs it, with
+the way out: ``rolloutd checkpoints repair-journal`` moves the damaged part, and everything after
+it, aside to ``journal-damaged/``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import os
 import secrets
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutd.checkpoint.backends import (
@@ -39,6 +49,7 @@ from rolloutd.checkpoint.backends import (
     makedirs,
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
+from rolloutd.checkpoint.journal_frames import Damage, JournalEntry, Scan, encode, scan
 from rolloutd.checkpoint.sidecar import from_json, to_json
 from rolloutd.domain.buffer import AckRecord, Lease
 from rolloutd.domain.group import Prompt
@@ -49,40 +60,73 @@ from rolloutd.domain.state import (
     JournaledAck,
     JournaledDrop,
     JournaledLease,
+    JournaledRewind,
     JournaledSubmission,
 )
+
+__all__ = ["CorruptJournal", "Journal", "JournalEntry", "JournalReport"]
+
+log = logging.getLogger(__name__)
+
+DAMAGED = "journal-damaged"
+"""Where ``repair`` moves the damaged part of a journal (kept for a post-mortem, never read)."""
+MARK = "acknowledged"
+"""The acknowledged mark's file in ``journal/`` (local stores)."""
+MARK_EVERY_S = 1.0
+"""The mark is written when the queue drains, and at least this often while it never does."""
 
 
 class CorruptJournal(StoreError):
     """The journal lost or garbled a record that was acknowledged as durable."""
 
 
-@dataclass(frozen=True)
-class JournalEntry:
-    """One durable record at its journal position (positions increase by one per record)."""
+@dataclass
+class JournalReport:
+    """What :meth:`Journal.check` found (``rolloutd checkpoints verify``)."""
 
-    position: int
-    record: dict[str, Any]
+    files: int = 0
+    records: int = 0
+    first: int | None = None
+    last: int | None = None
+    tails: list[str] = field(default_factory=list)
+    """Torn tails: appends that never returned, discarded (not a problem by themselves)."""
+    problems: list[str] = field(default_factory=list)
 
 
-def _encode_record(position: int, record: Mapping[str, Any]) -> bytes:
-    return json.dumps({"position": position, "record": record}, separators=(",", ":")).encode()
+def _mark_bytes(position: int) -> bytes:
+    text = f"{position:020d}".encode()
+    return text + b" %08x\n" % zlib.crc32(text)
 
 
-def _decode_record(data: bytes) -> JournalEntry:
-    value = json.loads(data)
-    return JournalEntry(int(value["position"]), value["record"])
+def _read_mark(data: bytes) -> int | None:
+    text, _, checksum = data.strip().partition(b" ")
+    if not text.isdigit() or checksum != b"%08x" % zlib.crc32(text):
+        return None
+    return int(text)
+
+
+def _refusal(where: str, damage: Damage, root: str) -> str:
+    return (
+        f"the journal is damaged: {damage.describe(where)}, and whole records follow it (from "
+        f"position {damage.before}), so what it held was acknowledged and cannot be replayed "
+        f"after position {damage.after or 0}; move the damaged part aside with `rolloutd "
+        f"checkpoints repair-journal --dir {root}` and start again (it keeps every record "
+        "before the damage; see docs/operations.md, a damaged journal), or start afresh with "
+        "--restore none"
+    )
 
 
 class _FileJournal:
-    """Local journal: records appended as JSON lines and fsynced, one file per run of appends.
+    """Local journal: framed records appended and fsynced, one file per run of appends.
 
     A file is named after its first position; a new file starts after each :meth:`prune` and
-    each process start, so no append follows a torn tail. A torn (unsynced) last line of a file is
-    not a record: it was never acknowledged. Files are deleted whole once every record is pruned.
+    each process start, so no append follows a torn tail. A torn (unsynced) tail of a file is
+    not a record: it was never acknowledged, unless the mark says so. Files are deleted whole
+    once every record is pruned.
     """
 
     def __init__(self, root: str) -> None:
+        self.root = root
         self._dir = os.path.join(root, JOURNAL)
         self._fd = -1
 
@@ -93,30 +137,14 @@ class _FileJournal:
             return []
         return sorted((int(n.split("-", 1)[0]), n) for n in names if n.endswith(".jsonl"))
 
-    def _read_file(self, name: str) -> list[JournalEntry]:
-        """The file's records; unreadable lines after the last good one are a torn tail (an
-        append that never returned), unreadable lines before it are corruption."""
+    def _scan(self, name: str) -> Scan:
         with open(os.path.join(self._dir, name), "rb") as f:
-            lines = f.read().split(b"\n")
-        entries: list[JournalEntry] = []
-        damaged: list[str] = []
-        for number, line in enumerate(lines, start=1):
-            if not line:
-                continue
-            try:
-                entry = _decode_record(line)
-            except (ValueError, KeyError, TypeError) as exc:
-                damaged.append(f"{JOURNAL}/{name} line {number}: {exc}")
-                continue
-            if damaged:
-                raise CorruptJournal("; ".join(damaged))
-            entries.append(entry)
-        return entries
+            return scan(f.read())
 
     def last_position(self) -> int:
-        files = self._files()
-        for _, name in reversed(files):
-            entries = self._read_file(name)
+        """The last whole record's position (damage anywhere is left to :meth:`read`)."""
+        for _, name in reversed(self._files()):
+            entries = self._scan(name).entries
             if entries:
                 return entries[-1].position
         return 0
@@ -130,24 +158,20 @@ class _FileJournal:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
             self._fd = os.open(os.path.join(self._dir, name), flags, 0o644)
             fsync_dir(self._dir)
-        data = b"".join(
-            _encode_record(position + i, record) + b"\n" for i, record in enumerate(records)
-        )
+        data = b"".join(encode(position + i, record) for i, record in enumerate(records))
         done = 0
         while done < len(data):
             done += os.write(self._fd, data[done:])
         os.fdatasync(self._fd)
 
-    def read(self, after: int) -> list[JournalEntry]:
-        """Records after ``after``; a position written twice (an append that failed and was
-        retried in a later file) keeps its later record, the one that was acknowledged."""
+    def scans(self, after: int) -> list[tuple[str, Scan]]:
+        """The files that may hold records after ``after``, scanned, oldest first."""
         files = self._files()
-        entries: dict[int, JournalEntry] = {}
-        for i, (_, name) in enumerate(files):
-            if i + 1 < len(files) and files[i + 1][0] <= after + 1:
-                continue
-            entries.update((e.position, e) for e in self._read_file(name) if e.position > after)
-        return [entries[p] for p in sorted(entries)]
+        return [
+            (f"{JOURNAL}/{name}", self._scan(name))
+            for i, (_, name) in enumerate(files)
+            if not (i + 1 < len(files) and files[i + 1][0] <= after + 1)
+        ]
 
     def prune(self, through: int) -> int:
         self.rotate()
@@ -164,16 +188,69 @@ class _FileJournal:
             os.close(self._fd)
             self._fd = -1
 
+    def acknowledged(self) -> int | None:
+        """The acknowledged mark; None when there is none, or it does not verify (logged)."""
+        try:
+            with open(os.path.join(self._dir, MARK), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        position = _read_mark(data)
+        if position is None:
+            log.warning(
+                "%s/%s does not verify; records lost from a torn tail go unreported", JOURNAL, MARK
+            )
+        return position
+
+    def mark(self, position: int) -> None:
+        """Overwrites the acknowledged mark in place (30 bytes, one sector) and syncs it. The file
+        is not kept open: a disk with a file open to write cannot be remounted read-only."""
+        makedirs(self._dir)
+        fd = os.open(os.path.join(self._dir, MARK), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.pwrite(fd, _mark_bytes(position), 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def set_aside(self, where: str, damage: Damage, later: Sequence[str]) -> list[str]:
+        """Moves the damaged file ``where`` (its whole records before ``damage`` kept in its
+        place) and the ``later`` files to ``journal-damaged/``; returns what was moved."""
+        name = where.rsplit("/", 1)[1]
+        aside = os.path.join(self.root, DAMAGED)
+        makedirs(aside)
+        kept = os.path.join(self._dir, name)
+        with open(kept, "rb") as f:
+            head = f.read(damage.offset)
+        os.rename(kept, os.path.join(aside, name))
+        for other in later:
+            os.rename(
+                os.path.join(self._dir, other.rsplit("/", 1)[1]),
+                os.path.join(aside, other.rsplit("/", 1)[1]),
+            )
+        fsync_dir(aside)
+        if head:
+            tmp = kept + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, kept)
+        fsync_dir(self._dir)
+        return [where, *later]
+
 
 class _ObjectJournal:
     """Object-store journal: one object per batch of records, durable once its put returns.
 
     An object is named after its first and last position; a batch retried after a failed put
-    may overlap an earlier object, and the later one (the one acknowledged) wins on read.
+    may overlap an earlier object, and the later one (the one acknowledged) wins on read. A put
+    is whole, so any damage in an object is damage to acknowledged records.
     """
 
     def __init__(self, backend: ObjectBackend) -> None:
         self._backend = backend
+        self.root = backend.url
 
     def _batches(self) -> list[tuple[int, int, str]]:
         batches = []
@@ -190,21 +267,19 @@ class _ObjectJournal:
 
     def append(self, position: int, records: Sequence[Mapping[str, Any]]) -> None:
         last = position + len(records) - 1
-        data = b"".join(
-            _encode_record(position + i, record) + b"\n" for i, record in enumerate(records)
-        )
+        data = b"".join(encode(position + i, record) for i, record in enumerate(records))
         self._backend.put(f"{JOURNAL}/{position:020d}-{last:020d}.jsonl", data)
 
-    def read(self, after: int) -> list[JournalEntry]:
+    def scans(self, after: int) -> list[tuple[str, Scan]]:
         paths = [f"{JOURNAL}/{n}" for _, last, n in self._batches() if last > after]
-        entries: dict[int, JournalEntry] = {}
-        for data in self._backend.read_many(paths):
-            for line in data.split(b"\n"):
-                if line:
-                    entry = _decode_record(line)
-                    if entry.position > after:
-                        entries[entry.position] = entry
-        return [entries[p] for p in sorted(entries)]
+        found = []
+        for path, data in zip(paths, self._backend.read_many(paths), strict=True):
+            scanned = scan(data)
+            if scanned.tail is not None:  # a put is whole: nothing is torn
+                scanned.middle.append(scanned.tail)
+                scanned.tail = None
+            found.append((path, scanned))
+        return found
 
     def prune(self, through: int) -> int:
         doomed = [f"{JOURNAL}/{n}" for _, last, n in self._batches() if last <= through]
@@ -213,6 +288,24 @@ class _ObjectJournal:
 
     def rotate(self) -> None:
         """Nothing to do: every batch is its own object."""
+
+    def acknowledged(self) -> int | None:
+        """None: every put is whole, so no tail is torn (a deleted object shows as a gap)."""
+        return None
+
+    def mark(self, position: int) -> None:
+        """Nothing to do (see :meth:`acknowledged`)."""
+
+    def set_aside(self, where: str, damage: Damage, later: Sequence[str]) -> list[str]:
+        """Moves the damaged object and the ``later`` ones to ``journal-damaged/``, the whole
+        records before the damage put again in their place."""
+        head = bytes(self._backend.read(where))[: damage.offset]
+        for path in (where, *later):
+            self._backend.rename(path, f"{DAMAGED}/{path.rsplit('/', 1)[1]}")
+        if head and damage.after is not None:
+            first = scan(head).entries[0].position
+            self._backend.put(f"{JOURNAL}/{first:020d}-{damage.after:020d}.jsonl", head)
+        return [where, *later]
 
 
 class Journal:
@@ -236,6 +329,7 @@ class Journal:
         )
         self._lock = threading.Lock()
         """Held while the files are written or read."""
+        self._floor = floor
         self._position = max(self._files.last_position(), floor)
         """Position of the last record written; moves in the writing thread."""
         self._durable = self._position
@@ -243,6 +337,10 @@ class Journal:
         self._batch: list[tuple[Mapping[str, Any], asyncio.Future[int]]] = []
         """Records queued from the event loop for the next batch, with their writers' futures."""
         self._flushing: asyncio.Task[None] | None = None
+        self._marked = self._durable
+        """The acknowledged mark last written (or found at start, as far as it matters)."""
+        self._marking: asyncio.Task[None] | None = None
+        self._mark_lock = threading.Lock()
         self._guard = guard
         """Raises instead of letting a write through (a process fenced off the store)."""
         self.syncs = 0
@@ -288,8 +386,33 @@ class Journal:
                 for i, (_, durable) in enumerate(batch):
                     if not durable.done():
                         durable.set_result(first + i)
+                if self._marking is None:
+                    self._marking = asyncio.get_running_loop().create_task(
+                        self._mark(), name="rolloutd-journal-mark"
+                    )
         finally:
             self._flushing = None
+
+    async def _mark(self) -> None:
+        """Writes the acknowledged mark until it is up to date: after the writers were told,
+        beside the next batch's sync, one at a time (so one mark covers every batch synced
+        meanwhile). A mark is a report's evidence, not the records': failing to write it is
+        logged and changes nothing for the writers."""
+        try:
+            while self._marked < self._durable:
+                position = self._durable
+                await asyncio.to_thread(self._write_mark, position)
+                self._marked = position
+        except OSError as exc:
+            log.warning("the journal's acknowledged mark was not written: %s", exc)
+        finally:
+            self._marking = None
+
+    def _write_mark(self, position: int) -> None:
+        with self._mark_lock:
+            if self._guard is not None:
+                self._guard()
+            self._files.mark(position)
 
     def _append(self, records: list[Mapping[str, Any]]) -> int:
         """Writes ``records`` durably after the last position; returns the first one's."""
@@ -307,14 +430,104 @@ class Journal:
             return first
 
     def read(self, after: int = 0) -> list[JournalEntry]:
-        """Records with a position after ``after`` (a manifest's ``acks_through``), in order."""
+        """Records with a position after ``after`` (a manifest's ``acks_through``), in order.
+
+        A torn tail is discarded with a warning (file, offset, bytes); records the acknowledged
+        mark says were acknowledged but that are not there are reported at ERROR. Damage
+        followed by whole records, or a missing position, raises :class:`CorruptJournal` saying
+        what to do, unless the snapshot covers every record the damage may have held.
+        A position written twice (an append that failed and was retried in a later file) keeps
+        its later record, the one that was acknowledged."""
         with self._lock:
-            entries = self._files.read(after)
-        positions = [e.position for e in entries]
+            scans = self._files.scans(after)
+            mark = self._files.acknowledged()
+        entries: dict[int, JournalEntry] = {}
+        tails = []
+        for where, found in scans:
+            for damage in found.middle:
+                if damage.before is not None and damage.before - 1 <= after:
+                    log.warning(
+                        "%s; ignored: the snapshot covers every record it may have held",
+                        damage.describe(where),
+                    )
+                    continue
+                raise CorruptJournal(_refusal(where, damage, self._files.root))
+            if found.tail is not None:
+                tails.append(found.tail.describe(where))
+                log.warning("%s: discarded, a torn tail (an append that never returned)", tails[-1])
+            entries.update((e.position, e) for e in found.entries if e.position > after)
+        positions = sorted(entries)
         if positions != list(range(after + 1, after + 1 + len(entries))):
             missing = sorted(set(range(after + 1, positions[-1] + 1)) - set(positions))
-            raise CorruptJournal(f"{JOURNAL}: records missing after {after}: {missing[:10]}")
-        return entries
+            raise CorruptJournal(
+                f"the journal is missing records after position {after}: {missing[:10]} (a "
+                f"file of {JOURNAL}/ deleted or moved?); `rolloutd checkpoints repair-journal "
+                f"--dir {self._files.root}` sets aside what follows the gap (docs/operations.md, "
+                "a damaged journal), or start afresh with --restore none"
+            )
+        last = positions[-1] if positions else after
+        if mark is not None and mark > last:
+            log.error(
+                "the journal lost acknowledged records: positions %d to %d were acknowledged as "
+                "durable (%s/%s) but are not in it (%s); what they told clients (acks, lease "
+                "grants, accepted prompts, rewinds) is lost: their groups may be delivered again",
+                last + 1,
+                mark,
+                JOURNAL,
+                MARK,
+                "; ".join(tails) or "no torn tail found",
+            )
+        return [entries[p] for p in positions]
+
+    def check(self) -> JournalReport:
+        """Every record of every file read and checked (``rolloutd checkpoints verify``)."""
+        with self._lock:
+            scans = self._files.scans(0)
+            mark = self._files.acknowledged()
+        report = JournalReport(files=len(scans))
+        positions: set[int] = set()
+        for where, found in scans:
+            report.problems += [
+                f"{d.describe(where)}, and whole records follow it" for d in found.middle
+            ]
+            if found.tail is not None:
+                report.tails.append(found.tail.describe(where))
+            positions.update(e.position for e in found.entries)
+        report.records = len(positions)
+        if positions:
+            report.first, report.last = min(positions), max(positions)
+            missing = sorted(set(range(report.first, report.last + 1)) - positions)
+            if missing:
+                report.problems.append(f"{JOURNAL}: records missing: {missing[:10]}")
+        last = report.last or 0
+        if mark is not None and mark > max(last, self._floor):
+            report.problems.append(
+                f"{JOURNAL}: positions {last + 1} to {mark} were acknowledged ({JOURNAL}/{MARK}) "
+                "but are not in the journal"
+            )
+        return report
+
+    def repair(self) -> tuple[list[str], int, int] | None:
+        """Moves the first damaged file or object of the journal, from its damage on, and every
+        later one to ``journal-damaged/``, keeping the whole records before the damage, and
+        lowers the acknowledged mark to what is left; returns what was moved, the last position
+        kept and how many whole records were set aside. None when nothing is damaged.
+        Run with the store claimed (no service writing it)."""
+        with self._lock:
+            scans = self._files.scans(0)
+            damaged = [i for i, (_, found) in enumerate(scans) if found.middle]
+            if not damaged:
+                return None
+            i = damaged[0]
+            where, found = scans[i]
+            damage = found.middle[0]
+            cut = sum(1 for e in found.entries if damage.after is None or e.position > damage.after)
+            cut += sum(len(f.entries) for _, f in scans[i + 1 :])
+            moved = self._files.set_aside(where, damage, [w for w, _ in scans[i + 1 :]])
+            kept = self._files.last_position()
+            self._files.mark(kept)
+            self._position = self._durable = self._marked = max(kept, self._floor)
+            return moved, kept, cut
 
     def prune(self, through: int) -> int:
         """Delete records at positions up to ``through`` where whole files/objects allow."""
@@ -337,6 +550,10 @@ class Journal:
         """Journals accepted prompts; durable on return."""
         await self.enqueue({"kind": SUBMIT, "prompts": to_json(list(prompts))})
 
+    async def rewind(self, trainer_step: int) -> None:
+        """Journals a ``Rewind(trainer_step)``; durable on return."""
+        await self.enqueue({"kind": REWIND, "trainer_step": trainer_step})
+
     async def reserve_ids(self, through: int) -> None:
         """Journals that group ids up to ``through`` may be handed out; durable on return."""
         await self.enqueue({"kind": IDS, "through": through})
@@ -350,7 +567,7 @@ class Journal:
         return [decode(entry.record) for entry in self.read(after)]
 
 
-ACK, LEASE, SUBMIT, IDS, DROP = "ack", "lease", "submit", "ids", "drop"
+ACK, LEASE, SUBMIT, REWIND, IDS, DROP = "ack", "lease", "submit", "rewind", "ids", "drop"
 
 
 def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
@@ -374,6 +591,8 @@ def decode(d: Mapping[str, Any]) -> Journaled:
         return JournaledLease(from_json(Lease, d), _decode_admissions(d))
     if kind == SUBMIT:
         return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
+    if kind == REWIND:
+        return JournaledRewind(int(d["trainer_step"]))
     if kind == IDS:
         return IdReservation(int(d["through"]))
     if kind == DROP:

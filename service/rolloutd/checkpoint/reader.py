@@ -85,7 +85,7 @@ class Reader(Verifier):
         and checksummed on the verify threads when this returns; everything else has verified.
         The caller decodes meanwhile and must call :meth:`Snapshot.verify` before it uses rows.
         """
-        problems = self.check_sizes(manifest)
+        problems = self.check_sizes(manifest, partials=False)  # read on its own: read_partials
         if problems:
             raise CorruptSnapshot(manifest.sequence, problems)
         # The sample segments start first: their read is the long pole, and a restore ends
@@ -132,7 +132,8 @@ class Reader(Verifier):
 
     def read_partials(self, manifest: Manifest) -> builtins.list[PartialSibling]:
         """The partial siblings ``manifest`` lists, verified; none when it lists no file.
-        :class:`CorruptSnapshot` when the file does not verify or decode."""
+        :class:`CorruptSnapshot` when the file is missing, truncated, or does not verify or
+        decode (:meth:`open` leaves it out, so that only its tokens are lost)."""
         return self._partials_file(manifest)[0]
 
     def read_resumed(self, manifest: Manifest) -> dict[int, partials.ResumedRow]:
@@ -146,6 +147,9 @@ class Reader(Verifier):
         if entry is None:
             return [], {}
         try:
+            problem = self._size_problem(entry)  # missing or truncated
+            if problem is not None:
+                raise CorruptSnapshot(-1, [problem])
             return partials.read(self.read_verified(entry), entry)
         except CorruptSnapshot as exc:
             raise CorruptSnapshot(manifest.sequence, exc.problems) from exc

@@ -313,9 +313,10 @@ def _advice(keys: list[str]) -> str:
 async def _partials(
     store: SnapshotReader, manifest: Manifest
 ) -> tuple[tuple[PartialSibling, ...], dict[int, ResumedRow]]:
-    """The snapshot's partial siblings and resumed rows. A partials file that does not verify
-    costs only what it held: its siblings start again from their first token, resumed rows are
-    delivered without saying where they were resumed, and the restore goes on."""
+    """The snapshot's partial siblings and resumed rows. A partials file that is missing, cut
+    short or does not verify costs only what it held: its siblings start again from their first
+    token, resumed rows are delivered without saying where they were resumed, and the restore
+    goes on."""
     try:
         siblings = await asyncio.to_thread(store.read_partials, manifest)
         resumed = await asyncio.to_thread(store.read_resumed, manifest)

@@ -64,9 +64,14 @@ class Verifier:
             return f"{entry.path}: checksum {hasher.value}, manifest says {entry.checksum}"
         return None
 
-    def check_sizes(self, manifest: Manifest) -> builtins.list[str]:
-        """Problems found by comparing each file's size only (cheap: no file is read)."""
-        return [p for p in map(self._size_problem, manifest.files()) if p is not None]
+    def check_sizes(self, manifest: Manifest, *, partials: bool = True) -> builtins.list[str]:
+        """Problems found by comparing each file's size only (cheap: no file is read); with
+        ``partials=False`` the partials file is left out (a restore that finds it damaged loses
+        only the tokens it held, see ``restore._partials``)."""
+        files = manifest.files()
+        if not partials and manifest.partials is not None:
+            files = tuple(f for f in files if f != manifest.partials)
+        return [p for p in map(self._size_problem, files) if p is not None]
 
     def verify_file(self, entry: FileEntry) -> builtins.list[str]:
         """Problems with one file: missing, wrong size or wrong checksum; [] when it verifies."""

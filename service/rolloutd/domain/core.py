@@ -18,6 +18,7 @@ from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import RolloutBuffer, RowSealer
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.errors import Unavailable
+from rolloutd.domain.group import GroupState
 from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.sampler import Admission, Sampler
 from rolloutd.domain.state import Counters, DeliveryJournal, LostAck, NullJournal
@@ -123,6 +124,18 @@ class Core:
                 self.fetchable.notify_all()
             else:
                 self.fetchable.notify(self.buffer.ready_count)
+
+    def too_stale(self, policy_version: int) -> bool:
+        """A group generated at ``policy_version`` is more than ``max_staleness`` versions behind
+        (docs/design.md, "The life of a group")."""
+        return policy_version < self.policy_version - self.config.max_staleness
+
+    def evict(self, group_id: int) -> None:
+        """Removes a too-stale group whose generation has ended (inside a mutation); its prompt
+        is admitted again."""
+        g = self.buffer.remove(group_id, GroupState.EVICTED)
+        self.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
+        self.counters.evicted_groups += 1
 
     def watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         """A task of the controller whose unexpected error ends the controller (never silently:

@@ -5,8 +5,8 @@ drops groups acked at steps <= step, ``rewind(step)`` makes groups acked after `
 again, the lease reaper requeues the groups of expired leases, and ``submit`` queues
 trainer-supplied prompts.
 
-What a client is told is journaled before it is told: acks, lease grants and accepted
-submissions, each inside its mutation so that a snapshot's journal position and its cut agree.
+What a client is told is journaled before it is told: acks, lease grants, accepted submissions
+and rewinds, each inside its mutation so that a snapshot's journal position and its cut agree.
 An ack is durable before ``ack`` returns and is idempotent (also across a restart); acks older
 than ``rewind_window`` steps finalize by themselves.
 """
@@ -159,17 +159,24 @@ class Delivery:
             expired = core.buffer.expired_leases(core.clock())
             if not expired:
                 continue
+            evicted = 0
             async with core.barrier.mutation(MutationKind.REQUEUE):
                 for lease in core.buffer.expired_leases(core.clock()):
                     requeued = self.requeue(lease.lease_id)
-                    core.counters.requeued_groups += len(requeued)
+                    stale = self.evict_stale(requeued)
+                    evicted += stale
+                    core.counters.requeued_groups += len(requeued) - stale
                     core.counters.expired_leases += 1
                     log.info(
-                        "lease %s of %s expired; %d groups available again",
+                        "lease %s of %s expired; %d groups available again, %d evicted as too "
+                        "stale",
                         lease.lease_id,
                         lease.consumer or "?",
-                        len(requeued),
+                        len(requeued) - stale,
+                        stale,
                     )
+            if evicted:
+                core.observer.groups_evicted(evicted)
             await core.notify()
 
     def requeue(self, lease_id: str) -> list[int]:
@@ -178,6 +185,18 @@ class Delivery:
         for admission in self.core.lost_leased.pop(lease_id, {}).values():
             self.core.sampler.unskip(admission)
         return self.core.buffer.requeue(lease_id)
+
+    def evict_stale(self, group_ids: Iterable[int]) -> int:
+        """Evicts those of ``group_ids``, committed again just now (an expired lease, a rewind,
+        a restore), that fell more than ``max_staleness`` policy versions behind while the
+        trainer held them: eviction at a weight update passes over a trainer's groups, so this is
+        where a stale group is kept from being delivered. Inside the mutation that committed them
+        again; returns how many."""
+        core = self.core
+        stale = [gid for gid in group_ids if core.too_stale(core.buffer.groups[gid].policy_version)]
+        for gid in stale:
+            core.evict(gid)
+        return len(stale)
 
     # --- acks ------------------------------------------------------------------------------
 
@@ -316,32 +335,58 @@ class Delivery:
 
     async def rewind(self, trainer_step: int) -> RewindResult:
         """Groups acked after ``trainer_step`` become available again, and the prompts of acked
-        groups no snapshot held are admitted again."""
+        groups no snapshot held, or that fell too stale meanwhile, are admitted again.
+
+        Durable (journaled) before it returns, like an ack, so a restart does not bring the
+        rewound acks back; a failed sync changes nothing and fails ``Unavailable``. The record is
+        synced inside the mutation (a rewind is rare), so a checkpoint's cut holds the rewind
+        exactly when its journal position covers the record; acks journaled before it are
+        applied first, in the order that replay applies them.
+        """
         core = self.core
         if trainer_step < 0:
             raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
+        async with core.barrier.mutation(MutationKind.REQUEUE):
+            self._check_rewindable(trainer_step)
+            try:
+                await core.journal.rewind(trainer_step)
+            except OSError as exc:
+                raise Unavailable(f"the rewind could not be made durable: {exc}") from exc
+            self.apply_durable_acks()
+            result, evicted = self.apply_rewind(trainer_step)
+        if evicted:
+            core.observer.groups_evicted(evicted)
+        await core.notify()
+        return result
+
+    def _check_rewindable(self, trainer_step: int) -> None:
+        core = self.core
         if trainer_step < core.finalized_through:
             raise FailedPrecondition(
                 f"acks through trainer step {core.finalized_through} are finalized; cannot rewind "
                 f"to {trainer_step} (limits.rewind_window={core.config.rewind_window})"
             )
-        async with core.barrier.mutation(MutationKind.REQUEUE):
-            groups = core.buffer.rewind(trainer_step)
-            readmitted = 0
-            keep: list[LostAck] = []
-            for lost in core.lost_acks:
-                if lost.trainer_step > trainer_step:
-                    for a in lost.admissions:
-                        core.sampler.readmit(a)
-                    readmitted += len(lost.admissions)
-                else:
-                    keep.append(lost)
-            core.lost_acks = keep
-            core.counters.requeued_groups += len(groups)
-            core.max_acked_step = min(core.max_acked_step, trainer_step)
-            self._told_step_went_back = False
-        await core.notify()
-        return RewindResult(len(groups), readmitted)
+
+    def apply_rewind(self, trainer_step: int) -> tuple[RewindResult, int]:
+        """The one rewind path, live and in journal replay (inside a REQUEUE or RESTORE
+        mutation); returns what it did and how many groups it evicted as too stale."""
+        core = self.core
+        groups = core.buffer.rewind(trainer_step)
+        evicted = self.evict_stale(g.group_id for g in groups)
+        readmitted = evicted  # a stale group's prompt is admitted again, like a lost one's
+        keep: list[LostAck] = []
+        for lost in core.lost_acks:
+            if lost.trainer_step > trainer_step:
+                for a in lost.admissions:
+                    core.sampler.readmit(a)
+                readmitted += len(lost.admissions)
+            else:
+                keep.append(lost)
+        core.lost_acks = keep
+        core.counters.requeued_groups += len(groups) - evicted
+        core.max_acked_step = min(core.max_acked_step, trainer_step)
+        self._told_step_went_back = False
+        return RewindResult(len(groups) - evicted, readmitted), evicted
 
     # --- submissions -----------------------------------------------------------------------
 

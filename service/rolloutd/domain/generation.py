@@ -421,21 +421,22 @@ class Generation:
         return await self.evict_stale()
 
     async def evict_stale(self) -> int:
+        """Evicts every group too stale to deliver that is not the trainer's (generating,
+        finishing or committed); a leased or acked group is looked at again when it becomes
+        deliverable again (``Delivery.evict_stale``)."""
         core = self.core
-        limit = core.policy_version - core.config.max_staleness
         async with core.barrier.mutation(MutationKind.EVICT):
             stale = [
                 g
                 for g in core.buffer.groups.values()
-                if g.policy_version < limit  # not g.meta: a restored group's stays undecoded
+                # not g.meta: a restored group's stays undecoded
+                if core.too_stale(g.policy_version)
                 and g.state in (GroupState.GENERATING, GroupState.FINISHING, GroupState.COMMITTED)
             ]
             for g in stale:
                 self._abandoned(g.group_id, "evicted: too stale")
                 await self.cancel(g.group_id)
-                core.buffer.remove(g.group_id, GroupState.EVICTED)
-                core.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
-            core.counters.evicted_groups += len(stale)
+                core.evict(g.group_id)
         if stale:
             core.observer.groups_evicted(len(stale))
             await core.notify()

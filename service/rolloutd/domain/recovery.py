@@ -7,10 +7,11 @@ controller starts. ``recover`` times its own phases (``replay_metadata``, ``reco
 ``redispatch``):
 
 * the whole state goes in: leases that have not expired stay granted (their ack succeeds after
-  the restart), the groups of expired ones become available again;
-* what was journaled after the snapshot is applied in journal order: acks through the one ack
-  path, live lease grants granted again, accepted prompts queued again, the id counter moved past
-  every reserved and journaled id;
+  the restart), the groups of expired ones become available again, or are evicted (after the
+  journal's replay) when they are too stale;
+* what was journaled after the snapshot is applied in journal order: acks and rewinds through
+  the one ack and rewind paths, live lease grants granted again, accepted prompts queued again,
+  the id counter moved past every reserved and journaled id;
 * unfinished groups resume: staged siblings are reused and missing ones continue from the tokens
   the snapshot held (granularity ``token``), start again (``sibling``), or the whole group is
   generated again (``group``); a FINISHING group goes to the finishing stage again.
@@ -45,6 +46,7 @@ from rolloutd.domain.state import (
     Journaled,
     JournaledDrop,
     JournaledLease,
+    JournaledRewind,
     JournaledSubmission,
     LostLease,
 )
@@ -186,6 +188,9 @@ class Recovery:
             await self._load(state, recovered.buffer or self.prepare(state))
         with clock.phase(RestorePhase.RECOVERY_LEDGER):
             counts.events = await self._replay(recovered.journal)
+            # after the replay, which may ack a group whose lease expired: groups the
+            # snapshot held leased come back committed, and the stale ones must not be delivered
+            await self.generation.evict_stale()
         with clock.phase(RestorePhase.REDISPATCH):
             started = time.perf_counter()
             # a journal replay can end a group's generation (never start one): the snapshot's
@@ -232,6 +237,8 @@ class Recovery:
                 elif isinstance(event, JournaledDrop):
                     self._bump_ids([event.group_id])
                     self._replay_drop(event)
+                elif isinstance(event, JournaledRewind):
+                    self.delivery.apply_rewind(event.trainer_step)
                 elif isinstance(event, JournaledLease):
                     self._bump_ids(event.lease.group_ids)
                     if event.lease.expires_at > now:

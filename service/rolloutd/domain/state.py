@@ -1,4 +1,5 @@
-"""Everything that persists, as one frozen value, and the port that makes acks durable.
+"""Everything that persists, as one frozen value, and the port that makes what clients are told
+durable.
 
 :class:`ControllerState` is all a snapshot keeps: group metadata, rows by reference, leases, the
 ack ledger, the sampler's cursor and queues, counters and id high-water marks.
@@ -7,7 +8,7 @@ controller; ``checkpoint/sidecar.py`` encodes and decodes it, and nothing else r
 
 A captured state holds the changes since the previous capture (see :class:`BufferState`); a state
 to restore from is whole. What a client was told between snapshots (acks, lease grants,
-accepted submissions) and the group ids reserved since come back from the journal as
+accepted submissions, rewinds) and the group ids reserved since come back from the journal as
 :data:`Journaled` events, in journal order; acks go through the same ack path as live ones.
 """
 
@@ -116,6 +117,14 @@ class JournaledSubmission:
 
 
 @dataclass(frozen=True)
+class JournaledRewind:
+    """A ``Rewind(trainer_step)`` answered after the snapshot: replayed in its place among the
+    acks, so the groups it made available again are not acked again by a restart."""
+
+    trainer_step: int
+
+
+@dataclass(frozen=True)
 class IdReservation:
     """Group ids up to ``through`` (the replica-local counter) may have been handed out: a
     restore never issues them again."""
@@ -135,13 +144,20 @@ class JournaledDrop:
     """Generated tokens of its siblings."""
 
 
-Journaled = JournaledAck | JournaledLease | JournaledSubmission | IdReservation | JournaledDrop
+Journaled = (
+    JournaledAck
+    | JournaledLease
+    | JournaledSubmission
+    | JournaledRewind
+    | IdReservation
+    | JournaledDrop
+)
 """One event of the journal, in the order it was made durable."""
 
 
 class DeliveryJournal(Protocol):
     """Makes what a client is told durable before the RPC returns: acks, lease grants, accepted
-    submissions, and the group ids reserved for admission (checkpoint/journal.py implements it;
+    submissions, rewinds, and the group ids reserved for admission (checkpoint/journal.py implements it;
     concurrent writes share one sync)."""
 
     def ack(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
@@ -155,6 +171,10 @@ class DeliveryJournal(Protocol):
         ...
 
     async def submit(self, prompts: Sequence[Prompt]) -> None: ...
+
+    async def rewind(self, trainer_step: int) -> None:
+        """Journals a rewind; durable on return (raises ``OSError`` when it cannot be)."""
+        ...
 
     async def reserve_ids(self, through: int) -> None: ...
 
@@ -180,6 +200,9 @@ class NullJournal:
         return _kept()
 
     async def submit(self, prompts: Sequence[Prompt]) -> None:
+        return None
+
+    async def rewind(self, trainer_step: int) -> None:
         return None
 
     async def reserve_ids(self, through: int) -> None:

@@ -18,8 +18,9 @@ What must hold:
 - **Telemetry never stops the service.** The file is a convenience, not durable data: it is
   appended without fsync, a torn last line (a SIGKILL mid-write) is skipped at load, and a write
   that fails is logged and the point kept in memory.
-- Only a local checkpoint directory gets a history file; with an object store the history lives in
-  memory and a restart starts it afresh (Grafana over Prometheus is the long-term view there).
+- Next to a local checkpoint directory the points are one file (:class:`HistoryFile`); on an
+  object store they are objects of a few points each (:class:`HistoryObjects`), since an object
+  cannot be appended to. Either way a restarted service serves the points of its previous runs.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -49,6 +50,11 @@ logger.addFilter(throttle.SHARED)
 
 HISTORY_DIR = "dashboard"
 HISTORY_FILE = "history.jsonl"
+HISTORY_OBJECTS = f"{HISTORY_DIR}/history"
+"""Where :class:`HistoryObjects` keeps its objects, under the checkpoints' prefix."""
+HISTORY_BATCH = 12
+"""Points per object on an object store (1 min at 5 s): the object being filled is put again,
+whole, at each point, so a put stays a few tens of kB and a SIGKILL loses no point already put."""
 
 
 @dataclass(frozen=True)
@@ -150,13 +156,64 @@ def read_registry(registry: CollectorRegistry) -> dict[str, float]:
 
 
 def history_path(checkpoint_dir: str) -> Path | None:
-    """Where the history of a service checkpointing to ``checkpoint_dir`` is kept; ``None`` for
-    an object store. The store ignores the ``dashboard/`` folder."""
+    """Where the history file of a service checkpointing to ``checkpoint_dir`` is kept; ``None``
+    for an object store (see :func:`history_log`). The store ignores the ``dashboard/`` folder."""
     parts = urlsplit(checkpoint_dir)
     if parts.scheme not in ("", "file"):
         return None
     root = parts.path if parts.scheme == "file" else checkpoint_dir
     return Path(root) / HISTORY_DIR / HISTORY_FILE
+
+
+class Objects(Protocol):
+    """The object store the checkpoints are on, at their prefix (``checkpoint/backends.py``'s
+    ``ObjectBackend``); every failure an ``OSError``."""
+
+    url: str
+
+    def listdir(self, path: str) -> list[str]: ...
+    def read_many(self, paths: Sequence[str]) -> list[bytes]: ...
+    def put(self, path: str, data: bytes) -> None: ...
+    def delete(self, paths: Collection[str]) -> None: ...
+
+
+class HistoryLog(Protocol):
+    """Where the points outlive the process."""
+
+    @property
+    def where(self) -> str:
+        """For messages: the file or prefix."""
+        ...
+
+    def load(self) -> list[Point]:
+        """The newest points kept, oldest first."""
+        ...
+
+    def append(self, point: Point, kept: Iterable[Point]) -> None:
+        """Keeps ``point``; ``kept``: the points in memory, for a log that rewrites itself."""
+        ...
+
+
+def history_log(checkpoint_dir: str, objects: Objects | None, capacity: int) -> HistoryLog:
+    """The history's log next to the checkpoints: a file in a local directory, objects on an
+    object store (``objects``, the store's backend)."""
+    path = history_path(checkpoint_dir)
+    if path is not None:
+        return HistoryFile(path, capacity)
+    if objects is None:
+        raise ValueError(f"{checkpoint_dir} is an object store: its objects are needed")
+    return HistoryObjects(objects, capacity)
+
+
+def _parse(lines: Iterable[bytes | str], where: str) -> list[Point]:
+    points = []
+    for number, line in enumerate(lines, 1):
+        try:
+            points.append(Point.from_json(json.loads(line)))
+        except (ValueError, KeyError, TypeError) as exc:
+            # A SIGKILL can tear the line being appended; every other line is whole.
+            logger.warning("%s line %d skipped: %s", where, number, exc)
+    return points
 
 
 class HistoryFile:
@@ -168,18 +225,16 @@ class HistoryFile:
         self._capacity = capacity
         self._lines = 0
 
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
     def load(self) -> list[Point]:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return []
-        points = []
-        for number, line in enumerate(text.splitlines(), 1):
-            try:
-                points.append(Point.from_json(json.loads(line)))
-            except (ValueError, KeyError, TypeError) as exc:
-                # A SIGKILL can tear the line being appended; every other line is whole.
-                logger.warning("%s line %d skipped: %s", self.path, number, exc)
+        points = _parse(text.splitlines(), str(self.path))
         self._lines = len(points)
         return points[-self._capacity :]
 
@@ -201,6 +256,62 @@ class HistoryFile:
         self._lines = len(lines)
 
 
+class HistoryObjects:
+    """The points on an object store: ``dashboard/history/<first point's ms>-<run>.jsonl``, one
+    JSON object a line, at most :data:`HISTORY_BATCH` points an object. The object being filled
+    is put again, whole, with each point (a put replaces an object at once: nothing is torn), and
+    when a new one starts the oldest objects are deleted as long as the others still hold
+    ``capacity`` points. Names sort by time, since runs follow one another."""
+
+    def __init__(self, objects: Objects, capacity: int, batch: int = HISTORY_BATCH) -> None:
+        self._objects = objects
+        self._capacity = capacity
+        self._batch = batch
+        self._held: dict[str, int] = {}
+        """Object name -> points in it, oldest first (of those listed at load, and this run's)."""
+        self._filling: list[Point] = []
+        self._name = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self._objects.url}/{HISTORY_OBJECTS}"
+
+    def load(self) -> list[Point]:
+        names = [n for n in self._objects.listdir(HISTORY_OBJECTS) if n.endswith(".jsonl")]
+        datas = self._objects.read_many([f"{HISTORY_OBJECTS}/{n}" for n in names])
+        points: list[Point] = []
+        for name, data in zip(names, datas, strict=True):
+            found = _parse(data.splitlines(), f"{self.where}/{name}")
+            self._held[name] = len(found)
+            points += found
+        return points[-self._capacity :]
+
+    def append(self, point: Point, kept: Iterable[Point]) -> None:
+        if not self._filling or len(self._filling) >= self._batch:
+            self._filling = []
+            self._name = f"{round(point.t * 1000):015d}-{point.run}.jsonl"
+            self._prune()
+        self._filling.append(point)
+        lines = [json.dumps(p.to_json(), separators=(",", ":")) + "\n" for p in self._filling]
+        self._objects.put(f"{HISTORY_OBJECTS}/{self._name}", "".join(lines).encode())
+        self._held[self._name] = len(self._filling)
+
+    def _prune(self) -> None:
+        """Deletes the oldest objects whose points the newer ones make unneeded."""
+        names = list(self._held)
+        doomed: list[str] = []
+        newer = sum(self._held.values())
+        for name in names:
+            newer -= self._held[name]
+            if newer < self._capacity:
+                break
+            doomed.append(name)
+        if doomed:
+            self._objects.delete([f"{HISTORY_OBJECTS}/{n}" for n in doomed])
+            for name in doomed:
+                del self._held[name]
+
+
 class MetricHistory:
     """A ring buffer of :class:`Point` over one Prometheus registry, optionally kept in a file.
 
@@ -214,7 +325,7 @@ class MetricHistory:
         *,
         run: str,
         capacity: int,
-        path: Path | None = None,
+        log: HistoryLog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if capacity < 1:
@@ -223,7 +334,7 @@ class MetricHistory:
         self.capacity = capacity
         self._registry = registry
         self._clock = clock
-        self._file = None if path is None else HistoryFile(path, capacity)
+        self._file = log
         self._lock = threading.Lock()
         """Guards ``_points``, which readers copy from other threads."""
         self._sampling = threading.Lock()
@@ -232,7 +343,10 @@ class MetricHistory:
         self._offsets: dict[str, float] = {}
         """Counter totals of the previous runs, which this run's raw values add to."""
         if self._file is not None:
-            self._points.extend(self._file.load())
+            try:
+                self._points.extend(self._file.load())
+            except OSError as exc:
+                logger.warning("dashboard history not read from %s: %s", self._file.where, exc)
         if self._points:
             last = self._points[-1]
             self._offsets = {k: v for k, v in last.values.items() if is_cumulative(k)}
@@ -258,7 +372,7 @@ class MetricHistory:
             try:
                 self._file.append(point, kept)
             except OSError as exc:
-                logger.warning("dashboard history not written to %s: %s", self._file.path, exc)
+                logger.warning("dashboard history not written to %s: %s", self._file.where, exc)
         return point
 
     def points(self, since: float | None = None) -> list[Point]:

@@ -136,6 +136,7 @@ class RolloutServiceServicer:
 
     def Rewind(self, request, context):
         """The trainer restarted from its checkpoint trainer_step: redeliver groups acked after it.
+        Durable (journaled) before it returns; UNAVAILABLE when it cannot be made durable: retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
