@@ -30,7 +30,12 @@ from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
 from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFinished
+from rolloutd.domain.observer import (
+    GenerationStarted,
+    GroupCommitted,
+    GroupDropped,
+    GroupFinished,
+)
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
@@ -314,8 +319,10 @@ class Generation:
             counters = core.counters
             counters.dropped_groups += 1
             counters.dropped_by_reason[reason] = counters.dropped_by_reason.get(reason, 0) + 1
-            counters.dropped_tokens += group.generated_tokens
+            tokens = group.generated_tokens
+            counters.dropped_tokens += tokens
         why = f"{reason}: {detail}" if detail else reason
+        core.observer.group_dropped(GroupDropped(group_id, reason, tokens))
         self._abandoned(group_id, why)
         # an engine error is a fault; a verdict is routine (counted), so it logs at DEBUG
         log.log(logging.ERROR if error else logging.DEBUG, "group %d dropped: %s", group_id, why)
