@@ -52,12 +52,13 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
 
     Two: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
     hold (microseconds), so the wait histogram has data exactly when the blocked counter (which
-    starts at zero for every kind) counted something; and such a run updates no weights, so the
-    weight update durations have none. Every other histogram is recorded by such a run, counters
-    start at zero, synchronous gauges are set by every completed checkpoint, and the observable
-    ones report from start-up.
+    starts at zero for every kind) counted something; such a run updates no weights, so the
+    weight update durations have none; and it has no verifier, so nothing records rewards or
+    scoring times. Every other histogram is recorded by such a run, counters start at zero,
+    synchronous gauges are set by every completed checkpoint, and the observable ones report
+    from start-up.
     """
-    if instrument is cat.WEIGHTS_UPDATE_DURATION:
+    if instrument in (cat.WEIGHTS_UPDATE_DURATION, cat.SAMPLE_REWARD, cat.GROUP_SCORE_DURATION):
         return True
     return instrument is cat.MUTATION_WAIT and blocked_mutations == 0
 
