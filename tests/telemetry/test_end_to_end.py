@@ -50,7 +50,7 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
     groups, completed at least two checkpoints and attempted a restore (one that finds no snapshot
     still records its resolve phase and total).
 
-    Two: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
+    Four: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
     hold (microseconds), so the wait histogram has data exactly when the blocked counter (which
     starts at zero for every kind) counted something; such a run updates no weights, so the
     weight update durations have none; and it has no verifier, so nothing records rewards or
