@@ -95,12 +95,14 @@ SECONDS_BUCKETS: tuple[float, ...] = (
 
 
 REWARD_BUCKETS: tuple[float, ...] = (
-    -10.0, -5.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
-    1.0, 1.5, 2.0, 5.0, 10.0,
+    0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
 )  # fmt: skip
-"""Tenths across [0, 1], where pass/fail and graded rewards live (0 and 1 are bucket bounds, so
-binary rewards land exactly), and coarser steps beyond either end for penalties and shaped
-rewards."""
+"""Tenths across [0, 1], where pass/fail and graded rewards live (0 and 1 are bounds, so binary
+rewards land exactly), then coarser steps for shaped rewards above 1. No bound is negative: the
+Prometheus exposition leaves out a histogram's ``_sum`` and ``_count`` when one is, and the mean
+reward is read from those. A negative reward is counted in the first bucket (``le="0"``) and
+lowers ``_sum``, which PromQL's ``rate`` reads as a counter reset; the built-in dashboard takes
+plain differences and is exact."""
 
 
 def _values(e: type[enum.Enum], *extra: str) -> tuple[str, ...]:
