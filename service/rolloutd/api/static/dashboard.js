@@ -310,6 +310,7 @@
     const scored = scoring || points.some((p) => (p.v.reward_count || 0) > 0);
     for (const area of AREAS) {
       let plotted = 0, nseries = 0;
+      const charts = {};
       const el = $(`area-${area.id}`);
       if (area.needs === "scoring") {
         el.querySelector(".none").hidden = scored;
@@ -326,9 +327,10 @@
         legend(chart.legend, r.series, chart.bytes);
         plotted += r.plotted;
         nseries += r.series.length;
+        charts[chart.title] = r.plotted;
       }
       el.dataset.points = String(plotted);
-      state.areas[area.id] = { plotted, series: nseries };
+      state.areas[area.id] = { plotted, series: nseries, charts, none: false };
     }
     document.body.dataset.lastT = String(t1);
     window.rolloutdDashboard = state;
