@@ -93,7 +93,9 @@ def _instrument_section(instrument: Instrument) -> list[str]:
         count = len(instrument.attribute_sets())
         lines.append(f"- Series at zero from start-up: {count}")
     if instrument.buckets is not None:
-        lines.append(f"- Buckets (s): {', '.join(f'{b:g}' for b in instrument.buckets)}")
+        bounds = ", ".join(f"{b:g}" for b in instrument.buckets)
+        unit = f" ({instrument.unit})" if instrument.unit != "1" else ""
+        lines.append(f"- Buckets{unit}: {bounds}")
     return [*lines, ""]
 
 
@@ -111,7 +113,8 @@ def render_metrics() -> str:
         "",
         "Counters start at zero for every attribute combination listed, so dashboards and alerts",
         "never see a missing series. Observable instruments are read when a reader collects (each",
-        "OTLP export and each scrape). Histograms in seconds share these bucket bounds:",
+        "OTLP export and each scrape). Histograms in seconds share these bucket bounds (others",
+        "list their own):",
         f"{', '.join(f'{b:g}' for b in SECONDS_BUCKETS)} s.",
         "",
         "| Instrument | Kind | Unit | Prometheus | Attributes |",

@@ -28,7 +28,16 @@ ALLOWED: dict[str, set[str]] = {
         "psutil",
         "numpy",
     },
-    "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc", "v1"},
+    # scoring: its drop reasons and failure kinds are series labels
+    "telemetry": {
+        "domain",
+        "rolloutd",
+        "opentelemetry",
+        "prometheus_client",
+        "grpc",
+        "v1",
+        "scoring",
+    },
     # verifiers behind the finishing stage port: worker processes, HTTP reward models
     "scoring": {"domain", "entrypoints", "httpx"},
     # new weights: staged, checked against the served model, then loaded through the controller

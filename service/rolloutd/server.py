@@ -217,7 +217,13 @@ class RolloutService:
             app = create_admin_app(
                 view, self.telemetry.prometheus_registry, auth_token=config.auth.token
             )
-            app.include_router(dashboard_router(self.history, config.http.dashboard_interval_s))
+            app.include_router(
+                dashboard_router(
+                    self.history,
+                    config.http.dashboard_interval_s,
+                    scoring=self.scoring is not None,
+                )
+            )
             self._admin = AdminServer(app, host=config.http.host, port=config.http.port)
         self._status = StatusSnapshot()
         self.observer.register_sources(

@@ -43,3 +43,19 @@ async def test_the_history_answers_all_points_then_only_newer_ones(serve):
         assert all(p["t"] > last for p in newer["points"])
         bad = await http.get("/v1/dashboard/history", params={"since": "yesterday"})
         assert bad.status_code == 422 and "since" in bad.text
+
+
+async def test_the_history_says_whether_a_verifier_scores_the_groups(serve, tmp_path):
+    """The rewards area says "no verifier" rather than plotting zeros."""
+    unscored, _ = await serve()
+    scored, _ = await serve(
+        **{
+            "checkpoint.dir": str(tmp_path / "scored"),
+            "scoring.verifier": "builtin:exact",
+            "scoring.workers": 1,
+        }
+    )
+    for service, expected in ((unscored, False), (scored, True)):
+        async with httpx.AsyncClient(base_url=f"http://{service.addresses.http}") as http:
+            history = (await http.get("/v1/dashboard/history")).json()
+        assert history["scoring"] is expected

@@ -28,7 +28,8 @@ from tests.integration.proc import ServeProcess
 
 pytestmark = pytest.mark.process
 
-README_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "dashboard.png"
+REPO = Path(__file__).resolve().parents[2]
+README_SCREENSHOT = REPO / "docs" / "images" / "dashboard.png"
 AREAS = (
     "trainer",
     "generation",
@@ -207,6 +208,10 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
                 assert ids[0] == "area-trainer", ids
                 assert "live rows" in page.locator(".checkpoints").inner_text()
                 assert state["restarts"] >= 1, "no restart marker between the two runs"
+                # no verifier: the rewards area says so instead of plotting zeros
+                assert state["areas"]["rewards"]["none"] is True
+                assert page.locator("#area-rewards .none").is_visible()
+                assert not page.locator("#area-rewards .charts").is_visible()
                 canvas = "#area-generation canvas"
                 before = page.eval_on_selector(canvas, "c => c.toDataURL()")
                 page.wait_for_function(
@@ -234,3 +239,68 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
             assert not console_errors, console_errors
     finally:
         second.terminate()
+
+
+def test_the_rewards_area_plots_mean_reward_and_dropped_share(tmp_path):
+    """A verifier that passes about half the samples, and the zero-variance filter on: the area
+    draws the mean reward and the share of finished groups dropped."""
+    executable = chromium()
+    from playwright.sync_api import sync_playwright
+
+    p = ServeProcess.synthetic(
+        tmp_path / "ckpt",
+        "--group-size",
+        "4",
+        "--checkpoint-interval",
+        "0",
+        env={
+            "OTEL_SDK_DISABLED": "false",
+            "ROLLOUTD_HTTP__DASHBOARD_INTERVAL_S": "1",
+            "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": "200",
+            "ROLLOUTD_SCORING__VERIFIER": "tests.scoring.verifiers:first_token_even",
+            "ROLLOUTD_SCORING__WORKERS": "1",
+            "ROLLOUTD_FILTER__ZERO_VARIANCE": "true",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+        cwd=tmp_path,
+        log_path=tmp_path / "serve.log",
+    )
+    try:
+        assert p.wait_listening() and p.http is not None and p.grpc is not None
+        http = p.http
+        assert get_json(http, "v1/dashboard/history")["scoring"] is True
+        with trainer(p.grpc):
+            wait_for(
+                "rewards, drops and commits over several points",
+                lambda: (
+                    latest(http).get("reward_count", 0) > 0
+                    and latest(http).get("dropped_groups/zero_variance", 0) > 0
+                    and len(get_json(http, "v1/dashboard/history")["points"]) >= 6
+                ),
+            )
+            console_errors: list[str] = []
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
+                page = browser.new_page(viewport={"width": 1280, "height": 1000})
+                page.on("pageerror", lambda e: console_errors.append(str(e)))
+                page.goto(f"http://{http}/")
+                page.wait_for_function(
+                    "window.rolloutdDashboard && window.rolloutdDashboard.draws > 0"
+                )
+                rewards = page.evaluate("window.rolloutdDashboard.areas.rewards")
+                assert (
+                    rewards["none"] is False
+                    and not page.locator("#area-rewards .none").is_visible()
+                )
+                charts = rewards["charts"]
+                assert charts["mean reward"] > 0, charts
+                assert charts["dropped share of finished groups (%)"] > 0, charts
+                legend = (
+                    page.locator("#area-rewards .chart").first.locator(".legend b").inner_text()
+                )
+                assert 0.0 <= float(legend) <= 1.0, legend  # about one half
+                page.locator("#area-rewards").screenshot(path=str(tmp_path / "rewards.png"))
+                browser.close()
+            assert not console_errors, console_errors
+    finally:
+        p.terminate()

@@ -28,6 +28,7 @@ PRIMARY_ROWS = (
     ("Restore", {Area.RESTORE}),
     ("Recovery efficiency", {Area.RECOVERY}),
     ("Snapshot size", {Area.SNAPSHOT_SIZE}),
+    ("Rewards", {Area.REWARDS}),
 )
 """The primary dashboard, in order, and the catalogue areas each row shows in full."""
 

@@ -8,8 +8,10 @@ import logging
 from dataclasses import replace
 
 from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.engine import DeltaSink, EngineError, GenerationRequest
 from rolloutd.domain.finishing import COMMIT, FinishingGroup, Verdict
 from rolloutd.domain.group import GroupState, Prompt, Sample
+from rolloutd.domain.observer import GroupDropped, GroupFinished, NullObserver
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.runner import SiblingJob
 from rolloutd.domain.sampler import Sampler
@@ -114,6 +116,59 @@ async def test_a_stage_that_fails_drops_its_group_with_the_error():
         assert c.counters.dropped_by_reason == {"stage_failed": 10}
     finally:
         await c.stop()
+
+
+class Drops(NullObserver):
+    def __init__(self) -> None:
+        self.finished: list[GroupFinished] = []
+        self.dropped: list[GroupDropped] = []
+
+    def group_finished(self, event: GroupFinished) -> None:
+        self.finished.append(event)
+
+    def group_dropped(self, event: GroupDropped) -> None:
+        self.dropped.append(event)
+
+
+class FailsOnPrompt(GatedEngine):
+    """Every sibling of one prompt's group fails with an engine error."""
+
+    def __init__(self, prompt_id: str) -> None:
+        super().__init__(auto=True)
+        self.prompt_id = prompt_id
+
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample:
+        if request.prompt.prompt_id == self.prompt_id:
+            raise EngineError("out of blocks")
+        return await super().generate(request, on_delta)
+
+
+async def test_every_drop_is_reported_once_with_its_reason_and_wasted_tokens():
+    observer = Drops()
+    cfg = ControllerConfig(group_size=2, max_in_flight=16, buffer_capacity=32, sibling_retries=0)
+    c = Controller(
+        cfg,
+        FailsOnPrompt("p0"),
+        Sampler(PROMPTS, seed=0, epochs=1),
+        stage=DropOdd(),
+        observer=observer,
+    )
+    c.start()
+    try:
+        await settle(lambda: c.sampler.exhausted and not c.generation.siblings, within_s=10)
+        await settle(lambda: c.counters.dropped_groups == 6, within_s=10)
+    finally:
+        await c.stop()
+    reasons = sorted(e.reason for e in observer.dropped)
+    assert reasons == ["engine_error", "odd", "odd", "odd", "odd", "odd"]
+    assert len({e.group_id for e in observer.dropped}) == 6
+    assert sum(e.tokens for e in observer.dropped) == c.counters.dropped_tokens
+    assert all(e.tokens == 2 * 5 for e in observer.dropped if e.reason == "odd")
+    # the engine error never reached the stage: only the 9 groups generated whole finished
+    assert len(observer.finished) == 9
+    assert all(e.started_ns <= e.ended_ns for e in observer.finished)
 
 
 async def test_stop_cancels_a_blocked_stage_and_keeps_the_group_finishing():

@@ -67,3 +67,9 @@ def not_a_number(sample: ScoringInput) -> str:
 def prints(sample: ScoringInput) -> float:
     print("a verifier's print goes to stderr, not into the answers")
     return 0.5
+
+
+def first_token_even(sample: ScoringInput) -> float:
+    """Reward 1 when the first generated token id is even: about one half on the synthetic
+    engine, so about 2 x 0.5^4 of groups of four have equal rewards."""
+    return 1.0 if sample.token_ids and sample.token_ids[0] % 2 == 0 else 0.0

@@ -8,9 +8,10 @@ from typing import Protocol
 
 from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.finishing import SampleScore, Verdict
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, Observer
+from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished, Observer
 from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
@@ -35,6 +36,7 @@ from rolloutd.domain.weights import (
     WeightsReport,
     WeightsSource,
 )
+from rolloutd.scoring.results import ScoreFailure, failed, group_scores
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 T0 = 1_767_000_000_000_000_000
@@ -141,6 +143,25 @@ def weights_report(
     )  # fmt: skip
 
 
+def finished_groups() -> list[GroupFinished]:
+    """Verdicts of a scoring stage: committed with rewards 1 and 0 (40 ms); dropped for zero
+    variance (10 ms); dropped for a timed-out score (30 s); committed unscored (no verifier)."""
+    ok, zero = SampleScore(1.0), SampleScore(0.0)
+    timed_out = failed(ScoreFailure.TIMEOUT, "ran past 30 s")
+    return [
+        GroupFinished(3, T0, T0 + 40 * MS, Verdict(scores=group_scores([ok, zero])), 10),
+        GroupFinished(
+            4, T0, T0 + 10 * MS,
+            Verdict("zero_variance", "reward std 0 <= 0", group_scores([ok, ok])), 10,
+        ),
+        GroupFinished(
+            5, T0, T0 + 30_000 * MS,
+            Verdict("scoring_failed", "1 of 2 scores failed", group_scores([timed_out, zero])), 10,
+        ),
+        GroupFinished(7, T0, T0 + MS, Verdict(), 10),
+    ]  # fmt: skip
+
+
 class Observes(Observer, WeightsObserver, Protocol):
     """The telemetry observer: the domain's reports and weight updates."""
 
@@ -175,6 +196,11 @@ def scripted_run(observer: ServiceObserver) -> None:
     observer.group_committed(GroupCommitted(1, 256, True, 1.5, prompt_tokens=12, group_size=4))
     observer.group_committed(GroupCommitted(2, 100, False, 0.75, prompt_tokens=9, group_size=4))
     observer.groups_leased([0.25, 0.5], [0, 1])
+    for event in finished_groups():
+        observer.group_finished(event)
+        if not event.verdict.commits:
+            observer.group_dropped(GroupDropped(event.group_id, event.verdict.drop_reason, 10))
+    observer.group_dropped(GroupDropped(6, "engine_error", 3))
     observer.groups_evicted(2)
     observer.checkpoint_attempted(checkpoint_report(start_ns=T0 + 1_000 * MS, sequence=7))
     observer.checkpoint_attempted(

@@ -49,19 +49,21 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
     """Instruments that can have no data point after a run that started on an empty store,
     committed, leased and acked groups and completed at least two checkpoints.
 
-    Three: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
+    Four: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
     hold (microseconds), so the wait histogram has data exactly when the blocked counter (which
     starts at zero for every kind) counted something; such a run updates no weights, so the
-    weight update durations, pauses and delta densities have none; and a start that finds nothing
-    to restore records no restore. Every other histogram is recorded by such a run, counters start
-    at zero, synchronous gauges are set by every completed checkpoint, and the observable ones
-    report from start-up.
+    weight update durations, pauses and delta densities have none; a start that finds nothing to
+    restore records no restore; and it has no verifier, so nothing records rewards or scoring
+    times. Every other histogram is recorded by such a run, counters start at zero, synchronous
+    gauges are set by every completed checkpoint, and the observable ones report from start-up.
     """
     if instrument in (
         cat.WEIGHTS_UPDATE_DURATION,
         cat.WEIGHTS_PAUSE,
         cat.WEIGHTS_DELTA_DENSITY,
         cat.RESTORE_DURATION,
+        cat.SAMPLE_REWARD,
+        cat.GROUP_SCORE_DURATION,
     ):
         return True
     return instrument is cat.MUTATION_WAIT and blocked_mutations == 0

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted
+from rolloutd.domain.observer import GroupCommitted, GroupDropped
 from rolloutd.domain.report import CheckpointPhase
 from rolloutd.telemetry.history import (
     COUNTER_KEYS,
@@ -29,7 +29,7 @@ from rolloutd.telemetry.history import (
 )
 from rolloutd.telemetry.metrics import MetricsObserver
 from tests.conftest import BUCKET
-from tests.telemetry.reports import checkpoint_report
+from tests.telemetry.reports import checkpoint_report, finished_groups
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -66,6 +66,22 @@ def test_a_reading_holds_the_dashboard_series_of_the_catalogue(tmp_path):
     for phase in [*(p.value for p in CheckpointPhase), "total"]:
         assert v[f"checkpoint_seconds_count/{phase}"] == 1
     assert {k.split("/")[0] for k in v} <= {s.key for s in SERIES}
+
+
+def test_a_reading_holds_the_rewards_area_series():
+    """Rewards and scoring times summed over outcomes; drops and failures split by their label."""
+    observer, registry = observed()
+    for event in finished_groups():
+        observer.group_finished(event)
+    observer.group_dropped(GroupDropped(4, "zero_variance", 10))
+    observer.group_dropped(GroupDropped(6, "engine_error", 3))
+    v = MetricHistory(registry, run="a", capacity=10, clock=clock()).sample().values
+    assert (v["reward_count"], v["reward_sum"]) == (5, 3.0)
+    assert v["score_seconds_count"] == 3 and v["score_seconds_sum"] == pytest.approx(30.05)
+    assert v["scoring_failures/timeout"] == 1 and "scoring_failures/raised" not in v
+    assert v["dropped_groups/zero_variance"] == 1 and v["dropped_groups/engine_error"] == 1
+    assert v["dropped_tokens/zero_variance"] == 10 and v["dropped_tokens/engine_error"] == 3
+    assert {"reward_sum", "dropped_groups", "scoring_failures"} <= COUNTER_KEYS
 
 
 def test_counters_run_on_across_a_restart_and_gauges_do_not(tmp_path):

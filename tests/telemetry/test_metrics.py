@@ -14,13 +14,17 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
+from rolloutd.domain.finishing import SampleScore, ScoreStatus, Verdict
+from rolloutd.domain.observer import GroupDropped, GroupFinished
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, Trigger
+from rolloutd.scoring.results import group_scores
 from rolloutd.telemetry.catalogue import (
     BY_NAME,
     CATALOGUE,
     COUNTED_FROM_ZERO,
     FRACTION_BUCKETS,
     REASON_OUTCOME,
+    REWARD_BUCKETS,
     SECONDS_BUCKETS,
     VERSION_BUCKETS,
     Kind,
@@ -122,6 +126,22 @@ def test_scripted_run_values(metric_reader):
     assert wait.sum == pytest.approx(0.002)
     assert value(m["rolloutd.evicted.groups"]) == 2
 
+    committed = value(m["rolloutd.sample.reward"], outcome="committed")
+    assert (committed.count, committed.sum) == (2, 1.0)
+    dropped = value(m["rolloutd.sample.reward"], outcome="dropped")
+    assert (dropped.count, dropped.sum) == (3, 2.0)  # the timed-out score has no reward
+    score = value(m["rolloutd.group.score.duration"])  # the unscored commit is left out
+    assert (score.count, score.sum) == (3, pytest.approx(30.05))
+    failures = m["rolloutd.scoring.failures"]
+    assert value(failures, **{"failure.kind": "timeout"}) == 1
+    assert sum(p.value for p in points(failures).values()) == 1
+    for reason, groups, tokens in [
+        ("zero_variance", 1, 10), ("scoring_failed", 1, 10), ("engine_error", 1, 3),
+        ("stage_failed", 0, 0), ("other", 0, 0),
+    ]:  # fmt: skip
+        assert value(m["rolloutd.dropped.groups"], reason=reason) == groups, reason
+        assert value(m["rolloutd.dropped.tokens"], reason=reason) == tokens, reason
+
     attempts = m["rolloutd.checkpoint.attempts"]
     assert value(attempts, outcome="completed", reason="completed", trigger="on_demand") == 1
     assert value(attempts, outcome="completed", reason="completed", trigger="periodic") == 1
@@ -179,11 +199,35 @@ def test_histograms_use_the_catalogue_buckets(views, metric_reader, viewed_metri
     for name, metric in collect(reader).items():
         instrument = BY_NAME[name]
         if instrument.kind is Kind.HISTOGRAM:
-            expected = {"s": SECONDS_BUCKETS, "1": FRACTION_BUCKETS}.get(
-                instrument.unit, VERSION_BUCKETS
-            )
+            expected = instrument.bucket_bounds or {
+                "s": SECONDS_BUCKETS,
+                "1": FRACTION_BUCKETS,
+                "{version}": VERSION_BUCKETS,
+            }.get(instrument.unit)
+            assert instrument.buckets == expected, name
             for point in points(metric).values():
                 assert tuple(point.explicit_bounds) == expected, name
+
+
+def test_every_histogram_has_explicit_buckets():
+    """The SDK's default buckets suit milliseconds, not seconds nor rewards."""
+    assert all(i.buckets for i in CATALOGUE if i.kind is Kind.HISTOGRAM)
+
+
+def test_a_custom_stages_reasons_and_failures_are_counted_as_other(metric_reader):
+    """A custom finishing stage names its own drop reasons and failed scores: the series stay
+    bounded, and the group is still counted."""
+    provider, reader = metric_reader
+    observer = MetricsObserver(provider)
+    weird = SampleScore(None, ScoreStatus.FAILED, "my judge is asleep")
+    verdict = Verdict("too_long", "", group_scores([weird, SampleScore(0.25)]))
+    observer.group_finished(GroupFinished(1, T0, T0 + MS, verdict, 9))
+    observer.group_dropped(GroupDropped(1, "too_long", 9))
+    m = collect(reader)
+    assert value(m["rolloutd.dropped.groups"], reason="other") == 1
+    assert value(m["rolloutd.dropped.tokens"], reason="other") == 9
+    assert value(m["rolloutd.scoring.failures"], **{"failure.kind": "other"}) == 1
+    assert value(m["rolloutd.sample.reward"], outcome="dropped").sum == 0.25
 
 
 def test_a_combination_the_catalogue_does_not_know_fails_loudly(metric_reader):

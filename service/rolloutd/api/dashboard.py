@@ -46,9 +46,17 @@ class History(BaseModel):
         "left out has no value."
     )
     points: list[HistoryPoint]
+    scoring: bool = Field(
+        False,
+        description="Whether a verifier scores the groups (scoring.verifier or "
+        "scoring.group_verifier); without one the rewards area has nothing to draw.",
+    )
 
 
-def dashboard_router(history: HistorySource, interval_s: float) -> APIRouter:
+def dashboard_router(
+    history: HistorySource, interval_s: float, *, scoring: bool = False
+) -> APIRouter:
+    """``scoring``: a verifier is configured (the rewards area says so when none is)."""
     router = APIRouter()
     page = (_STATIC / "dashboard.html").read_text()
 
@@ -80,6 +88,7 @@ def dashboard_router(history: HistorySource, interval_s: float) -> APIRouter:
             interval_s=interval_s,
             capacity=history.capacity,
             counters=sorted(COUNTER_KEYS),
+            scoring=scoring,
             points=[
                 HistoryPoint(t=p.t, run=p.run, v=dict(p.values)) for p in history.points(since)
             ],

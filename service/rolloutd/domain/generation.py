@@ -30,7 +30,12 @@ from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
 from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFinished
+from rolloutd.domain.observer import (
+    GenerationStarted,
+    GroupCommitted,
+    GroupDropped,
+    GroupFinished,
+)
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
@@ -335,6 +340,7 @@ class Generation:
             core.buffer.remove(group_id, GroupState.DROPPED)
             core.counters.dropped(reason, tokens)
         why = f"{reason}: {detail}" if detail else reason
+        core.observer.group_dropped(GroupDropped(group_id, reason, tokens))
         self._abandoned(group_id, why)
         # an engine error is a fault; a verdict is routine (counted), so it logs at DEBUG
         log.log(

@@ -56,6 +56,18 @@ class GroupFinished:
     """Generated tokens of all siblings (what a drop wastes)."""
 
 
+@dataclass(frozen=True)
+class GroupDropped:
+    """A group was dropped: by the finishing stage's verdict, a stage that failed, or an engine
+    error that outlasted its sibling's retries (which never reaches the stage)."""
+
+    group_id: int
+    reason: str
+    """``Verdict.drop_reason``, ``engine_error`` or ``stage_failed`` (as ``GetStatus`` counts)."""
+    tokens: int
+    """Generated tokens of the group's staged siblings: the generation the drop wasted."""
+
+
 class Observer(Protocol):
     def mutation_blocked(self, kind: MutationKind, wait_s: float) -> None: ...
 
@@ -77,6 +89,9 @@ class Observer(Protocol):
     def group_finished(self, event: GroupFinished) -> None:
         """Called while the group's generation is still open (before it commits or is
         abandoned), so its scoring can be told as part of it."""
+
+    def group_dropped(self, event: GroupDropped) -> None:
+        """Every drop, whatever its reason, once, after it is counted in ``Counters``."""
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None: ...
 
@@ -105,6 +120,9 @@ class NullObserver:
         return None
 
     def group_finished(self, event: GroupFinished) -> None:
+        return None
+
+    def group_dropped(self, event: GroupDropped) -> None:
         return None
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:

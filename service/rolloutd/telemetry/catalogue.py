@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rolloutd.domain.group import BUFFERED
+from rolloutd.domain.generation import ENGINE_ERROR, STAGE_FAILED
+from rolloutd.domain.group import BUFFERED, SampleScore
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
     CheckpointPhase,
@@ -29,6 +30,7 @@ from rolloutd.domain.report import (
     Trigger,
 )
 from rolloutd.domain.weights import WeightsKind, WeightsOutcome, WeightsPhase, WeightsSource
+from rolloutd.scoring import DropReason, ScoreFailure, failure_kind
 from rolloutd.v1 import rollout_pb2 as pb
 
 
@@ -45,6 +47,13 @@ class EngineRequestState(enum.Enum):
 
     RUNNING = "running"
     WAITING = "waiting"
+
+
+class GroupOutcome(enum.Enum):
+    """What became of a group the finishing stage decided about."""
+
+    COMMITTED = "committed"
+    DROPPED = "dropped"
 
 
 REASON_OUTCOME: Mapping[Reason, Outcome] = {
@@ -75,6 +84,7 @@ class Area(enum.Enum):
     DRILL_DOWN = "drill-down"
     DELIVERY = "delivery"
     RPC = "rpc"
+    REWARDS = "rewards"
 
 
 VERSION_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -89,6 +99,17 @@ FRACTION_BUCKETS: tuple[float, ...] = (
     0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0,
 )  # fmt: skip
 """Fractions, logarithmically: a delta's density is typically 0.1-3 %."""
+
+
+REWARD_BUCKETS: tuple[float, ...] = (
+    0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+)  # fmt: skip
+"""Tenths across [0, 1], where pass/fail and graded rewards live (0 and 1 are bounds, so binary
+rewards land exactly), then coarser steps for shaped rewards above 1. No bound is negative: the
+Prometheus exposition leaves out a histogram's ``_sum`` and ``_count`` when one is, and the mean
+reward is read from those. A negative reward is counted in the first bucket (``le="0"``) and
+lowers ``_sum``, which PromQL's ``rate`` reads as a counter reset; the built-in dashboard takes
+plain differences and is exact."""
 
 
 def _values(e: type[enum.Enum], *extra: str) -> tuple[str, ...]:
@@ -110,11 +131,15 @@ class Instrument:
     """Restricts the cross product of ``attributes`` to the combinations that can occur."""
     valid_doc: str = ""
     """What ``valid`` admits, in words (for the generated documentation)."""
+    bucket_bounds: tuple[float, ...] | None = None
+    """A histogram's explicit bucket bounds when its unit is not seconds."""
 
     @property
     def buckets(self) -> tuple[float, ...] | None:
         if self.kind is not Kind.HISTOGRAM:
             return None
+        if self.bucket_bounds is not None:
+            return self.bucket_bounds
         return {"s": SECONDS_BUCKETS, "1": FRACTION_BUCKETS, "{version}": VERSION_BUCKETS}.get(
             self.unit
         )
@@ -318,6 +343,55 @@ DELIVERED_STALENESS = Instrument(
 PROMPTS_PENDING = Instrument(
     "rolloutd.prompts.pending", Kind.OBSERVABLE_GAUGE, "{prompt}",
     "Submitted prompts (SubmitPrompts) waiting for admission.", Area.DELIVERY,
+)  # fmt: skip
+
+OTHER = "other"
+DROP_REASONS: tuple[str, ...] = (*_values(DropReason), ENGINE_ERROR, STAGE_FAILED, OTHER)
+"""Drop reasons as a series label: the scoring stage's, the controller's, and ``other`` for
+whatever a custom finishing stage names (a stage's reasons are free text; a series is not)."""
+FAILURE_KINDS: tuple[str, ...] = _values(ScoreFailure, OTHER)
+"""Kinds of failed scores as a series label; ``other`` for a custom stage's failed scores."""
+
+
+def drop_reason(reason: str) -> str:
+    """The series label of a verdict's (or the controller's) drop reason."""
+    return reason if reason in DROP_REASONS else OTHER
+
+
+def failure_label(score: SampleScore) -> str:
+    """The series label of a failed score's kind (:func:`rolloutd.scoring.failure_kind`)."""
+    try:
+        kind = failure_kind(score)
+    except ValueError:  # a custom stage's failed score, whose reason names no ScoreFailure
+        return OTHER
+    return OTHER if kind is None else kind.value
+
+
+SAMPLE_REWARD = Instrument(
+    "rolloutd.sample.reward", Kind.HISTOGRAM, "1",
+    "Reward of each scored sample (failed scores have none), by what became of its group.",
+    Area.REWARDS, attributes={"outcome": _values(GroupOutcome)}, bucket_bounds=REWARD_BUCKETS,
+)  # fmt: skip
+GROUP_SCORE_DURATION = Instrument(
+    "rolloutd.group.score.duration", Kind.HISTOGRAM, "s",
+    "Time the finishing stage took to score a group and decide about it (groups it committed "
+    "without scores are left out).", Area.REWARDS,
+)  # fmt: skip
+SCORING_FAILURES = Instrument(
+    "rolloutd.scoring.failures", Kind.COUNTER, "{sample}",
+    "Samples whose score failed, by kind (a verifier that raised, timed out, killed its worker, "
+    "returned a non-finite or malformed result; an HTTP verifier's error status or absence).",
+    Area.REWARDS, attributes={"failure.kind": FAILURE_KINDS},
+)  # fmt: skip
+DROPPED_GROUPS = Instrument(
+    "rolloutd.dropped.groups", Kind.COUNTER, "{group}",
+    "Groups dropped before they became training-ready, by reason (their prompt positions "
+    "count as consumed).", Area.REWARDS, attributes={"reason": DROP_REASONS},
+)  # fmt: skip
+DROPPED_TOKENS = Instrument(
+    "rolloutd.dropped.tokens", Kind.COUNTER, "{token}",
+    "Generated tokens of the dropped groups' siblings: generation wasted, by drop reason.",
+    Area.REWARDS, attributes={"reason": DROP_REASONS},
 )  # fmt: skip
 
 RPC_METHODS: tuple[str, ...] = tuple(

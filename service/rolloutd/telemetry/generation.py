@@ -97,6 +97,10 @@ class GenerationSpans:
         _PROPAGATOR.inject(headers, trace.set_span_in_context(span))
         return headers
 
+    def get(self, group_id: int) -> Span | None:
+        """The group's open span (None once it ended, or when it was never recorded)."""
+        return self._spans.get(group_id)
+
     def committed(self, event: GroupCommitted) -> None:
         span = self._spans.pop(event.group_id, None)
         if span is None:

@@ -130,6 +130,13 @@ SERIES: tuple[Series, ...] = (
     Series("buffer_groups", cat.BUFFER_GROUPS, split_by=("state",)),
     Series("inflight_samples", cat.INFLIGHT_SAMPLES),
     Series("policy_version", cat.POLICY_VERSION),
+    Series("reward_sum", cat.SAMPLE_REWARD, "_sum"),
+    Series("reward_count", cat.SAMPLE_REWARD, "_count"),
+    Series("score_seconds_sum", cat.GROUP_SCORE_DURATION, "_sum"),
+    Series("score_seconds_count", cat.GROUP_SCORE_DURATION, "_count"),
+    Series("scoring_failures", cat.SCORING_FAILURES, split_by=("failure.kind",)),
+    Series("dropped_groups", cat.DROPPED_GROUPS, split_by=("reason",)),
+    Series("dropped_tokens", cat.DROPPED_TOKENS, split_by=("reason",)),
 )
 """What the dashboard draws; its JavaScript names these keys."""
 

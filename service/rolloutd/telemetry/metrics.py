@@ -25,13 +25,21 @@ from opentelemetry.metrics import (
 
 from rolloutd import __version__
 from rolloutd.domain.engine import EngineCounters
-from rolloutd.domain.group import BUFFERED
+from rolloutd.domain.group import BUFFERED, ScoreStatus
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted
+from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
 from rolloutd.domain.weights import WeightsOutcome, WeightsReport
 from rolloutd.telemetry import catalogue as cat
-from rolloutd.telemetry.catalogue import TOTAL, EngineRequestState, Instrument, Kind
+from rolloutd.telemetry.catalogue import (
+    TOTAL,
+    EngineRequestState,
+    GroupOutcome,
+    Instrument,
+    Kind,
+    drop_reason,
+    failure_label,
+)
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 logger = logging.getLogger(__name__)
@@ -122,6 +130,11 @@ class MetricsObserver:
         self._weights_density = self._histogram(cat.WEIGHTS_DELTA_DENSITY)
         self._weights_pause = self._histogram(cat.WEIGHTS_PAUSE)
         self._rpc_duration = self._histogram(cat.RPC_SERVER_DURATION)
+        self._sample_reward = self._histogram(cat.SAMPLE_REWARD)
+        self._score_duration = self._histogram(cat.GROUP_SCORE_DURATION)
+        self._scoring_failures = self._counter(cat.SCORING_FAILURES)
+        self._dropped_groups = self._counter(cat.DROPPED_GROUPS)
+        self._dropped_tokens = self._counter(cat.DROPPED_TOKENS)
 
         self._observable(cat.COMMITTED_TOKENS, self._observe_committed_tokens)
         self._observable(cat.COMMITTED_GROUPS, self._observe_committed_groups)
@@ -158,6 +171,9 @@ class MetricsObserver:
         self._weights_moved = _Series(cat.WEIGHTS_BYTES)
         self._weights_kind = _Series(cat.WEIGHTS_PAUSE)
         self._rpc = _Series(cat.RPC_SERVER_DURATION)
+        self._group_outcome = _Series(cat.SAMPLE_REWARD)
+        self._failure_kind = _Series(cat.SCORING_FAILURES)
+        self._drop_reason = _Series(cat.DROPPED_GROUPS)
 
         self._start_counters_at_zero()
 
@@ -207,6 +223,9 @@ class MetricsObserver:
             (self._evicted_groups, cat.EVICTED_GROUPS),
             (self._weights_bytes, cat.WEIGHTS_BYTES),
             (self._weights_updates, cat.WEIGHTS_UPDATES),
+            (self._scoring_failures, cat.SCORING_FAILURES),
+            (self._dropped_groups, cat.DROPPED_GROUPS),
+            (self._dropped_tokens, cat.DROPPED_TOKENS),
         ]
         for counter, instrument in counters:
             for attributes in _Series(instrument).all():
@@ -234,6 +253,29 @@ class MetricsObserver:
         self._committed_groups += 1
         self._committed_tokens["false" if event.exact else "true"] += event.tokens
         self._group_completion.record(event.completion_s)
+
+    def group_finished(self, event: GroupFinished) -> None:
+        """Rewards, failed scores and the stage's time of a group the stage scored or dropped;
+        a group it committed without scores (no verifier) records nothing."""
+        verdict = event.verdict
+        if verdict.scores is None and verdict.commits:
+            return
+        self._score_duration.record(max(event.ended_ns - event.started_ns, 0) / 1e9)
+        if verdict.scores is None:
+            return
+        outcome = self._group_outcome(
+            GroupOutcome.COMMITTED if verdict.commits else GroupOutcome.DROPPED
+        )
+        for score in verdict.scores.samples:
+            if score.status is ScoreStatus.FAILED:
+                self._scoring_failures.add(1, self._failure_kind(failure_label(score)))
+            elif score.reward is not None:
+                self._sample_reward.record(score.reward, outcome)
+
+    def group_dropped(self, event: GroupDropped) -> None:
+        attributes = self._drop_reason(drop_reason(event.reason))
+        self._dropped_groups.add(1, attributes)
+        self._dropped_tokens.add(event.tokens, attributes)
 
     def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
         for seconds in queue_s:

@@ -19,12 +19,13 @@ from opentelemetry.trace import TracerProvider
 from rolloutd import __version__
 from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFinished
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupDropped, GroupFinished
 from rolloutd.domain.report import CheckpointReport, RestoreReport
 from rolloutd.domain.weights import WeightsReport
 from rolloutd.telemetry import spans, throttle
 from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
+from rolloutd.telemetry.score import record_score, scored
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.telemetry.weights import record_weights_update
 
@@ -87,6 +88,18 @@ class TelemetryObserver:
         with _never_raises("a generation span"):
             self.generation.committed(event)
 
+    def group_finished(self, event: GroupFinished) -> None:
+        with _never_raises("a finished group"):
+            self.metrics.group_finished(event)
+        with _never_raises("a score span"):
+            parent = self.generation.get(event.group_id)
+            if parent is not None and scored(event):
+                record_score(self._tracer, parent, event)
+
+    def group_dropped(self, event: GroupDropped) -> None:
+        with _never_raises("a dropped group"):
+            self.metrics.group_dropped(event)
+
     def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
         with _never_raises("leased groups"):
             self.metrics.groups_leased(queue_s, staleness)
@@ -94,9 +107,6 @@ class TelemetryObserver:
     def groups_evicted(self, count: int) -> None:
         with _never_raises("evicted groups"):
             self.metrics.groups_evicted(count)
-
-    def group_finished(self, event: GroupFinished) -> None:
-        return None  # the scoring telemetry comes with its instruments
 
     def checkpoint_attempted(self, report: CheckpointReport) -> None:
         self.record_checkpoint(report)

@@ -1,4 +1,4 @@
-// rolloutd's built-in dashboard: nine areas of live charts over v1/dashboard/history, the
+// rolloutd's built-in dashboard: ten areas of live charts over v1/dashboard/history, the
 // trainer's side first. An area with nothing to show says so instead of plotting zeros.
 //
 // The service samples its own metrics every few seconds (rolloutd.telemetry.history); counters
@@ -19,11 +19,14 @@
   });
 
   // Series kinds: "rate" (per second, within one run), "value" (as sampled), "mean"
-  // (increase of sum / increase of count, drawn as dots: one per interval with events).
+  // (increase of sum / increase of count, drawn as dots: one per interval with events), "share"
+  // (increase of the keys under `part` over that plus the increase of `rest`, also dots).
   // A series with `prefix` stands for every key under it that is non-zero somewhere.
   // A value counts as something to show when it is non-zero, or present at all for a series
   // marked `zeroIsData` (a trainer step of 0, on-policy staleness); an area where nothing
   // counts shows its `empty` sentence instead of its charts.
+  // An area with `needs: "scoring"` shows its `none` text instead of charts while no verifier
+  // is configured and no reward was ever recorded.
   const AREAS = [
     {
       id: "trainer", title: "Trainer",
@@ -106,6 +109,20 @@
         { title: "bytes written", bytes: true, series: ["total", "segments", "groups", "sidecar", "submissions", "ledger", "partials"].map((k) => ({ label: k, kind: "value", key: `size_bytes/${k}` })) },
       ],
     },
+    {
+      id: "rewards", title: "Rewards", needs: "scoring",
+      what: "What the verifier made of the samples, and the finished groups dropped before training (zero reward variance, failed scores, engine errors) with the generation they wasted.",
+      none: "No verifier is configured (scoring.verifier or scoring.group_verifier): groups are delivered unscored, so there are no rewards to draw.",
+      empty: "No group has been scored yet.",
+      charts: [
+        { title: "mean reward", series: [{ label: "scored samples", kind: "mean", sum: "reward_sum", count: "reward_count" }] },
+        { title: "dropped share of finished groups (%)", series: [{ label: "dropped", kind: "share", part: "dropped_groups/", rest: "committed_groups", scale: 100 }] },
+        { title: "dropped groups/s by reason", series: [{ label: "all reasons", kind: "rate", sumOf: "dropped_groups/" }, { prefix: "dropped_groups/", kind: "rate" }] },
+        { title: "wasted tokens/s", series: [{ label: "dropped groups", kind: "rate", sumOf: "dropped_tokens/" }] },
+        { title: "scorer failures (total) by kind", series: [{ prefix: "scoring_failures/", kind: "value" }] },
+        { title: "mean scoring time (ms)", series: [{ label: "per group", kind: "mean", sum: "score_seconds_sum", count: "score_seconds_count", scale: 1000 }] },
+      ],
+    },
   ];
 
   let points = [];
@@ -114,6 +131,7 @@
   let intervalS = 5;
   let draws = 0;
   let listedSequence = null;
+  let scoring = false;
   const $ = (id) => document.getElementById(id);
 
   const isCounter = (key) => counters.includes(key.split("/")[0]);
@@ -128,7 +146,12 @@
       const a = get(prev), b = get(p);
       return a === null || b === null ? null : (b - a) / (p.t - prev.t);
     }
-    if (!prev) return null; // mean: events between two points, also across a restart
+    if (!prev) return null; // mean and share: events between two points, also across a restart
+    if (spec.kind === "share") {
+      const part = sumOf(p, spec.part) - sumOf(prev, spec.part);
+      const whole = part + valueOf(p, spec.rest) - valueOf(prev, spec.rest);
+      return whole > 0 ? (part / whole) * (spec.scale || 1) : null;
+    }
     const dc = valueOf(p, spec.count) - valueOf(prev, spec.count);
     return dc > 0 ? ((valueOf(p, spec.sum) - valueOf(prev, spec.sum)) / dc) * (spec.scale || 1) : null;
   }
@@ -239,7 +262,7 @@
     for (const s of series) {
       ctx.strokeStyle = s.color;
       ctx.fillStyle = s.color;
-      const dots = s.spec.kind === "mean";
+      const dots = s.spec.kind === "mean" || s.spec.kind === "share";
       let open = false;
       for (let j = 0; j < s.data.length; j++) {
         const [t, v, run] = s.data[j];
@@ -284,6 +307,13 @@
       section.querySelector("h2").textContent = area.title;
       section.querySelector(".what").textContent = area.what;
       section.querySelector(".empty").textContent = area.empty;
+      if (area.none) {
+        const none = document.createElement("p");
+        none.className = "none";
+        none.hidden = true;
+        none.textContent = area.none;
+        section.querySelector(".what").after(none);
+      }
       for (const chart of area.charts) {
         const div = document.createElement("div");
         div.className = "chart";
@@ -308,19 +338,33 @@
     const restarts = visible.filter((p, j) => (j === 0 ? prevOfFirst : visible[j - 1])?.run !== undefined
       && (j === 0 ? prevOfFirst : visible[j - 1]).run !== p.run).length;
     const state = { lastT: t1, draws: ++draws, points: points.length, restarts, areas: {} };
+    const scored = scoring || points.some((p) => (p.v.reward_count || 0) > 0);
     for (const area of AREAS) {
       let plotted = 0, nseries = 0;
+      const charts = {};
+      const el = $(`area-${area.id}`);
+      if (area.needs === "scoring") {
+        el.querySelector(".none").hidden = scored;
+        el.querySelector(".charts").hidden = !scored;
+        el.querySelector(".empty").hidden = true;
+        el.dataset.none = String(!scored);
+        if (!scored) {
+          el.dataset.points = "0";
+          state.areas[area.id] = { plotted: 0, series: 0, none: true };
+          continue;
+        }
+      }
       for (const chart of area.charts) {
         const r = drawChart(chart.canvas, chart, visible, prevOfFirst, t0, t1);
         legend(chart.legend, r.series, chart.bytes);
         plotted += r.plotted;
         nseries += r.series.length;
+        charts[chart.title] = r.plotted;
       }
-      const el = $(`area-${area.id}`);
       el.dataset.points = String(plotted);
       el.querySelector(".empty").hidden = plotted > 0;
       el.querySelector(".charts").hidden = plotted === 0;
-      state.areas[area.id] = { plotted, series: nseries, empty: plotted === 0 };
+      state.areas[area.id] = { plotted, series: nseries, charts, empty: plotted === 0, none: false };
     }
     document.body.dataset.lastT = String(t1);
     window.rolloutdDashboard = state;
@@ -336,6 +380,7 @@
     const since = points.length ? points[points.length - 1].t : null;
     const h = await getJSON(`v1/dashboard/history${since === null ? "" : `?since=${since}`}`);
     counters = h.counters;
+    scoring = Boolean(h.scoring);
     capacity = h.capacity;
     intervalS = h.interval_s;
     points.push(...h.points);
