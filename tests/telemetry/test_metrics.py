@@ -24,7 +24,6 @@ from rolloutd.telemetry.catalogue import (
     COUNTED_FROM_ZERO,
     FRACTION_BUCKETS,
     REASON_OUTCOME,
-    REWARD_BUCKETS,
     SECONDS_BUCKETS,
     VERSION_BUCKETS,
     Kind,
