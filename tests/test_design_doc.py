@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from rolloutd.domain.group import TRANSITIONS, GroupState
-from tests.test_layering import ALLOWED
+from tests.test_layering import ALLOWED, ROOMS
 
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
@@ -27,3 +27,8 @@ def test_the_life_cycle_table_is_the_one_the_buffer_checks():
     rows = _table("The life of a group")
     documented = {(GroupState(a), GroupState(b)) for [a], [b], _ in rows}
     assert documented == TRANSITIONS
+
+
+def test_the_rooms_table_is_the_one_the_layering_test_enforces():
+    documented = {room: set(uses) for [room], uses, _ in _table("The controller")}
+    assert documented == ROOMS

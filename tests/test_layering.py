@@ -160,3 +160,37 @@ def test_the_table_allows_no_edge_that_nothing_takes():
         used[unit] |= imported_units(path) - {unit}
     unused = {unit: sorted(ALLOWED[unit] - used[unit]) for unit in ALLOWED}
     assert not {unit: edges for unit, edges in unused.items() if edges}, unused
+
+
+ROOMS: dict[str, set[str]] = {
+    "core": set(),
+    "generation": {"core"},
+    "delivery": {"core"},
+    "recovery": {"core", "generation", "delivery"},
+    "controller": {"core", "generation", "delivery", "recovery"},
+}
+"""The controller's rooms (domain modules, docs/design.md "The controller") -> the rooms each
+may import. Every other domain module (groups, the buffer, ports, reports) is below the rooms:
+any room may import it, and it imports no room."""
+
+
+def _domain_imports(path: Path) -> set[str]:
+    """The ``rolloutd.domain`` modules ``path`` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[:2] == ["rolloutd", "domain"] and len(parts) > 2:
+                found.add(parts[2])
+    return found
+
+
+def test_the_controllers_rooms_import_only_what_their_row_lists():
+    offenders = {}
+    for path in sorted((PACKAGE / "domain").glob("*.py")):
+        rooms = _domain_imports(path) & ROOMS.keys()
+        allowed = ROOMS.get(path.stem, set())
+        if rooms - allowed:
+            offenders[path.stem] = sorted(rooms - allowed)
+    assert not offenders, offenders
+    assert all((PACKAGE / "domain" / f"{room}.py").exists() for room in ROOMS)
