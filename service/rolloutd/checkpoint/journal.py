@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutd.checkpoint import journal_records as records
 from rolloutd.checkpoint.backends import (
     JOURNAL,
     LocalBackend,
@@ -50,18 +51,12 @@ from rolloutd.checkpoint.backends import (
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.journal_frames import Damage, JournalEntry, Scan, encode, scan
-from rolloutd.checkpoint.sidecar import from_json, to_json
 from rolloutd.domain.buffer import AckRecord, Lease
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import (
-    IdReservation,
     Journaled,
-    JournaledAck,
     JournaledDrop,
-    JournaledLease,
-    JournaledRewind,
-    JournaledSubmission,
 )
 
 __all__ = ["CorruptJournal", "Journal", "JournalEntry", "JournalReport"]
@@ -539,66 +534,32 @@ class Journal:
     def ack(self, record: AckRecord, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
         """Queues an ack with the admission of each of its groups (no I/O); the future
         resolves once it is durable."""
-        return self.enqueue(encode_ack(record, admissions))
+        return self.enqueue(records.ack(record, admissions))
 
     def lease(self, lease: Lease, admissions: Mapping[int, Admission]) -> asyncio.Future[int]:
         """Queues a lease grant with the admission of each of its groups (no I/O); the future
         resolves once it is durable."""
-        return self.enqueue({"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)})
+        return self.enqueue(records.lease(lease, admissions))
 
     async def submit(self, prompts: Sequence[Prompt]) -> None:
         """Journals accepted prompts; durable on return."""
-        await self.enqueue({"kind": SUBMIT, "prompts": to_json(list(prompts))})
+        await self.enqueue(records.submission(prompts))
 
     async def rewind(self, trainer_step: int) -> None:
         """Journals a ``Rewind(trainer_step)``; durable on return."""
-        await self.enqueue({"kind": REWIND, "trainer_step": trainer_step})
+        await self.enqueue(records.rewind(trainer_step))
 
     async def reserve_ids(self, through: int) -> None:
         """Journals that group ids up to ``through`` may be handed out; durable on return."""
-        await self.enqueue({"kind": IDS, "through": through})
+        await self.enqueue(records.ids(through))
 
     async def drop(self, drop: JournaledDrop) -> None:
         """Journals a group dropped before delivery; durable on return."""
-        await self.enqueue({"kind": DROP, **to_json(drop)})
+        await self.enqueue(records.drop(drop))
 
     def events_after(self, after: int) -> list[Journaled]:
         """The events journaled after position ``after``, in order."""
-        return [decode(entry.record) for entry in self.read(after)]
-
-
-ACK, LEASE, SUBMIT, REWIND, IDS, DROP = "ack", "lease", "submit", "rewind", "ids", "drop"
-
-
-def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
-    return [{"group_id": gid, **to_json(a)} for gid, a in admissions.items()]
-
-
-def _decode_admissions(d: Mapping[str, Any]) -> dict[int, Admission]:
-    return {int(g["group_id"]): from_json(Admission, g) for g in d["groups"]}
-
-
-def encode_ack(record: AckRecord, admissions: Mapping[int, Admission]) -> dict[str, Any]:
-    return {"kind": ACK, **to_json(record), "groups": _admissions(admissions)}
-
-
-def decode(d: Mapping[str, Any]) -> Journaled:
-    """One journal record as a domain event; records from before ``kind`` existed are acks."""
-    kind = d.get("kind", ACK)
-    if kind == ACK:
-        return decode_ack(d)
-    if kind == LEASE:
-        return JournaledLease(from_json(Lease, d), _decode_admissions(d))
-    if kind == SUBMIT:
-        return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
-    if kind == REWIND:
-        return JournaledRewind(int(d["trainer_step"]))
-    if kind == IDS:
-        return IdReservation(int(d["through"]))
-    if kind == DROP:
-        return from_json(JournaledDrop, d)
-    raise CorruptJournal(f"{JOURNAL}: a record of unknown kind {kind!r}")
-
-
-def decode_ack(d: Mapping[str, Any]) -> JournaledAck:
-    return JournaledAck(from_json(AckRecord, d), _decode_admissions(d))
+        try:
+            return [records.decode(entry.record) for entry in self.read(after)]
+        except records.UnknownRecord as exc:
+            raise CorruptJournal(f"{JOURNAL}: {exc}") from exc

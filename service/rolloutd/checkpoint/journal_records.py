@@ -1,0 +1,84 @@
+"""The journal's records: each domain event (``DeliveryJournal``'s calls) as a JSON object with a
+``kind``, and back. Records from before ``kind`` existed are acks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rolloutd.checkpoint.sidecar import from_json, to_json
+from rolloutd.domain.buffer import AckRecord, Lease
+from rolloutd.domain.group import Prompt
+from rolloutd.domain.sampler import Admission
+from rolloutd.domain.state import (
+    IdReservation,
+    Journaled,
+    JournaledAck,
+    JournaledDrop,
+    JournaledLease,
+    JournaledRewind,
+    JournaledSubmission,
+)
+
+
+class UnknownRecord(ValueError):
+    """A record of a kind this version does not know."""
+
+
+ACK, LEASE, SUBMIT, REWIND, IDS, DROP = "ack", "lease", "submit", "rewind", "ids", "drop"
+
+
+def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
+    return [{"group_id": gid, **to_json(a)} for gid, a in admissions.items()]
+
+
+def _decode_admissions(d: Mapping[str, Any]) -> dict[int, Admission]:
+    return {int(g["group_id"]): from_json(Admission, g) for g in d["groups"]}
+
+
+def ack(record: AckRecord, admissions: Mapping[int, Admission]) -> dict[str, Any]:
+    """An ack, with the admission of each of its groups."""
+    return {"kind": ACK, **to_json(record), "groups": _admissions(admissions)}
+
+
+def lease(lease: Lease, admissions: Mapping[int, Admission]) -> dict[str, Any]:
+    """A lease grant, with the admission of each of its groups."""
+    return {"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)}
+
+
+def submission(prompts: Sequence[Prompt]) -> dict[str, Any]:
+    return {"kind": SUBMIT, "prompts": to_json(list(prompts))}
+
+
+def rewind(trainer_step: int) -> dict[str, Any]:
+    return {"kind": REWIND, "trainer_step": trainer_step}
+
+
+def ids(through: int) -> dict[str, Any]:
+    return {"kind": IDS, "through": through}
+
+
+def drop(drop: JournaledDrop) -> dict[str, Any]:
+    return {"kind": DROP, **to_json(drop)}
+
+
+def decode(d: Mapping[str, Any]) -> Journaled:
+    """One journal record as a domain event; records from before ``kind`` existed are acks."""
+    kind = d.get("kind", ACK)
+    if kind == ACK:
+        return decode_ack(d)
+    if kind == LEASE:
+        return JournaledLease(from_json(Lease, d), _decode_admissions(d))
+    if kind == SUBMIT:
+        return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
+    if kind == REWIND:
+        return JournaledRewind(int(d["trainer_step"]))
+    if kind == IDS:
+        return IdReservation(int(d["through"]))
+    if kind == DROP:
+        return from_json(JournaledDrop, d)
+    raise UnknownRecord(f"a record of unknown kind {kind!r}")
+
+
+def decode_ack(d: Mapping[str, Any]) -> JournaledAck:
+    return JournaledAck(from_json(AckRecord, d), _decode_admissions(d))
