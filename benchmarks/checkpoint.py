@@ -225,6 +225,7 @@ class Node:
         """Admit, stage and commit groups holding ``samples`` through the buffer's API, each step
         inside a barrier mutation of its kind, as the controller's own loops do."""
         ctl, gs = self.controller, self.plan.group_size
+        core = ctl.core
         for lo in range(0, len(samples), batch_groups * gs):
             chunk = samples[lo : lo + batch_groups * gs]
             groups: list[Group] = []
@@ -232,8 +233,8 @@ class Node:
                 for _ in range(len(chunk) // gs):
                     admission = ctl.sampler.next()
                     assert admission is not None
-                    gid = ctl.next_group_id
-                    ctl.next_group_id += 1
+                    gid = core.next_group_id
+                    core.next_group_id += 1
                     group = Group(
                         GroupMeta(
                             group_id=gid,
@@ -241,7 +242,7 @@ class Node:
                             position=admission.position,
                             group_size=gs,
                             policy_version=ctl.policy_version,
-                            admitted_at=ctl.clock(),
+                            admitted_at=core.clock(),
                             seed=gid * 104_729 % (2**31 - 1),
                         )
                     )
@@ -252,7 +253,7 @@ class Node:
                 for i, sample in enumerate(chunk):
                     ctl.buffer.stage(groups[i // gs].group_id, sample)
             async with ctl.barrier.mutation(MutationKind.COMMIT_GROUP):
-                now = ctl.clock()
+                now = core.clock()
                 for group in groups:
                     ctl.buffer.finish(group.group_id)
                     ctl.buffer.commit(group.group_id, now)
@@ -738,7 +739,7 @@ async def aged_ledger(node: Node, plan: Plan, factory: SampleFactory) -> dict[st
         node.step += 1
         for i in range(ACKED_LEASES_REMEMBERED):
             lease_id = f"aged-{i:08x}"
-            ctl.buffer.acks[lease_id] = AckRecord(lease_id, (), node.step, ctl.clock())
+            ctl.buffer.acks[lease_id] = AckRecord(lease_id, (), node.step, ctl.core.clock())
         ctl.buffer.finalize(node.step)
     await node.checkpoint()  # takes the 65,536 newly finalized leases
     series = Series()
