@@ -216,7 +216,8 @@ class RolloutService:
 
     async def _start(self) -> Addresses:
         await self._state_changed(self.lifecycle.state)
-        await self._claim_store()  # a store held elsewhere fails fast
+        # a frozen holder's claim is waited out; a live holder ends the start
+        await self._claim_store(self.config.checkpoint.claim_wait)
         self.supervisor.spawn("store-claim", self._keep_claim())
         port = await self._grpc.start()
         http = None
@@ -337,11 +338,12 @@ class RolloutService:
     async def _task_failed(self, name: str, error: BaseException) -> None:
         await self.lifecycle.block(f"task:{name}", f"{name} ended: {error}")
 
-    async def _claim_store(self) -> None:
-        """Claims the store; :class:`StoreHeld` ends the start. A store that cannot be written
-        (read-only, unreachable) leaves the service not ready until a later attempt succeeds."""
+    async def _claim_store(self, wait_s: float = 0.0) -> None:
+        """Claims the store, waiting up to ``wait_s`` for another process's claim to lapse;
+        :class:`StoreHeld` ends the start. A store that cannot be written (read-only,
+        unreachable) leaves the service not ready until a later attempt succeeds."""
         try:
-            await asyncio.to_thread(self.store.claim.acquire)
+            await asyncio.to_thread(self.store.claim.acquire, wait_s)
         except StoreHeld:
             raise
         except OSError as exc:
