@@ -10,8 +10,9 @@ checkpoints, SERVING. A start that fails shuts down what it started, without a f
 Shutdown (SIGTERM/SIGINT, idempotent): DRAINING, stop accepting RPCs with a grace period, stop
 generation, final checkpoint, stop the engine, flush telemetry.
 
-Exit code: 0 after a requested stop, 1 after an unrecoverable failure (a dead engine, an invariant
-violation, a background task that died of one), so the orchestrator restarts the process.
+Exit code: 0 after a requested stop, 1 after an unrecoverable failure (a dead engine, also one that
+dies while the service is idle, an invariant violation, a background task that died of one), so
+the orchestrator restarts the process.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 
 CLAIM = "store-claim"
 """The cause under which a store that cannot be claimed yet holds readiness off."""
+
+ENGINE_WATCH_S = 1.0
+"""How often the engine is asked whether it is alive."""
 
 UNRECOVERABLE = (InvariantError, EngineDeadError)
 """Errors after which the process must be restarted rather than wait to be ready again."""
@@ -236,6 +240,7 @@ class RolloutService:
         self.supervisor.spawn("status-gauges", self._refresh_status())
         await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
+        self.supervisor.spawn("engine", self._watch_engine())
         if self.config.restore != "none":
             await self.lifecycle.enter(ServingState.RESTORING)
             await restore(
@@ -370,6 +375,13 @@ class RolloutService:
                 log.warning("could not renew the claim on the store: %s", exc)
         await self.lifecycle.block("fenced", claim.fenced or "fenced")
         await asyncio.Event().wait()
+
+    async def _watch_engine(self) -> None:
+        """Ends with :class:`EngineDeadError` once the engine dies, also while the service is
+        idle: an engine death is otherwise seen only by the next engine call."""
+        while True:
+            self.engine.check_alive()
+            await asyncio.sleep(ENGINE_WATCH_S)
 
     async def _watch_controller(self) -> None:
         """Ends, with the controller's fatal error, when the controller cannot go on."""
