@@ -348,11 +348,11 @@ class StoreClaim:
         os.makedirs(self._dir, exist_ok=True)
         new = expected + 1
         tmp = os.path.join(self._dir, f".{self._me.token}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             if point is not None:
                 fault_point(point)
             try:
@@ -360,7 +360,8 @@ class StoreClaim:
             except FileExistsError:
                 raise _Lost from None
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         fsync_dir(self._dir)
         generations = self._generations()
         if generations[-1] != new:
