@@ -171,6 +171,9 @@ class SharedEngine:
     def counters(self) -> EngineCounters:
         return self._engine.counters()
 
+    def check_alive(self) -> None:
+        self._engine.check_alive()
+
     @property
     def policy_version(self) -> int:
         return self._engine.policy_version

@@ -44,6 +44,9 @@ class GatedEngine:
     def counters(self) -> EngineCounters:
         return EngineCounters(generation_tokens=self.generated, requests_running=len(self._gates))
 
+    def check_alive(self) -> None:
+        return None
+
     def release(self, n: int | None = None) -> int:
         pending = [rid for rid, gate in self._gates.items() if not gate.is_set()]
         for rid in pending[:n]:

@@ -176,6 +176,30 @@ async def test_an_invariant_violation_in_a_background_loop_exits_non_zero(tmp_pa
     assert s.lifecycle.state is ServingState.DRAINING
 
 
+async def test_an_engine_that_dies_while_idle_turns_not_ready_and_exits_non_zero(tmp_path):
+    """Nothing asks the engine for anything (no dataset left, no trainer): its death is noticed
+    all the same, through the engine's own ``check_alive``."""
+    s = service(tmp_path, interval_s=0, **{"dataset.epochs": 1})
+    addresses = await s.start()
+    reasons: list[str | None] = []
+
+    def dead() -> None:
+        raise EngineDeadError("the engine process exited")
+
+    s.engine.check_alive = dead  # type: ignore[method-assign]
+    async with grpc.aio.insecure_channel(addresses.grpc) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        ready = health_pb2.HealthCheckRequest(service="rolloutd.v1.RolloutService")
+        deadline = time.monotonic() + 30
+        while (await health.Check(ready)).status == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "still SERVING after the engine died"
+            await asyncio.sleep(0.05)
+        reasons.append(s.lifecycle.reason)
+    code = await asyncio.wait_for(s.run_until_stopped(), 30)
+    assert code == 1
+    assert reasons == ["not ready: engine ended: the engine process exited"]
+
+
 async def test_a_failed_start_shuts_down_what_it_started(tmp_path):
     first = service(tmp_path, interval_s=0)
     await first.start()

@@ -165,9 +165,20 @@ class CheckpointConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to fsspec (e.g. endpoint_url, key, secret for s3)."""
     lock_timeout_s: float = Field(30.0, gt=0)
-    """One process writes a store: it renews its claim every third of this. A second process
-    refuses to start on the store while the claim is younger than this, and takes over an older
-    one; the old holder, if it comes back, is fenced (publishes nothing, turns not-ready)."""
+    """One process writes a store: it renews its claim every third of this, and writes nothing
+    once half of it passed without a renewal. A second process takes over a claim older than
+    this; the old holder, if it comes back, is fenced (publishes nothing, turns not-ready)."""
+    claim_wait_s: float | None = Field(None, ge=0)
+    """How long a start waits for another process's younger claim to lapse (a frozen holder),
+    saying so every few seconds, before it exits naming the holder; a holder seen renewing
+    meanwhile is alive, and the start exits at once. Unset: 1.5 times lock_timeout_s, enough for
+    a claim renewed just before its holder froze, on hosts whose clocks differ by up to half the
+    timeout."""
+
+    @property
+    def claim_wait(self) -> float:
+        """``claim_wait_s``, or its default."""
+        return 1.5 * self.lock_timeout_s if self.claim_wait_s is None else self.claim_wait_s
 
 
 class WeightsConfig(_Section):

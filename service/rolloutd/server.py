@@ -12,8 +12,9 @@ started, without a final checkpoint.
 Shutdown (SIGTERM/SIGINT, idempotent): DRAINING, stop accepting RPCs with a grace period, stop
 generation, final checkpoint, stop the engine, flush telemetry.
 
-Exit code: 0 after a requested stop, 1 after an unrecoverable failure (a dead engine, an invariant
-violation, a background task that died of one), so the orchestrator restarts the process.
+Exit code: 0 after a requested stop, 1 after an unrecoverable failure (a dead engine, also one that
+dies while the service is idle, an invariant violation, a background task that died of one), so
+the orchestrator restarts the process.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ log = logging.getLogger(__name__)
 
 CLAIM = "store-claim"
 """The cause under which a store that cannot be claimed yet holds readiness off."""
+
+ENGINE_WATCH_S = 1.0
+"""How often the engine is asked whether it is alive."""
 
 UNRECOVERABLE = (InvariantError, EngineDeadError)
 """Errors after which the process must be restarted rather than wait to be ready again."""
@@ -255,7 +259,8 @@ class RolloutService:
 
     async def _start(self) -> Addresses:
         await self._state_changed(self.lifecycle.state)
-        await self._claim_store()  # a store held elsewhere fails fast
+        # a frozen holder's claim is waited out; a live holder ends the start
+        await self._claim_store(self.config.checkpoint.claim_wait)
         self.supervisor.spawn("store-claim", self._keep_claim())
         if self.config.restore not in (LATEST, NONE):
             # a snapshot that is not there fails the start before the engine takes its time
@@ -277,6 +282,7 @@ class RolloutService:
         self.supervisor.spawn("status-gauges", self._refresh_status())
         await asyncio.to_thread(self.staging.prepare)
         await self.engine.start()
+        self.supervisor.spawn("engine", self._watch_engine())
         if self.scoring is not None:
             await self.scoring.start()  # before a restore: it may score restored groups
         restored: RestoreReport | None = None
@@ -391,11 +397,12 @@ class RolloutService:
     async def _task_failed(self, name: str, error: BaseException) -> None:
         await self.lifecycle.block(f"task:{name}", f"{name} ended: {error}")
 
-    async def _claim_store(self) -> None:
-        """Claims the store; :class:`StoreHeld` ends the start. A store that cannot be written
-        (read-only, unreachable) leaves the service not ready until a later attempt succeeds."""
+    async def _claim_store(self, wait_s: float = 0.0) -> None:
+        """Claims the store, waiting up to ``wait_s`` for another process's claim to lapse;
+        :class:`StoreHeld` ends the start. A store that cannot be written (read-only,
+        unreachable) leaves the service not ready until a later attempt succeeds."""
         try:
-            await asyncio.to_thread(self.store.claim.acquire)
+            await asyncio.to_thread(self.store.claim.acquire, wait_s)
         except StoreHeld:
             raise
         except OSError as exc:
@@ -422,6 +429,13 @@ class RolloutService:
                 log.warning("could not renew the claim on the store: %s", exc)
         await self.lifecycle.block("fenced", claim.fenced or "fenced")
         await asyncio.Event().wait()
+
+    async def _watch_engine(self) -> None:
+        """Ends with :class:`EngineDeadError` once the engine dies, also while the service is
+        idle: an engine death is otherwise seen only by the next engine call."""
+        while True:
+            self.engine.check_alive()
+            await asyncio.sleep(ENGINE_WATCH_S)
 
     async def _watch_controller(self) -> None:
         """Ends, with the controller's fatal error, when the controller cannot go on."""

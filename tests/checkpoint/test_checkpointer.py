@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -565,33 +566,77 @@ async def test_compaction_merges_small_segments_and_keeps_the_large_one(nodes):
     assert sum(len(g.samples) for g in b.controller.buffer.groups.values()) == rows == 12
 
 
-async def test_an_attempt_that_times_out_but_publishes_later_does_not_block_the_next(nodes):
-    import time as _time
-
+async def test_an_attempt_that_timed_out_never_publishes_and_the_next_holds_its_rows(nodes):
+    """A disk stall outlasts an attempt: the attempt fails with ``timeout`` while its worker
+    thread still waits on the disk. When the stall ends, that thread must publish nothing (a
+    snapshot the checkpointer reported failed, whose capture it handed back, racing the next
+    attempt and retention); the next attempt writes everything since the last success."""
     a = nodes()
     a.checkpointer.config = CheckpointerConfig(keep_latest=2, timeout_s=0.2)
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 2)
-    real_publish = a.store.publish
+    stall, stalled = threading.Event(), threading.Event()
+    real_write_sidecar = a.store.write_sidecar_json
 
-    def slow_publish(manifest):
-        _time.sleep(0.5)  # the worker thread outlives the attempt, then publishes anyway
-        real_publish(manifest)
+    def write_sidecar_on_a_stalled_disk(sequence, data):
+        stalled.set()
+        stall.wait(30)
+        return real_write_sidecar(sequence, data)
 
-    a.store.publish = slow_publish
+    finished = threading.Event()
+    real_write_snapshot = a.checkpointer._write_snapshot
+
+    def write_snapshot(*args):
+        try:
+            return real_write_snapshot(*args)
+        finally:
+            finished.set()  # the worker thread is done, published or not
+
+    a.store.write_sidecar_json = write_sidecar_on_a_stalled_disk
+    a.checkpointer._write_snapshot = write_snapshot
     late = await a.checkpoint()
     assert (late.outcome, late.reason) == (Outcome.FAILED, Reason.TIMEOUT)
-    await asyncio.sleep(0.6)
-    a.store.publish = real_publish
+    assert stalled.is_set()
+    stall.set()  # the disk comes back while nothing waits for the attempt any more
+    assert await asyncio.to_thread(finished.wait, 30)
+    assert a.store.sequences() == [], "an attempt that timed out published a snapshot"
+
+    a.store.write_sidecar_json = real_write_sidecar
+    a.checkpointer._write_snapshot = real_write_snapshot
+    a.checkpointer.config = CheckpointerConfig(keep_latest=2, timeout_s=30)
     await a.controller.fetch(1, 100, "t")
     r = await a.checkpoint()
-    assert r.outcome is Outcome.COMPLETED and r.sequence == late_sequence(a) + 1
+    assert r.outcome is Outcome.COMPLETED and a.store.sequences() == [r.sequence]
     held = sum(len(g.samples) for g in a.controller.buffer.groups.values())
     assert r.rows[RowKind.LIVE] == held
+    b = nodes(engine=GatedEngine())
+    await b.restore()
+    assert sum(len(g.samples) for g in b.controller.buffer.groups.values()) == held
 
 
-def late_sequence(node):
-    return sorted(node.store.sequences())[-2]
+async def test_an_attempt_publishing_when_it_times_out_completes(nodes, caplog):
+    """Publishing is the commit point: a timeout that comes while the manifest is on its way
+    waits for it, and the attempt counts as completed (the parent moves to it)."""
+    a = nodes()
+    a.checkpointer.config = CheckpointerConfig(keep_latest=2, timeout_s=0.2)
+    a.controller.start()
+    await settle(lambda: a.controller.status().buffer.committed >= 2)
+    stall, publishing = threading.Event(), threading.Event()
+    real_publish = a.store.publish
+
+    def publish_on_a_stalled_disk(manifest):
+        publishing.set()
+        stall.wait(30)
+        real_publish(manifest)
+
+    a.store.publish = publish_on_a_stalled_disk
+    attempt = asyncio.create_task(a.checkpoint())
+    await settle(lambda: any("publishing when the attempt timed out" in m for m in caplog.messages))
+    assert publishing.is_set()
+    stall.set()
+    r = await attempt
+    assert r.outcome is Outcome.COMPLETED and a.store.sequences() == [r.sequence]
+    assert a.checkpointer.sequence == r.sequence
 
 
 TAGS = {1: ("step-1", 1), 2: ("manual-1", None), 5: ("step-5", 5), 10: ("step-10", 10)}

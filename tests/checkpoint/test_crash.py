@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.checkpoint.backends import MANIFESTS, sequence_of
-from rolloutd.checkpoint.faults import ENV, FaultPoint, parse
+from rolloutd.checkpoint.faults import ENV, FaultPoint, parse, parse_stalls
 from tests.checkpoint.crash_worker import checkpoint_once, expected_rows
 from tests.checkpoint.helpers import Location, verify
 
@@ -124,3 +124,14 @@ def test_fault_spec_is_validated():
         parse("commit.befor")
     with pytest.raises(ValueError, match="within"):
         parse("retire.mid:2")
+
+
+def test_stall_spec_is_validated():
+    assert parse_stalls("claim.renew:1.5, commit.before_rename:0") == {
+        FaultPoint.CLAIM_RENEW: 1.5,
+        FaultPoint.COMMIT_BEFORE_RENAME: 0.0,
+    }
+    with pytest.raises(ValueError, match=r"ROLLOUTD_STALL: unknown fault point 'claim\.renw'"):
+        parse_stalls("claim.renw:1")
+    with pytest.raises(ValueError, match="needs the seconds"):
+        parse_stalls("claim.renew")

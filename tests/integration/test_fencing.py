@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -39,7 +40,7 @@ def store(request, tmp_path) -> tuple[str, dict[str, str], list[str]]:
     )
 
 
-def serve(tmp_path, store, name: str) -> ServeProcess:
+def serve(tmp_path, store, name: str, lock_timeout_s: float = LOCK_TIMEOUT_S) -> ServeProcess:
     url, env, _ = store
     return ServeProcess.synthetic(
         url,
@@ -49,7 +50,7 @@ def serve(tmp_path, store, name: str) -> ServeProcess:
         "2",
         env={
             **env,
-            "ROLLOUTD_CHECKPOINT__LOCK_TIMEOUT_S": str(LOCK_TIMEOUT_S),
+            "ROLLOUTD_CHECKPOINT__LOCK_TIMEOUT_S": str(lock_timeout_s),
             "ROLLOUTD_ENGINE__MAX_TOKENS": "32",
         },
         cwd=tmp_path,
@@ -96,9 +97,8 @@ def test_one_writer_per_store_and_a_returning_holder_is_fenced(tmp_path, store):
         assert time.monotonic() - started < 30
         assert f"pid {a.proc.pid} since " in refused.output, refused.output
 
-        # 2. a holder frozen for longer than the lock timeout is taken over
+        # 2. a frozen holder is taken over once its claim lapses, by a replacement started at once
         os.kill(a.proc.pid, signal.SIGSTOP)
-        time.sleep(LOCK_TIMEOUT_S + 1.0)
         b = serve(tmp_path, store, "b")
         b_address = b.wait_listening()
         assert "took over the store from" in b.output
@@ -139,6 +139,40 @@ def test_one_writer_per_store_and_a_returning_holder_is_fenced(tmp_path, store):
         assert status(c_address).counters.acked_groups >= 3
     finally:
         for p in (a, b, c):
+            if p is not None and p.proc.poll() is None:
+                os.kill(p.proc.pid, signal.SIGCONT)
+                p.kill()
+
+
+def test_a_replacement_started_beside_a_frozen_holder_waits_and_takes_over(tmp_path):
+    """As a StatefulSet does when a node stops answering: the holder is frozen (SIGSTOP) and its
+    replacement starts on the same store at once, with the default claim wait. It says it waits,
+    and takes over when the claim lapses, instead of exiting into a crash loop. A second writer
+    started beside the live replacement still exits non-zero, naming it."""
+    store = (str(tmp_path / "ckpt"), {}, [])
+    # long enough that the claim is still fresh once the replacement's interpreter has started
+    lock_timeout_s = 10.0
+    a = serve(tmp_path, store, "a", lock_timeout_s)
+    b = None
+    try:
+        a.wait_listening()
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        b = serve(tmp_path, store, "b", lock_timeout_s)
+        b_address = b.wait_listening()
+        took_s = time.monotonic() - frozen
+        assert "waiting" in b.output and "for that claim to lapse" in b.output, b.output
+        assert f"took over the store from host {socket.gethostname()} pid {a.proc.pid}" in b.output
+        print(f"replacement took over {took_s:.1f}s after the holder froze")
+        fetch_and_ack(b_address, 1)
+        wait_for(lambda: completed(b) >= 1)
+
+        second = serve(tmp_path, store, "second", lock_timeout_s)
+        assert second.proc.wait(60) != 0
+        assert f"pid {b.proc.pid} since " in second.output, second.output
+        assert b.proc.poll() is None
+    finally:
+        for p in (a, b):
             if p is not None and p.proc.poll() is None:
                 os.kill(p.proc.pid, signal.SIGCONT)
                 p.kill()

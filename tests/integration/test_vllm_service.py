@@ -236,3 +236,65 @@ def test_bad_weights_are_invalid_argument_and_a_dead_engine_stops_the_process(tm
     assert status.state == pb.SERVING_STATE_SERVING and status.policy_version == 0
     assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
     assert code == 1, p.output
+
+
+def test_an_idle_service_whose_engine_dies_turns_not_ready_and_exits_1(tmp_path, cache_dir):
+    """An epoch of four prompts is generated and delivered; the service is idle (nothing asks
+    the engine for anything) when its engine-core process is killed, as an out-of-memory kill
+    would. It must not go on reporting SERVING until the next engine call: it turns not-ready
+    and exits 1 within seconds, so that its orchestrator restarts it."""
+    data = dataset(tmp_path / "prompts.jsonl", 4)
+    p = serve(
+        tmp_path,
+        cache_dir,
+        "--dataset",
+        str(data),
+        "--epochs",
+        "1",
+        "--group-size",
+        "2",
+        "--max-tokens",
+        "8",
+        "--checkpoint-interval",
+        "0",
+    )
+    try:
+        with grpc.insecure_channel(p.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            delivered = 0
+            while delivered < 4:
+                r = stub.FetchGroups(
+                    pb.FetchGroupsRequest(max_groups=4, wait_ms=60_000), timeout=120
+                )
+                delivered += len(r.groups)
+                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
+            idle = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+            assert idle.dataset_exhausted and idle.inflight_samples == 0
+            assert idle.state == pb.SERVING_STATE_SERVING
+            (core,) = [
+                c
+                for c in psutil.Process(p.proc.pid).children()
+                if "EngineCore" in " ".join(c.cmdline())
+            ]
+            core.kill()
+            killed = time.monotonic()
+
+            def serving() -> bool:
+                try:
+                    state = stub.GetStatus(pb.GetStatusRequest(), timeout=2).state
+                except grpc.RpcError:
+                    return False  # gone already: not serving either
+                return state == pb.SERVING_STATE_SERVING
+
+            while serving():
+                assert time.monotonic() - killed < 10, "still SERVING 10 s after the engine died"
+                time.sleep(0.1)
+            not_ready_s = time.monotonic() - killed
+        code = p.proc.wait(timeout=max(0.1, 10 - (time.monotonic() - killed)))
+        exited_s = time.monotonic() - killed
+    finally:
+        if p.proc.poll() is None:
+            p.kill()
+    print(f"engine killed: not ready after {not_ready_s:.1f} s, exit {code} after {exited_s:.1f} s")
+    assert code == 1, p.output
+    assert "EngineDeadError" in p.output, p.output

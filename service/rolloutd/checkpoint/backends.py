@@ -125,8 +125,11 @@ class Backend(Protocol):
         *,
         before_visible: FaultPoint | None = None,
         after_visible: FaultPoint | None = None,
+        guard: Callable[[], None] | None = None,
     ) -> None:
-        """Write a small file atomically and durably, directory entry included."""
+        """Write a small file atomically and durably, directory entry included. ``guard`` runs
+        right before the file becomes visible, after the writes that may stall; it raises to
+        leave the file unwritten."""
         ...
 
     def read(self, path: str) -> pa.Buffer: ...
@@ -212,16 +215,19 @@ class LocalBackend:
         *,
         before_visible: FaultPoint | None = None,
         after_visible: FaultPoint | None = None,
+        guard: Callable[[], None] | None = None,
     ) -> None:
         sink = LocalSink(self.root, path)
         try:
             sink.write(data)
             sink.flush()
+            if before_visible is not None:
+                fault_point(before_visible)
+            if guard is not None:
+                guard()
         except BaseException:
             sink.abort()
             raise
-        if before_visible is not None:
-            fault_point(before_visible)
         sink.rename()
         if after_visible is not None:
             fault_point(after_visible)
@@ -346,9 +352,12 @@ class ObjectBackend:
         *,
         before_visible: FaultPoint | None = None,
         after_visible: FaultPoint | None = None,
+        guard: Callable[[], None] | None = None,
     ) -> None:
         if before_visible is not None:
             fault_point(before_visible)
+        if guard is not None:
+            guard()
         with self.io(f"put {path}"):
             self.fs.pipe_file(self._path(path), data)
         if after_visible is not None:

@@ -14,17 +14,21 @@
 
 A crash at any instant leaves the previous snapshot restorable. A failed attempt hands its capture
 back to the controller (``capture_failed``), so the next attempt still writes everything since
-the last success. When attempts run (periodic, on demand, at shutdown) is the scheduler's choice.
+the last success. An attempt that timed out publishes nothing, ever (:class:`_Handoff`): its
+worker thread may still be waiting on the disk, and is refused at its next step. When attempts
+run (periodic, on demand, at shutdown) is the scheduler's choice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from rolloutd.checkpoint import partials, sidecar
@@ -79,6 +83,57 @@ class CheckpointerConfig:
     compact_segments: int = 8
     """A snapshot listing more segments than this has its smallest ones (by live bytes) merged
     into one, leaving half as many; large, mostly live segments are not rewritten."""
+
+
+class AttemptAbandoned(Exception):
+    """Raised in an attempt's worker thread once the event loop gave up on the attempt."""
+
+
+class _Handoff:
+    """An attempt's worker thread and the event loop agree here on whether it may publish.
+
+    A timeout cancels the coroutine but not the thread: left alone, a thread stalled on the disk
+    would publish a snapshot the checkpointer had reported failed, whose capture it had handed
+    back, racing the next attempt (and its retention, which may retire the parent the next
+    attempt builds on). So the thread asks before each phase and before publishing; once the
+    loop abandons the attempt every answer is no. Publishing is the commit point: an attempt
+    whose thread began publishing before the timeout is waited for and counts as completed.
+    """
+
+    def __init__(self, sequence: int) -> None:
+        self.sequence = sequence
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._publishing = False
+
+    def check(self) -> None:
+        """In the thread, between phases: stop writing files nobody will publish."""
+        if self._abandoned:
+            raise AttemptAbandoned(f"snapshot {self.sequence}: the attempt timed out")
+
+    def publishing(self) -> None:
+        """In the thread, right before publishing: from here on the attempt completes."""
+        with self._lock:
+            self.check()
+            self._publishing = True
+
+    def abandon(self) -> bool:
+        """On the loop, when the attempt timed out: True if it will publish nothing, False if
+        its thread is publishing already (then it must be waited for)."""
+        with self._lock:
+            self._abandoned = not self._publishing
+            return self._abandoned
+
+
+def _abandoned(sequence: int, work: asyncio.Future[Any]) -> None:
+    """What became of an abandoned attempt's thread, once it ends (and its error retrieved)."""
+    if work.cancelled():
+        return
+    exc = work.exception()
+    if isinstance(exc, AttemptAbandoned) or exc is None:
+        log.info("snapshot %d: the attempt that timed out stopped, unpublished", sequence)
+    else:
+        log.warning("snapshot %d: the attempt that timed out stopped: %s", sequence, exc)
 
 
 @dataclass(frozen=True)
@@ -202,7 +257,11 @@ class Checkpointer:
                         clock, report, force=trigger is not Trigger.PERIODIC or bool(tag)
                     )
             except TimeoutError as exc:
-                report.outcome, report.reason, report.error = Outcome.FAILED, Reason.TIMEOUT, exc
+                late = TimeoutError(
+                    f"the attempt took longer than checkpoint.timeout_s={self.config.timeout_s:g}s"
+                )
+                late.__cause__ = exc
+                report.outcome, report.reason, report.error = Outcome.FAILED, Reason.TIMEOUT, late
             except OSError as exc:
                 report.outcome, report.reason, report.error = Outcome.FAILED, Reason.IO_ERROR, exc
             except InvariantError as exc:
@@ -297,7 +356,7 @@ class Checkpointer:
         if self._next_sequence is None:
             published = await asyncio.to_thread(self.store.sequences)
             self._next_sequence = (published[0] if published else 0) + 1
-        # Never reused: an attempt that timed out may still publish from its worker thread.
+        # Never reused: an attempt that timed out may still be writing files in its thread.
         sequence, self._next_sequence = self._next_sequence, self._next_sequence + 1
         base = _Base(
             self._parent,
@@ -306,12 +365,24 @@ class Checkpointer:
             self._resumed,
             self.controller.retained_from_step(capture),
         )
-        return await asyncio.to_thread(
-            self._write_snapshot, clock, sequence, base, capture, acks_through, report
+        handoff = _Handoff(sequence)
+        work = asyncio.ensure_future(
+            asyncio.to_thread(
+                self._write_snapshot, handoff, clock, sequence, base, capture, acks_through, report
+            )
         )
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if handoff.abandon():
+                work.add_done_callback(partial(_abandoned, sequence))
+                raise
+            log.warning("snapshot %d: publishing when the attempt timed out; waiting", sequence)
+            return await work
 
     def _write_snapshot(
         self,
+        handoff: _Handoff,
         clock: PhaseClock,
         sequence: int,
         base: _Base,
@@ -325,7 +396,8 @@ class Checkpointer:
         twice, and every piece of Python work here (filtering thousands of rows, sorting changed
         groups, encoding) would be loop time not spent serving RPCs. The capture belongs to this
         attempt alone, and ``base`` was read on the loop before the hand-off: an attempt that
-        timed out may still be running here while the next one completes and moves the parent."""
+        timed out may still be running here while the next one completes and moves the parent,
+        which is why it asks ``handoff`` before each phase and before it publishes."""
         delta = capture.buffer
         removed = set(delta.removed_rows)
         new_rows = [row for row in delta.new_rows if row[0] not in removed]
@@ -334,6 +406,7 @@ class Checkpointer:
             if removed
             else delta.new_sealed_ids
         )
+        handoff.check()
         with clock.phase(CheckpointPhase.BUFFER_SAVE):
             segment = (
                 self.store.write_segment(sequence, new_rows, delta.new_sealed, sealed_ids)
@@ -347,6 +420,7 @@ class Checkpointer:
                 if capture.partials or resumed
                 else None
             )
+        handoff.check()
         with clock.phase(CheckpointPhase.SIDECAR_WRITE):
             changed = {**base.carried, **delta.groups}
             metas = [meta for _, meta in sorted(changed.items()) if meta is not None]
@@ -358,6 +432,7 @@ class Checkpointer:
             pieces = self.store.write_submissions(sequence, held, since)
             ledger = self._write_ledger(sequence, base, capture.buffer.finalized_leases)
             entry = self.store.write_sidecar_json(sequence, sidecar.encode(capture))
+        handoff.check()
         with clock.phase(CheckpointPhase.COMMIT):
             manifest = next_manifest(
                 base.parent,
@@ -380,6 +455,7 @@ class Checkpointer:
                 chosen = plan_compaction(manifest, self.config.compact_segments, kind)
                 if chosen:
                     manifest = self.store.compact(manifest, chosen, kind)
+            handoff.publishing()
             self.store.publish(manifest)
             self._retire(base.oldest_step)
         return manifest, resumed

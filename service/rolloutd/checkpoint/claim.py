@@ -1,25 +1,38 @@
 """One writer per store: a renewable claim, and fencing of a holder that lost it.
 
-The claim is one small record at the store's root (``lock.json``): who holds the store (a random
-token, host, pid, since when), when it last renewed, and an epoch that grows at each takeover.
-Every change of the record is a compare-and-swap, so of two processes racing for it exactly one
-wins:
+The claim is one small record: who holds the store (a random token, host, pid, since when), when
+it last renewed, and an epoch that grows at each takeover. Every change of the record is a
+compare-and-swap, so of two processes racing for it exactly one wins, and none holds a lock that
+a frozen process could keep:
 
-* local directory: under an exclusive ``flock`` of ``lock.guard``, the record is read, compared
-  with what this process last saw, and replaced (written, fsynced, renamed);
-* object store (S3): a conditional put, ``If-None-Match: *`` when there is no record and
-  ``If-Match: <ETag>`` of the record last seen otherwise (s3requests.py).
+* local directory: the record has generations, ``claim/<generation>.json``, the newest one
+  current. A change after generation N writes the new record to a file of its own, fsyncs it,
+  and hard-links it as generation N+1: the link fails when N+1 exists, and a link that landed
+  below a newer generation (N+1 was pruned) is lost too. A released claim is an empty
+  generation. The last few generations are kept;
+* object store (S3): a conditional put of ``lock.json``, ``If-None-Match: *`` when there is no
+  record and ``If-Match: <ETag>`` of the record last seen otherwise (s3requests.py).
 
 Rules (``checkpoint.lock_timeout_s`` = T):
 
-* :meth:`StoreClaim.acquire` at start-up refuses a store whose holder renewed less than T ago,
-  naming it (:class:`StoreHeld`); an older claim, or one whose process is gone from this host,
-  is taken over.
+* :meth:`StoreClaim.acquire` at start-up takes over a claim older than T, or one whose process
+  is gone from this host. A younger claim is waited for, up to ``checkpoint.claim_wait_s``
+  (1.5 T by default) with a progress line: a holder that is frozen (SIGSTOP, a paused VM, a
+  partitioned node) stops renewing and its claim lapses, so its replacement takes over instead
+  of exiting and crash-looping. A holder seen renewing during the wait is alive: the start is
+  refused at once, naming it (:class:`StoreHeld`), as it is when the wait runs out.
 * The holder renews every T/3 (:meth:`renew`). Before each write to the store (a publish,
-  retention, a journal record) :meth:`check` costs nothing when the last renewal is younger than
-  T/2, and renews otherwise: a holder that was paused (SIGSTOP, a frozen VM, a partition) finds on
-  its first write that another process took over, and raises :class:`Fenced` instead of writing.
-  A fenced claim stays fenced; the service turns not-ready and says why.
+  retention, a journal record), and again right before a manifest becomes visible,
+  :meth:`check` costs nothing while the last renewal is younger than T/2, and renews otherwise:
+  a holder that was paused finds on its first write that another process took over, and raises
+  :class:`Fenced` instead of writing. A fenced claim stays fenced; the service turns not-ready
+  and says why.
+* A renewal counts from the moment before its record was written, which is the ``renewed_at``
+  others read, not from when the write returned: a renewal that stalled on the disk for longer
+  than T lands already lapsed, and its holder knows it. So a holder writes only within T/2 of a
+  renewal that others see as at most that old; past it, it writes nothing until a renewal
+  succeeds, which it cannot once another process took over. It fences itself before another
+  may take over, by the other half of T.
 
 Clocks of the hosts sharing a store are assumed to agree within T/2.
 """
@@ -27,7 +40,6 @@ Clocks of the hosts sharing a store are assumed to agree within T/2.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -35,16 +47,23 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from rolloutd.checkpoint import s3requests
-from rolloutd.checkpoint.backends import LocalBackend, ObjectBackend, StoreError
+from rolloutd.checkpoint.backends import LocalBackend, ObjectBackend, StoreError, fsync_dir
+from rolloutd.checkpoint.faults import FaultPoint, fault_point
 
 log = logging.getLogger(__name__)
 
 LOCK = "lock.json"
-GUARD = "lock.guard"
+"""The record on an object store."""
+CLAIM_DIR = "claim"
+"""The record's generations in a local directory."""
+KEPT_GENERATIONS = 4
+
+PROGRESS_S = 5.0
+"""How often a start waiting for another process's claim to lapse says so."""
 
 
 class StoreHeld(StoreError):
@@ -57,6 +76,13 @@ class Fenced(StoreError):
 
 class _Lost(Exception):
     """A compare-and-swap found another record than the one this process last saw."""
+
+
+class _Busy(Exception):
+    """The store is held, by ``holder`` (None: its record is being written right now)."""
+
+    def __init__(self, holder: Holder | None) -> None:
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -109,8 +135,8 @@ class StoreClaim:
             renewed_at=0.0,
             epoch=0,
         )
-        self._version: bytes | str | None = None
-        """What this process last wrote: the record's bytes (local) or its ETag (object store)."""
+        self._version: int | str | None = None
+        """What this process last wrote: its generation (local) or its ETag (object store)."""
         self._renewed = -1.0
         """``time.monotonic()`` of the last renewal; negative while nothing is held."""
         self.fenced: str | None = None
@@ -127,24 +153,66 @@ class StoreClaim:
 
     # --- the rules -------------------------------------------------------------------------
 
-    def acquire(self) -> Holder | None:
-        """Claims the store; returns the holder it took over, if any. Raises :class:`StoreHeld`
-        naming a live holder, and ``OSError`` when the store cannot be written (the service
-        retries, not ready meanwhile)."""
+    def acquire(self, wait_s: float = 0.0) -> Holder | None:
+        """Claims the store; returns the holder it took over, if any.
+
+        A live claim is waited for up to ``wait_s`` (see the module docstring); then, or at once
+        when its holder renews meanwhile, :class:`StoreHeld` names the holder. ``OSError`` when
+        the store cannot be written (the service retries, not ready meanwhile)."""
         self._wanted = True
+        started = time.monotonic()
+        deadline, progress = started + wait_s, started
+        seen: Holder | None = None
+        while True:
+            try:
+                return self._try_acquire()
+            except _Busy as busy:
+                holder = busy.holder
+            now = self._clock()
+            if (
+                holder is not None
+                and seen is not None
+                and (holder.token, holder.renewed_at) != (seen.token, seen.renewed_at)
+                and holder.token == seen.token
+            ):
+                raise StoreHeld(self._held(holder, now, "it renewed its claim just now"))
+            seen = holder or seen
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise (
+                    StoreHeld(self._held(seen, now, f"waited {wait_s:g}s"))
+                    if seen is not None
+                    else StoreHeld(f"the store {self._backend.url} is being claimed")
+                )
+            if time.monotonic() >= progress:
+                progress += PROGRESS_S
+                log.warning(
+                    "the store %s is held by %s; waiting %.0fs more for that claim to lapse "
+                    "(checkpoint.claim_wait_s)",
+                    self._backend.url,
+                    "another process" if seen is None else seen.describe(now),
+                    left,
+                )
+            time.sleep(min(left, self.timeout_s / 10, 1.0))
+
+    def _held(self, holder: Holder, now: float, why: str) -> str:
+        return (
+            f"the store {self._backend.url} is held by {holder.describe(now)} ({why}); stop "
+            f"that process, or wait checkpoint.lock_timeout_s={self.timeout_s:g}s after "
+            "it stops renewing, or give this one another --checkpoint-dir"
+        )
+
+    def _try_acquire(self) -> Holder | None:
+        """One attempt; :class:`_Busy` while a live holder has the store."""
         for _ in range(3):  # another process may win a race for a stale claim
             current, version = self._read()
-            now = self._clock()
+            now, started = self._clock(), time.monotonic()
             if (
                 current is not None
                 and current.token != self._me.token
                 and self._alive(current, now)
             ):
-                raise StoreHeld(
-                    f"the store {self._backend.url} is held by {current.describe(now)}; stop "
-                    f"that process, or wait checkpoint.lock_timeout_s={self.timeout_s:g}s after "
-                    "it stops renewing, or give this one another --checkpoint-dir"
-                )
+                raise _Busy(current)
             mine = replace(
                 self._me,
                 since=now,
@@ -155,11 +223,11 @@ class StoreClaim:
                 self._version = self._swap(version, mine)
             except _Lost:
                 continue
-            self._me, self._renewed = mine, time.monotonic()
+            self._me, self._renewed = mine, started
             if current is not None:
                 log.warning("took over the store from %s", current.describe(now))
             return current
-        raise StoreHeld(f"the store {self._backend.url} is being claimed by another process")
+        raise _Busy(None)
 
     def renew(self) -> None:
         """Renews the claim; raises :class:`Fenced` (and stays fenced) if it was taken over."""
@@ -169,10 +237,10 @@ class StoreClaim:
     def _renew(self) -> None:
         if self.fenced is not None:
             raise Fenced(self.fenced)
-        now = self._clock()
+        now, started = self._clock(), time.monotonic()
         renewed = replace(self._me, renewed_at=now)
         try:
-            self._version = self._swap(self._version, renewed)
+            self._version = self._swap(self._version, renewed, FaultPoint.CLAIM_RENEW)
         except _Lost:
             current, _ = self._read()
             who = "nobody" if current is None else current.describe(now)
@@ -182,12 +250,15 @@ class StoreClaim:
             )
             log.critical("%s", self.fenced)
             raise Fenced(self.fenced) from None
-        self._me, self._renewed = renewed, time.monotonic()
+        # from before the write: what others read (see the module docstring)
+        self._me, self._renewed = renewed, started
 
     def check(self) -> None:
-        """Before a write to the store: raises :class:`Fenced` if the claim was lost, and
-        :class:`StoreError` while it is not held yet. Free while the last renewal is recent; a
-        no-op for a process that never tries to claim the store (tools, tests of the store)."""
+        """Before a write to the store, and right before a manifest becomes visible: raises
+        :class:`Fenced` if the claim was lost, and :class:`StoreError` while it is not held yet.
+        Free while the last renewal is younger than T/2, renews (waiting for one in progress)
+        otherwise. A no-op for a process that never tries to claim the store (tools, tests of
+        the store)."""
         if self.fenced is not None:
             raise Fenced(self.fenced)
         if self._renewed < 0:
@@ -217,65 +288,88 @@ class StoreClaim:
 
     # --- the record, compared and swapped --------------------------------------------------
 
-    def _read(self) -> tuple[Holder | None, bytes | str | None]:
+    def current(self) -> Holder | None:
+        """Who holds the store now, as its record says (None: nobody)."""
+        return self._read()[0]
+
+    def _read(self) -> tuple[Holder | None, int | str | None]:
         if isinstance(self._backend, LocalBackend):
-            data = self._read_local()
-            return (None if data is None else _decode(data)), data
+            data, generation = self._read_local()
+            return (None if not data else _decode(data)), generation
         found = self._get_object()
         if found is None:
             return None, None
         data, etag = found
         return _decode(data), etag
 
-    def _swap(self, expected: bytes | str | None, holder: Holder | None) -> bytes | str | None:
+    def _swap(
+        self,
+        expected: int | str | None,
+        holder: Holder | None,
+        point: FaultPoint | None = None,
+    ) -> int | str | None:
         """Replaces the record if it is still ``expected`` (None: absent); ``holder=None``
-        deletes it. Returns the new version; raises :class:`_Lost` otherwise."""
+        releases it. Returns the new version; raises :class:`_Lost` otherwise. ``point``: the
+        fault point of the write (a renewal's)."""
         data = None if holder is None else json.dumps(asdict(holder)).encode()
         if isinstance(self._backend, LocalBackend):
-            with self._guard():
-                if self._read_local() != expected:
-                    raise _Lost
-                if data is None:
-                    self._backend.delete([LOCK])
-                else:
-                    self._backend.put(LOCK, data)
-            return data
-        return self._swap_object(expected, data)
+            assert not isinstance(expected, str)
+            return self._link_next(expected or 0, data or b"", point)
+        assert not isinstance(expected, int)
+        return self._swap_object(expected, data, point)
 
     # local
 
     @property
-    def _root(self) -> str:
+    def _dir(self) -> str:
         assert isinstance(self._backend, LocalBackend)
-        return self._backend.root
+        return os.path.join(self._backend.root, CLAIM_DIR)
 
-    def _read_local(self) -> bytes | None:
+    def _generations(self) -> list[int]:
         try:
-            with open(os.path.join(self._root, LOCK), "rb") as f:
-                return f.read()
+            names = os.listdir(self._dir)
         except FileNotFoundError:
-            return None
+            return []
+        return sorted(int(n[: -len(".json")]) for n in names if n.endswith(".json"))
 
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        os.makedirs(self._root, exist_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        fd = os.open(os.path.join(self._root, GUARD), flags, 0o644)
+    def _read_local(self) -> tuple[bytes, int]:
+        """The newest generation's record (empty: released or none) and its number (0: none)."""
+        while True:
+            generations = self._generations()
+            if not generations:
+                return b"", 0
+            try:
+                with open(os.path.join(self._dir, f"{generations[-1]:020d}.json"), "rb") as f:
+                    return f.read(), generations[-1]
+            except FileNotFoundError:  # pruned since it was listed: a newer one exists
+                continue
+
+    def _link_next(self, expected: int, data: bytes, point: FaultPoint | None) -> int:
+        os.makedirs(self._dir, exist_ok=True)
+        new = expected + 1
+        tmp = os.path.join(self._dir, f".{self._me.token}.tmp")
         try:
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreHeld(
-                            f"{self._backend.url}/{GUARD} stays locked by another process"
-                        ) from None
-                    time.sleep(0.05)
-            yield
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if point is not None:
+                fault_point(point)
+            try:
+                os.link(tmp, os.path.join(self._dir, f"{new:020d}.json"))
+            except FileExistsError:
+                raise _Lost from None
         finally:
-            os.close(fd)  # releases the flock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        fsync_dir(self._dir)
+        generations = self._generations()
+        if generations[-1] != new:
+            raise _Lost  # it landed below a newer generation: someone else moved on
+        for old in generations[:-KEPT_GENERATIONS]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._dir, f"{old:020d}.json"))
+        return new
 
     # object store
 
@@ -291,9 +385,13 @@ class StoreClaim:
         with self._backend.io(f"read {LOCK}"):
             return s3requests.get(self._backend.fs, bucket, key)
 
-    def _swap_object(self, expected: bytes | str | None, data: bytes | None) -> str | None:
+    def _swap_object(
+        self, expected: bytes | str | None, data: bytes | None, point: FaultPoint | None
+    ) -> str | None:
         assert isinstance(self._backend, ObjectBackend)
         assert not isinstance(expected, bytes)
+        if point is not None:
+            fault_point(point)
         bucket, key = self._bucket_key()
         fs = self._backend.fs
         with self._backend.io(f"write {LOCK}"):

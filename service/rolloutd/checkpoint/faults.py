@@ -1,9 +1,12 @@
-"""Fault injection for crash tests: SIGKILL this process at a named point of a checkpoint.
+"""Fault injection for crash and stall tests, at named points of the store's writes.
 
-``ROLLOUTD_FAULT`` selects the points: one name (``commit.before_rename``), a comma list, and
-optionally a probability per name (``buffer_save.mid:0.3``). An unknown name is an error, so a typo
-cannot make a crash test pass without crashing. With the variable unset, :func:`fault_point` costs
-one environment lookup.
+``ROLLOUTD_FAULT`` selects points where this process is SIGKILLed: one name
+(``commit.before_rename``), a comma list, and optionally a probability per name
+(``buffer_save.mid:0.3``). ``ROLLOUTD_STALL`` selects points where the calling thread sleeps,
+as on a disk that stops answering for a while (fsync stalls of tens of seconds were measured
+beside vLLM on two cores): ``claim.renew:3`` sleeps 3 s every time a renewal of the store's claim
+is about to write. An unknown name is an error, so a typo cannot make a test pass without its
+fault. With both variables unset, :func:`fault_point` costs two environment lookups.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import enum
 import os
 import random
 import signal
+import time
 
 ENV = "ROLLOUTD_FAULT"
+STALL_ENV = "ROLLOUTD_STALL"
 
 
 class FaultPoint(enum.Enum):
@@ -36,6 +41,17 @@ class FaultPoint(enum.Enum):
     JOURNAL_APPEND = "journal.append"
     """A journal record (ack, lease grant, submission, id reservation) is durable, the caller
     not yet told so."""
+    CLAIM_RENEW = "claim.renew"
+    """A renewal of the store's claim is about to write its record (local: under the record's
+    lock, which a process waiting to take over then waits for)."""
+
+
+def _point(env: str, name: str) -> FaultPoint:
+    try:
+        return FaultPoint(name)
+    except ValueError:
+        known = ", ".join(p.value for p in FaultPoint)
+        raise ValueError(f"{env}: unknown fault point {name!r}; known: {known}") from None
 
 
 def parse(spec: str) -> dict[FaultPoint, float]:
@@ -43,11 +59,7 @@ def parse(spec: str) -> dict[FaultPoint, float]:
     points: dict[FaultPoint, float] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, probability = item.partition(":")
-        try:
-            point = FaultPoint(name)
-        except ValueError:
-            known = ", ".join(p.value for p in FaultPoint)
-            raise ValueError(f"{ENV}: unknown fault point {name!r}; known: {known}") from None
+        point = _point(ENV, name)
         p = float(probability) if probability else 1.0
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"{ENV}: probability of {name} must be within [0, 1], not {p}")
@@ -55,8 +67,25 @@ def parse(spec: str) -> dict[FaultPoint, float]:
     return points
 
 
+def parse_stalls(spec: str) -> dict[FaultPoint, float]:
+    """``name:seconds[,...]`` to how long to sleep at each point."""
+    stalls: dict[FaultPoint, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, seconds = item.partition(":")
+        point = _point(STALL_ENV, name)
+        s = float(seconds) if seconds else -1.0
+        if s < 0:
+            raise ValueError(f"{STALL_ENV}: {name} needs the seconds to stall, as {name}:3")
+        stalls[point] = s
+    return stalls
+
+
 def fault_point(point: FaultPoint) -> None:
-    """Kill this process with SIGKILL when ``ROLLOUTD_FAULT`` selects ``point``."""
+    """Sleep when ``ROLLOUTD_STALL`` selects ``point``, then kill this process with SIGKILL when
+    ``ROLLOUTD_FAULT`` selects it."""
+    stall = os.environ.get(STALL_ENV)
+    if stall:
+        time.sleep(parse_stalls(stall).get(point, 0.0))
     spec = os.environ.get(ENV)
     if not spec:
         return

@@ -154,4 +154,5 @@ class Writer(Reader):
             manifest.to_json(),
             before_visible=FaultPoint.COMMIT_BEFORE_RENAME,
             after_visible=FaultPoint.COMMIT_AFTER_RENAME,
+            guard=self.claim.check,  # again: the writes above may have stalled past the claim
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
@@ -366,8 +366,16 @@ class RolloutBuffer:
         self._acked_groups += len(present)
         return [gid for gid in record.group_ids if gid not in self.groups]
 
-    def expired_leases(self, now: float) -> list[Lease]:
-        return [lease for lease in self.leases.values() if lease.expires_at <= now]
+    def expired_leases(
+        self, now: float, paused_since: Callable[[float], float] = lambda _: 0.0
+    ) -> list[Lease]:
+        """Leases past their deadline at ``now``, each deadline moved on by the time the service
+        did not run since the lease was granted (``paused_since(created_at)``, pauses.py)."""
+        return [
+            lease
+            for lease in self.leases.values()
+            if lease.expires_at + paused_since(lease.created_at) <= now
+        ]
 
     def requeue(self, lease_id: str) -> list[int]:
         """Makes a lease's groups available again, ahead of newer groups, in their order."""

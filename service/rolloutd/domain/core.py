@@ -2,8 +2,9 @@
 
 The buffer, the barrier every change goes through, the sampler, the counters, the policy
 version, the delivery ledger (acks' high-water marks, what the journal holds for groups no
-snapshot held), the wake-ups that admission and fetches wait on, and the one way the controller
-dies. The rooms hold a reference to one :class:`Core` and nothing of each other's state.
+snapshot held), the pauses that lease time does not count, the wake-ups that admission and
+fetches wait on, and the one way the controller dies. The rooms hold a reference to one
+:class:`Core` and nothing of each other's state.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.errors import Unavailable
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.pauses import Pauses
 from rolloutd.domain.sampler import Admission, Sampler
 from rolloutd.domain.state import Counters, DeliveryJournal, LostAck, NullJournal
 
@@ -42,7 +44,8 @@ class ControllerConfig:
     max_staleness: int = 4
     """Groups more than this many policy versions old are evicted."""
     lease_timeout_s: float = 300.0
-    """An unacknowledged lease expires after this long and its groups become available again."""
+    """An unacknowledged lease expires after this long and its groups become available again.
+    Time the service did not run (frozen, a paused VM) does not count."""
     rewind_window: int = 8
     """Acked groups wait at most this many trainer steps for Checkpoint before finalizing."""
     max_fetch_groups: int = 1024
@@ -89,6 +92,8 @@ class Core:
         self.observer: Observer = observer or NullObserver()
         self.journal: DeliveryJournal = journal or NullJournal()
         self.clock = clock
+        self.pauses = Pauses()
+        """When the service did not run; leases do not count it (pauses.py)."""
         self.barrier = MutationBarrier(on_blocked=self.observer.mutation_blocked)
         self.buffer = RolloutBuffer(sealer)
         self.counters = Counters()

@@ -152,16 +152,28 @@ class Delivery:
         return core.buffer.ready_count > 0 or core.fatal is not None or core.draining
 
     async def reap_expired_leases(self) -> None:
-        """The lease reaper's loop: the groups of an expired lease become available again."""
+        """The lease reaper's loop: the groups of an expired lease become available again.
+
+        It also notices when the service did not run (pauses.py): time frozen does not count
+        against a lease, so a pause is noticed before any lease is looked at."""
         core = self.core
+        interval = core.config.reap_interval_s
         while True:
-            await asyncio.sleep(core.config.reap_interval_s)
-            expired = core.buffer.expired_leases(core.clock())
+            before = time.monotonic()
+            await asyncio.sleep(interval)
+            pause = core.pauses.observe(interval, time.monotonic() - before, core.clock())
+            if pause is not None:
+                log.warning(
+                    "the service did not run for %.1f s (frozen, or its event loop held up); "
+                    "leases granted before do not count that time",
+                    pause.seconds,
+                )
+            expired = core.buffer.expired_leases(core.clock(), core.pauses.since)
             if not expired:
                 continue
             evicted = 0
             async with core.barrier.mutation(MutationKind.REQUEUE):
-                for lease in core.buffer.expired_leases(core.clock()):
+                for lease in core.buffer.expired_leases(core.clock(), core.pauses.since):
                     requeued = self.requeue(lease.lease_id)
                     stale = self.evict_stale(requeued)
                     evicted += stale

@@ -111,5 +111,11 @@ class GenerationEngine(Protocol):
 
     def counters(self) -> EngineCounters: ...
 
+    def check_alive(self) -> None:
+        """Raises :class:`EngineDeadError` once the engine can serve no more requests (its
+        process died, say), also while nothing asks it for anything. Cheap and without waiting:
+        the service calls it about once a second."""
+        ...
+
     @property
     def policy_version(self) -> int: ...

@@ -75,6 +75,9 @@ class SyntheticEngine:
     def policy_version(self) -> int:
         return self._version
 
+    def check_alive(self) -> None:
+        """In-process, it lives as long as the service."""
+
     def counters(self) -> EngineCounters:
         return EngineCounters(
             prompt_tokens=self._prompt_tokens,

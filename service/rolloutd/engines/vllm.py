@@ -24,6 +24,9 @@ What must hold, and how:
 - **No orphans.** vLLM 0.32 leaves its engine-core process running when the parent is killed with
   SIGKILL; a small watchdog process (:mod:`rolloutd.engines.reaper`, driven through
   :mod:`rolloutd.engines.reaper_client`) ends it in that case.
+- **A dead engine is noticed while idle.** :meth:`VLLMEngine.check_alive` reads vLLM's own
+  ``errored`` state (its monitor thread sees the engine-core process die) and whether the
+  engine-core processes are still alive, without an engine call.
 
 Settings (:class:`~rolloutd.engines.vllm_config.VLLMConfig`) and the KV cache's size
 (:mod:`rolloutd.engines.vllm_kv_cache`) are kept free of vLLM imports.
@@ -35,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import time
 from array import array
@@ -97,6 +101,9 @@ most this many tokens of each sibling, well under what a sibling generates betwe
 with stop strings streams every token, so that a stop string across the boundary ends the sample
 at the exact token."""
 
+_ENGINE_CORE = "EngineCore"
+"""What vLLM names its engine-core processes (``EngineCore``, ``EngineCore_DP<rank>``)."""
+
 _CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 """Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
 
@@ -128,6 +135,8 @@ class VLLMEngine:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._weights_lock = asyncio.Lock()
         self._eos: frozenset[int] = frozenset()
+        self._cores: list[multiprocessing.process.BaseProcess] = []
+        """vLLM's engine-core processes, children of this one."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -175,6 +184,9 @@ class VLLMEngine:
         llm = build.result()
         reaper.watch_new_children()
         self._llm, self._reaper = llm, reaper
+        self._cores = [
+            p for p in multiprocessing.active_children() if p.name.startswith(_ENGINE_CORE)
+        ]
         tasks = await llm.get_supported_tasks()
         if "generate" not in tasks:
             await self.stop()
@@ -258,6 +270,18 @@ class VLLMEngine:
 
     def counters(self) -> EngineCounters:
         return self._tally.counters()
+
+    def check_alive(self) -> None:
+        """Raises :class:`EngineDeadError` once vLLM reports itself errored or an engine-core
+        process exited; a ``waitpid`` per engine core, no engine call."""
+        self._live_engine()
+        for core in self._cores:
+            if not core.is_alive():
+                self._dead = (
+                    f"the vLLM engine process {core.name} (pid {core.pid}) exited "
+                    f"(exit code {core.exitcode})"
+                )
+                raise EngineDeadError(self._dead)
 
     async def generate(
         self, request: GenerationRequest, on_delta: DeltaSink | None = None
