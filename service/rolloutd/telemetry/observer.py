@@ -19,7 +19,7 @@ from opentelemetry.trace import TracerProvider
 from rolloutd import __version__
 from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupFinished
 from rolloutd.domain.report import CheckpointReport, RestoreReport
 from rolloutd.domain.weights import WeightsReport
 from rolloutd.telemetry import spans, throttle
@@ -86,6 +86,12 @@ class TelemetryObserver:
             self.metrics.group_committed(event)
         with _never_raises("a generation span"):
             self.generation.committed(event)
+
+    def group_finished(self, event: GroupFinished) -> None:
+        """Nothing is recorded of a finishing stage's verdict yet (its score span and metrics
+        are still to come); without this method the controller dies on its first finished
+        group."""
+        return None
 
     def groups_leased(self, queue_s: list[float]) -> None:
         with _never_raises("leased groups"):
