@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
@@ -43,6 +43,11 @@ class Counters:
     ``stage_failed``)."""
     dropped_tokens: int = 0
     """Generated tokens of the dropped groups' staged siblings."""
+
+    def copy(self) -> Counters:
+        """A copy that shares nothing with this one: a capture's counters are encoded after the
+        hold ends, while drops go on counting into the live ones."""
+        return replace(self, dropped_by_reason=dict(self.dropped_by_reason))
 
 
 @dataclass(frozen=True)
