@@ -67,3 +67,10 @@ def not_a_number(sample: ScoringInput) -> str:
 def prints(sample: ScoringInput) -> float:
     print("a verifier's print goes to stderr, not into the answers")
     return 0.5
+
+
+def even_length(sample: ScoringInput) -> tuple[float, dict[str, Any]]:
+    """Reward 1 when the completion has an even number of characters, with that number as its
+    info: about half of a random model's completions, so siblings often disagree."""
+    chars = len(sample.completion)
+    return (1.0 if chars % 2 == 0 else 0.0), {"chars": chars}
