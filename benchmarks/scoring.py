@@ -443,7 +443,7 @@ def assemble_filter(
     all_ids = {f"p{i}" for i in range(plan.prompts)}
     # A prompt that was not delivered was dropped: its last scored rewards are all equal.
     dropped_ids = all_ids - delivered_ids
-    rewards_of = defaultdict(dict)
+    rewards_of: defaultdict[str, dict[int, float]] = defaultdict(dict)
     for (prompt, index), reward in last_reward.items():
         rewards_of[prompt][index] = reward
     dropped_unequal = sorted(p for p in dropped_ids if len(set(rewards_of[p].values())) != 1)
@@ -770,9 +770,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_title("Zero-variance groups dropped")
     ax1.legend(fontsize=8)
 
-    t = [s[0] for s in f["in_flight_series"]]
-    ax2.plot(t, [s[1] + s[2] for s in f["in_flight_series"]], "-", lw=0.8, label="in flight")
-    ax2.plot(t, [s[2] for s in f["in_flight_series"]], "-", lw=0.8, label="of them finishing")
+    t: list[float] = []
+    total: list[float] = []
+    finishing: list[float] = []
+    for at, generating, finishing_now in f["in_flight_series"]:
+        if t and at - t[-1] > 1.0:  # the service was down: a gap, not a line across it
+            for series in (t, total, finishing):
+                series.append(math.nan)
+        t.append(at)
+        total.append(generating + finishing_now)
+        finishing.append(finishing_now)
+    ax2.plot(t, total, "-", lw=0.8, label="in flight")
+    ax2.plot(t, finishing, "-", lw=0.8, label="of them finishing")
     ax2.axhline(f["max_in_flight"], color="grey", ls=":", label="limits.max_in_flight")
     ax2.axhline(f["max_in_flight"] * f["oversample_ratio_cap"], color="r", ls="--", label="cap")
     for k in f["kill_times_s"]:
