@@ -20,7 +20,15 @@ from typing import Any
 import common
 
 HERE = Path(__file__).resolve().parent
-KNOWN = ("checkpoint", "control_plane", "telemetry_overhead", "throughput", "weights", "recovery")
+KNOWN = (
+    "checkpoint",
+    "control_plane",
+    "telemetry_overhead",
+    "throughput",
+    "weights",
+    "recovery",
+    "scoring",
+)
 """Run first, in this order; any other benchmark script found runs after them."""
 NOT_BENCHMARKS = {"common", "run_all"}
 

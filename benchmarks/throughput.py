@@ -399,7 +399,15 @@ class TrainerProcess:
             common.fail(f"the trainer exited with {code}:\n{self.log_path.read_text()[-4000:]}")
 
 
-def service_config(load: Load, variant: Variant, workdir: Path, engine: dict[str, Any]) -> Config:
+def service_config(
+    load: Load,
+    variant: Variant,
+    workdir: Path,
+    engine: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Config:
+    """The service's config for ``variant``; ``extra`` overrides go on top (``scoring.py`` adds
+    its verifier)."""
     interval = load.checkpoint_interval_s if variant is Variant.CHECKPOINTS else 0
     return load_config(
         overrides={
@@ -418,6 +426,7 @@ def service_config(load: Load, variant: Variant, workdir: Path, engine: dict[str
             "checkpoint.dir": str(workdir / "checkpoints"),
             "checkpoint.interval_s": interval,
             "restore": "none",
+            **(extra or {}),
         },
         environ={},
     )

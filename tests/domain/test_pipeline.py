@@ -103,6 +103,30 @@ async def test_a_blocked_stage_holds_no_barrier():
         await c.stop()
 
 
+async def test_drops_after_a_capture_are_not_in_it():
+    """A snapshot's counters are encoded after the hold ends: drops counted meanwhile belong to
+    the next snapshot (a restore from this one drops those groups again and counts them then)."""
+
+    class HoldThenDropOdd(Gate):
+        async def finish(self, group: FinishingGroup) -> Verdict:
+            await super().finish(group)
+            return Verdict("odd", "") if odd(group) else COMMIT
+
+    gate = HoldThenDropOdd()
+    c = make(GatedEngine(auto=True), stage=gate)
+    c.start()
+    try:
+        await settle(lambda: len(gate.held) == 5 and c.buffer.ready_count == 5, within_s=10)
+        async with asyncio.timeout(5), c.barrier.exclusive():
+            state = c.capture()
+        gate.released.set()
+        await settle(lambda: c.counters.dropped_groups == 5)
+        assert c.counters.dropped_by_reason == {"odd": 5}
+        assert state.counters.dropped_groups == 0 and state.counters.dropped_by_reason == {}
+    finally:
+        await c.stop()
+
+
 async def test_a_stage_that_fails_drops_its_group_with_the_error():
     class Broken:
         async def finish(self, group: FinishingGroup) -> Verdict:

@@ -73,3 +73,10 @@ def first_token_even(sample: ScoringInput) -> float:
     """Reward 1 when the first generated token id is even: about one half on the synthetic
     engine, so about 2 x 0.5^4 of groups of four have equal rewards."""
     return 1.0 if sample.token_ids and sample.token_ids[0] % 2 == 0 else 0.0
+
+
+def even_length(sample: ScoringInput) -> tuple[float, dict[str, Any]]:
+    """Reward 1 when the completion has an even number of characters, with that number as its
+    info: about half of a random model's completions, so siblings often disagree."""
+    chars = len(sample.completion)
+    return (1.0 if chars % 2 == 0 else 0.0), {"chars": chars}

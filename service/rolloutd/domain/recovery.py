@@ -130,7 +130,7 @@ class Recovery:
         return ControllerState(
             buffer=core.buffer.capture(),
             sampler=core.sampler.capture(),
-            counters=replace(core.counters),
+            counters=core.counters.copy(),
             # the next id a restore may issue: past every id that may have been handed out
             next_group_id=max(core.next_group_id, core.ids_reserved_through + 1),
             policy_version=core.policy_version,
@@ -206,7 +206,7 @@ class Recovery:
         async with core.barrier.mutation(MutationKind.RESTORE):
             core.sampler.restore(state.sampler)
             core.buffer = prepared
-            core.counters = replace(state.counters)
+            core.counters = state.counters.copy()
             core.next_group_id = state.next_group_id
             core.max_acked_step = state.max_acked_step
             core.finalized_through = state.finalized_through

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
@@ -50,6 +50,11 @@ class Counters:
         self.dropped_groups += 1
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
         self.dropped_tokens += tokens
+
+    def copy(self) -> Counters:
+        """A copy that shares nothing with this one: a capture's counters are encoded after the
+        hold ends, while drops go on counting into the live ones."""
+        return replace(self, dropped_by_reason=dict(self.dropped_by_reason))
 
 
 @dataclass(frozen=True)
