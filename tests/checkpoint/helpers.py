@@ -31,7 +31,9 @@ def journal_write(journal: Journal, record: Mapping[str, Any]) -> int:
     flush), from a test that has no event loop; durable when this returns its position."""
 
     async def write() -> int:
-        return await journal.enqueue(record)
+        position = await journal.enqueue(record)
+        await journal.marked()  # the loop ends with this call: the mark must not be cut short
+        return position
 
     return asyncio.run(write())
 

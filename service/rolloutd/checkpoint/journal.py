@@ -403,6 +403,12 @@ class Journal:
         finally:
             self._marking = None
 
+    async def marked(self) -> None:
+        """Returns once the acknowledged mark covers every durable record (or its write failed):
+        a writer that must not leave before its mark is written waits for this."""
+        while self._marking is not None:
+            await asyncio.shield(self._marking)
+
     def _write_mark(self, position: int) -> None:
         with self._mark_lock:
             if self._guard is not None:
