@@ -252,6 +252,8 @@ def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[
                 r = stub.FetchGroups(
                     pb.FetchGroupsRequest(max_groups=16, wait_ms=60_000), timeout=300
                 )
+                if not r.lease_id:
+                    continue  # nothing ready within the wait (generation is slow under load)
                 seen.update({g.group_id: g for g in r.groups})
                 twins.update({g.prompt_id: g for g in r.groups if g.prompt_id.startswith("ref-")})
                 stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
