@@ -163,7 +163,8 @@ async def test_a_rewind_may_exceed_capacity_and_admission_waits(serve):
     _, stub = await serve(**{"limits.max_in_flight": 4, "limits.buffer_capacity": 4})
     taken = 0
     while taken < 4:
-        lease = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=4, wait_ms=5000))
+        ask = pb.FetchGroupsRequest(max_groups=4 - taken, wait_ms=5000)  # exactly 4 in all
+        lease = await stub.FetchGroups(ask)
         taken += len(lease.groups)
         await stub.AckGroups(pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=1))
 
