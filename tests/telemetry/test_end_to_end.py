@@ -261,10 +261,11 @@ def test_the_cli_exports_span_trees_and_the_catalogue_over_otlp(
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     trainer = Trainer(checkpoint_every=20)  # room for periodic checkpoints between its own
-    for _ in range(2):  # the second run restores what the first one's final checkpoint saved
+    for run in range(2):  # the second run restores what the first one's final checkpoint saved
         p = ServeProcess(serve_args(tmp_path / "ckpt", 0.5), env=env, cwd=tmp_path)
         processes.append(p)
-        trainer.run(p.wait_listening(), seconds=2.0)
+        # Each run takes its own Checkpoint at step 20 or 40, however slowly it gets there.
+        trainer.run(p.wait_listening(), seconds=2.0, through_step=20 * (run + 1))
         assert p.terminate() == 0, p.output
         assert "final checkpoint failed" not in p.output
     assert trainer.delivered > 0
