@@ -434,8 +434,10 @@ def test_a_dead_collector_neither_stops_the_service_nor_floods_its_log(
     )
     processes.append(p)
     trainer = Trainer()
-    trainer.run(p.wait_listening(), seconds=3.0)
-    assert trainer.delivered >= 10
+    address = p.wait_listening()
+    trainer.run(address, seconds=3.0)  # exports fail several times a second meanwhile
+    while trainer.delivered < 10:  # however slowly the machine serves
+        trainer.run(address, seconds=0.5)
     assert p.terminate(timeout=30) == 0, p.output
     assert "stopped in" in p.output
 
