@@ -81,6 +81,30 @@ def summary(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
     }
 
 
+def noise(ratios: Sequence[float]) -> dict[str, Any]:
+    """How noisy a ratio measured over rounds was: its rounds, their median, lowest and highest,
+    and the spread (highest - lowest) relative to the median. A difference from 1 smaller than
+    the spread is not a result."""
+    mid = median(ratios)
+    return {
+        "rounds": len(ratios),
+        "median": mid,
+        "min": min(ratios),
+        "max": max(ratios),
+        "spread": (max(ratios) - min(ratios)) / mid if mid else float("nan"),
+        "each": list(ratios),
+    }
+
+
+def noise_note(ratios: Sequence[float]) -> str:
+    """:func:`noise` in words, for a headline's note."""
+    n = noise(ratios)
+    return (
+        f"median of {n['rounds']} rounds, {n['min']:.3f}-{n['max']:.3f} "
+        f"(spread {100 * n['spread']:.0f}% of the median)"
+    )
+
+
 # --- machine and conditions ---------------------------------------------------------------------
 
 

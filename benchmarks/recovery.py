@@ -28,9 +28,11 @@ with a ``max_tokens`` long enough that siblings are mid-way when the process is 
    with a quiet one. Each run also reports the CPU seconds per 1,000 committed tokens of the
    service process and of vLLM's engine processes.
 
-``--quick``: three rounds over 15 s windows (three over 45 s in the full run, which also measures
-streaming alone). The 2 cores are shared with other work: single windows vary by ±10-25% here,
-so read every round in the Markdown next to the median.
+``--quick`` (about three minutes on an idle machine): siblings of at most 960 tokens and three
+rounds over 8 s windows; the full run keeps 1920 tokens and runs three rounds over 45 s windows,
+and also measures streaming alone. The 2 cores are shared with other work: single windows vary by
+±10-25% here, so every ratio is reported with its rounds and their spread (``*_noise`` in the
+JSON): a ratio whose distance from 1 is within its spread is noise, not a result.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 NAME = "recovery"
 RESTORED = re.compile(r"restored snapshot (\d+) .* tokens (\{.*?\})")
 MAX_TOKENS = 1920
+MAX_TOKENS_QUICK = 960
 KILL_AFTER_S = 1.0
 """The SIGKILL lands this long after a snapshot: the middle of the 2 s checkpoint interval."""
 ROUNDS_QUICK = 3
@@ -249,6 +252,8 @@ def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[
                 r = stub.FetchGroups(
                     pb.FetchGroupsRequest(max_groups=16, wait_ms=60_000), timeout=300
                 )
+                if not r.lease_id:
+                    continue  # nothing ready within the wait (generation is slow under load)
                 seen.update({g.group_id: g for g in r.groups})
                 twins.update({g.prompt_id: g for g in r.groups if g.prompt_id.startswith("ref-")})
                 stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
@@ -369,9 +374,9 @@ def main() -> None:
     quick = args.quick
     # The tiny model has 2048 positions; with 32 siblings at once each takes several seconds, and
     # the kill lands when they are well into them, as it would for minutes-long rollouts.
-    max_tokens = MAX_TOKENS
+    max_tokens = MAX_TOKENS_QUICK if quick else MAX_TOKENS
     min_prefix = int(max_tokens * 0.6)
-    window_s = 15.0 if quick else 45.0
+    window_s = 8.0 if quick else 45.0
     with tempfile.TemporaryDirectory(prefix="rolloutd-recovery-") as tmp:
         work = Path(tmp)
         write_prompts(work / "prompts.jsonl", 256)
@@ -430,8 +435,7 @@ def main() -> None:
         ),
         common.headline(
             "checkpoint_on_vs_off", on_vs_off, "", f">= {target_on}", on_vs_off >= target_on,
-            f"median of {len(paired['on'])} paired rounds "
-            f"({', '.join(f'{x:.3f}' for x in paired['on'])}); medians {rate['on']:.0f} vs "
+            f"{common.noise_note(paired['on'])}; medians {rate['on']:.0f} vs "
             f"{rate['off']:.0f} committed tokens/s",
         ),
     ]  # fmt: skip
@@ -456,6 +460,11 @@ def main() -> None:
         "throughput_tokens_per_s": rates,
         "paired_ratios_vs_off": paired,
         "streaming_vs_off": common.median(paired["streaming"]) if "streaming" in paired else None,
+        "checkpoint_on_vs_off_noise": common.noise(paired["on"]),
+        "streaming_vs_off_noise": (
+            common.noise(paired["streaming"]) if "streaming" in paired else None
+        ),
+        "window_s": window_s,
         "runs": runs,
         "cpu_s_per_ktok": {
             label: {
@@ -477,8 +486,14 @@ def markdown(result: dict[str, Any]) -> str:
     rows = [
         (label, *(f"{r:.0f}" for r in v), f"{common.median(v):.0f}") for label, v in rates.items()
     ]
+    rows = [(*row, "") for row in rows]
     rows += [
-        (f"{label} / off", *(f"{x:.3f}" for x in v), f"{common.median(v):.3f}")
+        (
+            f"{label} / off",
+            *(f"{x:.3f}" for x in v),
+            f"{common.median(v):.3f}",
+            f"{100 * common.noise(v)['spread']:.0f}%",
+        )
         for label, v in paired.items()
     ]
     cpu = result["cpu_s_per_ktok"]
@@ -510,10 +525,11 @@ def markdown(result: dict[str, Any]) -> str:
         )
         + "\n\n## Committed tokens/s\n\n"
         + common.markdown_table(
-            ["setting", *(f"round {i + 1}" for i in range(rounds)), "median"], rows
+            ["setting", *(f"round {i + 1}" for i in range(rounds)), "median", "spread"], rows
         )
         + "\n\nEach round runs the settings back to back in this order; a ratio row divides a "
-        "setting's rate by the same round's `off`.\n\n"
+        "setting's rate by the same round's `off`, and its spread is (highest - lowest) / "
+        "median over the rounds: a ratio within its spread of 1 is noise.\n\n"
         "## CPU seconds per 1,000 committed tokens (median of rounds)\n\n"
         + common.markdown_table(
             ["setting", "service process", "vLLM engine processes"],

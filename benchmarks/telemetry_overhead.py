@@ -409,6 +409,7 @@ def assemble(
         "off_tokens_per_s": off,
         "ratio_of_means": on / off,
         "pair_ratios": ratios,
+        "telemetry_on_vs_off_noise": common.noise(ratios),
         "on_service_cpu_s_per_mtok": cpu_on,
         "off_service_cpu_s_per_mtok": cpu_off,
         "cpu_per_token_on_vs_off": cpu_on / cpu_off,
@@ -417,7 +418,7 @@ def assemble(
             common.headline(
                 "telemetry_on_vs_off (committed tokens/s)", ratio, "", f">= {TARGET}",
                 ratio >= TARGET,
-                f"median of {plan.pairs} pair ratios; mean on {on:,.0f}, off {off:,.0f} tokens/s",
+                f"{common.noise_note(ratios)}; mean on {on:,.0f}, off {off:,.0f} tokens/s",
             ),
             common.headline(
                 "service CPU per committed token, on / off", cpu_on / cpu_off, "", "", None,

@@ -668,8 +668,7 @@ def assemble(
         common.headline(
             f"{name} (committed tokens/s)", ratios[name], "", f">= {target}",
             ratios[name] >= target,
-            f"median of {plan.rounds} per-round ratios ({min(per_round[name]):.2f} to "
-            f"{max(per_round[name]):.2f}); {num.value} {tokens_per_s[num.value]:,.0f}, "
+            f"{common.noise_note(per_round[name])}; {num.value} {tokens_per_s[num.value]:,.0f}, "
             f"{den.value} {tokens_per_s[den.value]:,.0f} tokens/s",
         )
         for name, (num, den, target) in RATIOS.items()
@@ -705,6 +704,7 @@ def assemble(
         "ratio_statistic": "median over rounds of the ratio of the two variants' tokens/s "
         "measured in the same round",
         "per_round_ratios": per_round,
+        **{f"{name}_noise": common.noise(v) for name, v in per_round.items()},
         "tokens_per_s": tokens_per_s,
         "cpu_share": medians("cpu_share"),
         "cpu_s_per_mtok": medians("cpu_s_per_mtok"),

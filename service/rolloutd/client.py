@@ -9,10 +9,13 @@ later, so a dead one does not slow every call. An ack goes back to the endpoint 
 lease. Other calls that are safe to repeat (every RPC here: acks and prompt submissions are
 idempotent) are retried on UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED with exponential
 backoff and jitter.
+
+:func:`client_stream` runs a client-streaming call (``PushWeights``) from ``grpc.aio`` code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import json
@@ -23,7 +26,7 @@ import queue
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -333,6 +336,71 @@ class RolloutClient:
             ep: self._call(ep, lambda s: s.GetStatus(pb.GetStatusRequest(), **self._kw()))
             for ep in self.endpoints
         }
+
+
+async def client_stream(
+    method: grpc.aio.StreamUnaryMultiCallable,
+    messages: Iterable[Any] | AsyncIterable[Any],
+    **kwargs: Any,
+) -> Any:
+    """Runs a client-streaming call from ``grpc.aio`` code (``stub.PushWeights``), writing
+    ``messages`` in order; returns the answer, or raises the status the server ended the call
+    with. ``kwargs`` go to the call (``timeout``, ``metadata``).
+
+    A server may answer before the stream ends: a push of a stale version is refused on its
+    header while the client is still writing chunks. The write in flight then fails, and
+    ``grpc.aio`` replaces the server's status by INTERNAL "Internal error from Core" whenever it
+    handles that failure after the answer came (grpc/grpc#36066). Here the write in flight when
+    the call ends is cancelled instead, which leaves the server's status in place.
+    """
+    call = method(**kwargs)
+    step: asyncio.Future[None] | None = None
+    cut = False
+
+    def ended(_: object) -> None:
+        nonlocal cut
+        if step is not None and not step.done():
+            cut = True
+            step.cancel()
+
+    call.add_done_callback(ended)
+    try:
+        async for message in _as_async(messages):
+            if call.done():
+                break
+            step = asyncio.ensure_future(call.write(message))
+            if not await _finished(step, lambda: cut):
+                break
+        else:
+            step = asyncio.ensure_future(call.done_writing())
+            await _finished(step, lambda: cut)
+        return await call
+    finally:
+        call.cancel()  # a no-op once the call ended; a caller's cancellation reaches the server
+
+
+async def _finished(step: asyncio.Future[None], cut: Callable[[], bool]) -> bool:
+    """Awaits one write (or the half-close) of :func:`client_stream`: True if it went out,
+    False if the call ended under it (the call's own status then tells why)."""
+    try:
+        await step
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not cut() or (task is not None and task.cancelling()):
+            raise
+        return False
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return False
+    return True
+
+
+async def _as_async(messages: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(messages, AsyncIterable):
+        async for m in messages:
+            yield m
+    else:
+        for m in messages:
+            yield m
 
 
 def _submit(

@@ -10,6 +10,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from rolloutd.v1 import rollout_pb2 as pb
+from tests.waiting import eventually
 
 METADATA = {"big": 12345678901234567890, "answer": 12, "ratio": 0.5, "tags": ["a", 1]}
 
@@ -159,24 +160,33 @@ async def test_reflection_answers_on_v1_and_v1alpha(serve, version):
 async def test_a_rewind_may_exceed_capacity_and_admission_waits(serve):
     """Documented: a Rewind returns acked groups to the buffer even past limits.buffer_capacity
     (they were the trainer's already); status shows it, and nothing new is admitted meanwhile."""
-    import asyncio
-
     _, stub = await serve(**{"limits.max_in_flight": 4, "limits.buffer_capacity": 4})
     taken = 0
     while taken < 4:
-        lease = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=4, wait_ms=5000))
+        ask = pb.FetchGroupsRequest(max_groups=4 - taken, wait_ms=5000)  # exactly 4 in all
+        lease = await stub.FetchGroups(ask)
         taken += len(lease.groups)
-        await stub.AckGroups(pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=1))
-    for _ in range(200):
+        if lease.lease_id:  # none ready within the wait: ask again
+            await stub.AckGroups(pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=1))
+
+    async def status_when(ready) -> pb.GetStatusResponse | None:
         status = await stub.GetStatus(pb.GetStatusRequest())
-        if status.buffer.committed == 4:
-            break
-        await asyncio.sleep(0.05)
+        return status if ready(status) else None
+
+    full = await eventually(
+        "4 new groups committed after the acks",
+        lambda: status_when(lambda s: s.buffer.committed == 4 and s.buffer.generating == 0),
+    )
     rewound = await stub.Rewind(pb.RewindRequest(trainer_step=0))
     assert rewound.redelivered_groups == 4
-    await asyncio.sleep(0.5)
-    buffer = (await stub.GetStatus(pb.GetStatusRequest())).buffer
-    assert (buffer.committed, buffer.generating, buffer.capacity) == (8, 0, 4)
+    # Admission is woken by every change and the Rewind was one: it has looked at the buffer by
+    # the time the reply is here, and it admits nothing while the total is past the capacity.
+    after = await eventually(
+        "the rewound groups back in the buffer",
+        lambda: status_when(lambda s: s.buffer.committed == 8),
+    )
+    assert (after.buffer.committed, after.buffer.generating, after.buffer.capacity) == (8, 0, 4)
+    assert after.counters.admitted_groups == full.counters.admitted_groups
 
 
 async def test_reflection_describes_the_api_with_the_proto_comments(serve):

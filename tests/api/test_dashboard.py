@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 import httpx
 
 from rolloutd.api.dashboard import ASSETS
+from tests.waiting import eventually
 
 
 async def test_the_page_loads_only_relative_packaged_assets(serve):
@@ -33,9 +33,12 @@ async def test_the_history_answers_all_points_then_only_newer_ones(serve):
     service, _ = await serve(**{"http.dashboard_interval_s": 0.05})
     base = f"http://{service.addresses.http}"
     async with httpx.AsyncClient(base_url=base) as http:
-        await asyncio.sleep(0.3)  # several sampling intervals
-        first = (await http.get("/v1/dashboard/history")).json()
-        assert len(first["points"]) >= 2
+
+        async def history() -> dict | None:
+            answer = (await http.get("/v1/dashboard/history")).json()
+            return answer if len(answer["points"]) >= 2 else None
+
+        first = await eventually("two sampled points in the history", history)
         assert first["interval_s"] == 0.05 and first["run"] == service.history.run
         assert "committed_tokens" in first["counters"]
         last = first["points"][-1]["t"]

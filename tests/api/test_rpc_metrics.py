@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rolloutd.v1 import rollout_pb2 as pb
+from tests.waiting import eventually
 
 
 def _samples(service) -> dict[tuple[str, frozenset], float]:
@@ -51,14 +50,23 @@ async def test_lease_expiries_requeues_and_pending_prompts_are_metrics(serve):
     assert lease.groups
     prompts = [pb.Prompt(prompt_id=f"s{i}", text=f"say {i}") for i in range(3)]
     await stub.SubmitPrompts(pb.SubmitPromptsRequest(prompts=prompts))
-    for _ in range(100):
+    expired = ("rolloutd_leases_expired_total", frozenset())
+    requeued = ("rolloutd_groups_requeued_total", frozenset())
+    pending = ("rolloutd_prompts_pending", frozenset())
+
+    async def scraped() -> tuple[dict[tuple[str, frozenset], float], pb.GetStatusResponse] | None:
+        """The scrape once it shows the expiry and the status's pending prompts (the gauges'
+        snapshot is refreshed once a second)."""
         status = await stub.GetStatus(pb.GetStatusRequest())
-        if status.counters.requeued_groups:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(1.2)  # the gauges' snapshot is refreshed once a second
-    samples = _samples(service)
-    assert samples[("rolloutd_leases_expired_total", frozenset())] >= 1
-    assert samples[("rolloutd_groups_requeued_total", frozenset())] >= len(lease.groups)
-    status = await stub.GetStatus(pb.GetStatusRequest())
-    assert samples[("rolloutd_prompts_pending", frozenset())] == status.pending_prompts > 0
+        samples = _samples(service)
+        shown = (
+            samples.get(expired, 0) >= 1
+            and samples.get(requeued, 0) >= len(lease.groups)
+            and samples.get(pending) == status.pending_prompts
+        )
+        return (samples, status) if shown else None
+
+    samples, status = await eventually("the expired lease and pending prompts scraped", scraped)
+    assert samples[expired] >= 1
+    assert samples[requeued] >= len(lease.groups)
+    assert samples[pending] == status.pending_prompts > 0

@@ -11,14 +11,14 @@ import asyncio
 import hashlib
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import fsspec
 import grpc
 import pytest
 
-from rolloutd.client import RolloutClient
+from rolloutd.client import RolloutClient, client_stream
 from rolloutd.domain.engine import EngineDeadError
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
@@ -78,13 +78,10 @@ def chunks(directory: Path, names: Iterable[str] | None = None) -> list[pb.PushW
     return out
 
 
-async def stream(messages: list[pb.PushWeightsRequest]) -> AsyncIterator[pb.PushWeightsRequest]:
-    for m in messages:
-        yield m
-
-
 async def push(stub: pb_grpc.RolloutServiceStub, messages: list[pb.PushWeightsRequest]):
-    return await stub.PushWeights(stream(messages))
+    """The server may refuse before the last message (a stale version, on the header): the
+    client reports its status, not the failed write's (see tests/test_client.py)."""
+    return await client_stream(stub.PushWeights, messages)
 
 
 async def sample_versions_after(stub: pb_grpc.RolloutServiceStub, version: int) -> set[int]:

@@ -54,7 +54,8 @@ class ServeProcess:
         self._listening = threading.Event()
         self.grpc: str | None = None
         self.http: str | None = None
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
 
     @classmethod
     def synthetic(cls, checkpoint_dir: str | Path, *args: str, **kw: Any) -> ServeProcess:
@@ -112,8 +113,12 @@ class ServeProcess:
         return "".join(self.lines)
 
     def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM; the exit code once the process exited and its output was read to the end
+        (the lines it wrote last, as it stopped, are in :attr:`output`)."""
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        code = self.proc.wait(timeout)
+        self._pumping.join(timeout)
+        return code
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the service and any engine process it started)."""

@@ -161,13 +161,19 @@ def test_the_example_trainer_waits_for_a_service_that_is_not_up_yet(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(6)  # the trainer is polling a port nobody listens on yet
+    assert trainer.stdout is not None
+    before = []  # until the trainer says it polls a port nobody listens on yet
+    while not (before and "waiting for the service" in before[-1]):
+        line = trainer.stdout.readline()
+        assert line, "the trainer exited before it waited for the service:\n" + "".join(before)
+        before.append(line)
     p = ServeProcess.synthetic(tmp_path / "ckpt", "--grpc-port", str(port), cwd=tmp_path)
     try:
         p.wait_listening()
         out, _ = trainer.communicate(timeout=60)
     finally:
         p.terminate()
+    out = "".join(before) + out
     assert trainer.returncode == 0, out
     assert "waiting for the service" in out
     assert "done: 3 steps" in out

@@ -17,6 +17,7 @@ from rolloutd.checkpoint.inspect import main as checkpoints
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
+from tests.waiting import until
 
 pytestmark = pytest.mark.process
 
@@ -80,6 +81,16 @@ def drain(stub: pb_grpc.RolloutServiceStub, step: int, *, within_s: float = 60.0
     raise AssertionError(f"the epoch did not end in {within_s}s; delivered {delivered}")
 
 
+def more_admitted_and_snapshotted(
+    stub: pb_grpc.RolloutServiceStub, leased: int, interval: str, seen: int
+) -> bool:
+    """More than ``leased`` groups admitted and, with snapshots, one begun after the snapshot
+    ``seen`` ended (``seen`` may have been under way when the lease was granted)."""
+    status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    snapshotted = interval == "0" or status.last_checkpoint.sequence > seen + 1
+    return status.counters.admitted_groups > leased and snapshotted
+
+
 @pytest.mark.parametrize("interval", ["0", "0.2"], ids=["journal-only", "with-snapshots"])
 def test_a_lease_held_across_a_restart_acks_and_is_never_delivered_again(tmp_path, interval):
     p = serve(tmp_path, interval)
@@ -88,7 +99,14 @@ def test_a_lease_held_across_a_restart_acks_and_is_never_delivered_again(tmp_pat
             pb.FetchGroupsRequest(max_groups=3, wait_ms=10_000), timeout=15
         )
         assert lease.lease_id
-        time.sleep(0.5)  # more groups are admitted, snapshots taken (with-snapshots)
+        # The kill comes once more groups were admitted, and (with snapshots) once a snapshot
+        # holds the lease: the restart must take it from there.
+        stub = stub_of(channel)
+        seen = stub.GetStatus(pb.GetStatusRequest(), timeout=10).last_checkpoint.sequence
+        until(
+            "more groups admitted, and a snapshot begun after the lease",
+            lambda: more_admitted_and_snapshotted(stub, len(lease.groups), interval, seen),
+        )
     p.kill()
     held = [g.prompt_id for g in lease.groups]
 

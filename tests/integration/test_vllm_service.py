@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from rolloutd.checkpoint.segments import Snapshot
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.v1 import rollout_pb2 as pb
@@ -113,39 +114,40 @@ def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path
     assert status.counters.committed_tokens == returned
 
 
+@pytest.mark.timeout(900)  # two vLLM starts: each took over 3 minutes on 2 cores under load
 def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missing(
     tmp_path, cache_dir
 ):
-    # Generation outlasts the search below: the buffer holds every group of the data set, so it
-    # does not fill, and stop generation, before a snapshot has caught a group partly generated.
-    # On a loaded 2-core machine one snapshot can take seconds (its fsyncs wait on the disk);
-    # the default capacity of 256 groups fills in about 20 s there.
+    # vLLM runs one sequence at a time, so a group's siblings finish one after another and the
+    # group is partly staged for most of its generation: nearly every snapshot catches one,
+    # however slowly the machine generates. The buffer holds every group of the data set, so it
+    # does not fill, and stop generation, meanwhile.
     data = dataset(tmp_path / "prompts.jsonl", 1024)
     env = {
-        "ROLLOUTD_ENGINE__VLLM__MAX_NUM_SEQS": "6",
+        "ROLLOUTD_ENGINE__VLLM__MAX_NUM_SEQS": "1",
         "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
         "ROLLOUTD_LIMITS__BUFFER_CAPACITY": "1024",
         "ROLLOUTD_ENGINE__TEMPERATURE": "1.0",
     }
     shape = ["--dataset", str(data), "--group-size", "4", "--max-tokens", "96"]
-    # Every snapshot is kept, so the one found below is still there to restore however many
-    # the service publishes before the kill reaches it (the poll is slow on a loaded machine).
+    # Every snapshot is kept, and each one published since the last look is examined, so none
+    # is missed however many the service publishes between two looks.
     keep = {"ROLLOUTD_CHECKPOINT__KEEP_LATEST": "100000"}
     p = serve(tmp_path, cache_dir, *shape, "--checkpoint-interval", "0.25", **env, **keep)
     store = SnapshotStore(str(tmp_path / "ckpt"))
     deadline = time.monotonic() + 240
+    examined = -1
     try:
         while True:  # until a published snapshot holds a group with some, not all, siblings staged
             assert time.monotonic() < deadline, "no snapshot with a partly generated group:\n" + (
                 "".join(p.lines[-30:])
             )
-            snapshot = store.resolve("latest").snapshot
-            if snapshot is not None:
-                staged = Counter(gid for _, gid, _ in snapshot.rows())
-                groups = list(map(json.loads, snapshot.group_json()))
-                unfinished = [g["group_id"] for g in groups if g["state"] == "generating"]
-                if any(0 < staged[gid] < 4 for gid in unfinished):
-                    break
+            published = [s for s in store.sequences() if s > examined]
+            found = partly_staged(store, published)
+            if found is not None:
+                snapshot, staged, unfinished = found
+                break
+            examined = max(published, default=examined)
             time.sleep(0.1)
     finally:
         p.kill()  # SIGKILL the service and its engine processes
@@ -187,6 +189,22 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
                     assert s.seed == rows[(gid, s.index)].seed
     finally:
         q.terminate()
+
+
+def partly_staged(
+    store: SnapshotStore, sequences: list[int]
+) -> tuple[Snapshot, Counter[int], list[int]] | None:
+    """The oldest of ``sequences`` holding a generating group with some, not all, of its 4
+    siblings staged: the snapshot, staged siblings per group, and its generating groups. Reads
+    only the group ids of the rows, so a look stays cheap as the snapshots grow."""
+    for sequence in sorted(sequences):
+        snapshot = store.open(store.load(sequence))
+        staged = Counter(snapshot.table().column("group_id").to_pylist())
+        groups = list(map(json.loads, snapshot.group_json()))
+        unfinished = [g["group_id"] for g in groups if g["state"] == "generating"]
+        if any(0 < staged[gid] < 4 for gid in unfinished):
+            return snapshot, staged, unfinished
+    return None
 
 
 def test_bad_weights_are_invalid_argument_and_a_dead_engine_stops_the_process(tmp_path, cache_dir):

@@ -58,15 +58,17 @@ class Trainer:
             raise
         self.acked.update(keys)
 
-    def run(self, address: str, seconds: float) -> None:
-        """Fetch and ack for up to ``seconds``; returns early when the service goes away."""
+    def run(self, address: str, seconds: float, through_step: int = 0) -> None:
+        """Fetch and ack for up to ``seconds``, and on until step ``through_step`` is acked (what
+        a test checks that needs those steps, however slowly the machine runs); returns early
+        when the service goes away."""
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
             retry, self.pending = self.pending, []
             for lease_id, keys, step in retry:
                 self._ack(stub, lease_id, keys, step)
             deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline or self.step < through_step:
                 r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=3, wait_ms=200), timeout=10)
                 if not r.lease_id:
                     continue

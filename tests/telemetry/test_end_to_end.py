@@ -176,7 +176,7 @@ async def test_a_trainer_checkpoint_call_is_one_trace_down_to_the_phases(
     assert (
         attrs[f"{CheckpointAttr.ROWS}.live"] == attrs[f"{CheckpointAttr.ROWS}.new"] >= held_samples
     )
-    assert attrs[f"{CheckpointAttr.ROWS}.removed"] >= 0
+    assert attrs[f"{CheckpointAttr.ROWS}.removed"] == 0, "no earlier snapshot had rows to remove"
     assert 0 < attrs[f"{CheckpointAttr.BYTES}.sidecar"] < attrs[f"{CheckpointAttr.BYTES}.total"]
     assert attrs[f"{CheckpointAttr.BYTES}.total"] == sum(
         attrs.get(f"{CheckpointAttr.BYTES}.{part.value}", 0)
@@ -268,10 +268,11 @@ def test_the_cli_exports_span_trees_and_the_catalogue_over_otlp(
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     trainer = Trainer(checkpoint_every=20)  # room for periodic checkpoints between its own
-    for _ in range(2):  # the second run restores what the first one's final checkpoint saved
+    for run in range(2):  # the second run restores what the first one's final checkpoint saved
         p = ServeProcess(serve_args(tmp_path / "ckpt", 0.5), env=env, cwd=tmp_path)
         processes.append(p)
-        trainer.run(p.wait_listening(), seconds=2.0)
+        # Each run takes its own Checkpoint at step 20 or 40, however slowly it gets there.
+        trainer.run(p.wait_listening(), seconds=2.0, through_step=20 * (run + 1))
         assert p.terminate() == 0, p.output
         assert "final checkpoint failed" not in p.output
     assert trainer.delivered > 0
@@ -440,8 +441,10 @@ def test_a_dead_collector_neither_stops_the_service_nor_floods_its_log(
     )
     processes.append(p)
     trainer = Trainer()
-    trainer.run(p.wait_listening(), seconds=3.0)
-    assert trainer.delivered >= 10
+    address = p.wait_listening()
+    trainer.run(address, seconds=3.0)  # exports fail several times a second meanwhile
+    while trainer.delivered < 10:  # however slowly the machine serves
+        trainer.run(address, seconds=0.5)
     assert p.terminate(timeout=30) == 0, p.output
     assert "stopped in" in p.output
 
