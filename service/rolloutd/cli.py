@@ -165,12 +165,11 @@ def _serve(args: argparse.Namespace) -> int:
     async def main() -> int:
         try:
             service = RolloutService(config)
-        except ConfigError as exc:  # a pipeline entry point that cannot be loaded
-            print(f"rolloutd: {exc}", file=sys.stderr)
-            return 2
-        try:
             service.install_signal_handlers()
             await service.start()
+        except ConfigError as exc:  # a pipeline entry point or verifier that cannot be loaded
+            print(f"rolloutd: {exc}", file=sys.stderr)
+            return 2
         except START_FAILURES as exc:
             logging.getLogger("rolloutd").debug("start failed", exc_info=True)
             print(f"rolloutd: {describe(exc, config)}", file=sys.stderr)

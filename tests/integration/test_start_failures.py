@@ -143,3 +143,22 @@ def test_checkpoints_help(tmp_path: Path, flag: str) -> None:
     assert result.returncode == 0, result.stderr
     assert "usage: rolloutd checkpoints" in result.stdout
     assert "list" in result.stdout and "verify" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("pipeline.finishing_stage", "no_such_module:Stage", ["no_such_module", "PYTHONPATH"]),
+        ("pipeline.sibling_runner", "json:NoSuchRunner", ["has no attribute", "NoSuchRunner"]),
+        ("scoring.verifier", "no_such_module:reward", ["scoring.verifier", "no_such_module"]),
+    ],
+)
+def test_a_pipeline_entry_point_that_cannot_be_loaded_is_one_line_naming_the_key(
+    tmp_path, key, value, words
+):
+    config = tmp_path / "rolloutd.yaml"
+    section, name = key.split(".")
+    config.write_text(f"{section}:\n  {name}: {value}\n")
+    result = _serve(tmp_path, "--config", str(config))
+    assert result.returncode == 2
+    _assert_one_line(result, "rolloutd: ", *words)
