@@ -20,7 +20,8 @@ with a ``max_tokens`` long enough that siblings are mid-way when the process is 
      sibling must equal its uninterrupted twin token for token (and start with exactly the
      snapshot's tokens).
 3. **Throughput** (``checkpoint_on_vs_off``): committed tokens/s while a trainer fetches and acks,
-   over a fixed window after warm-up, with partial capture and checkpoints every 2 s, versus
+   over a window after warm-up that runs from one commit to another and spans at least three
+   waves of the groups in flight, with partial capture and checkpoints every 2 s, versus
    granularity ``sibling`` and no checkpoints. The cost of streaming alone (granularity
    ``token``, no checkpoints) is measured in the full run. Each round runs every setting once,
    back to back (off, on, off, on, ...); the figure is the median over rounds of each round's
@@ -28,11 +29,12 @@ with a ``max_tokens`` long enough that siblings are mid-way when the process is 
    with a quiet one. Each run also reports the CPU seconds per 1,000 committed tokens of the
    service process and of vLLM's engine processes.
 
-``--quick`` (about three minutes on an idle machine): siblings of at most 960 tokens and three
-rounds over 8 s windows; the full run keeps 1920 tokens and runs three rounds over 45 s windows,
-and also measures streaming alone. The 2 cores are shared with other work: single windows vary by
-±10-25% here, so every ratio is reported with its rounds and their spread (``*_noise`` in the
-JSON): a ratio whose distance from 1 is within its spread is noise, not a result.
+``--quick`` (meant to take about three minutes): siblings of at most 960 tokens (240 in the
+throughput runs) and three rounds over 8 s windows; the full run keeps 1920 tokens and runs
+three rounds over 45 s windows, and also measures streaming alone. The 2 cores are shared with
+other work: single windows vary by ±10-25% here, so every ratio is reported with its rounds and
+their spread (``*_noise`` in the JSON): a ratio whose distance from 1 is within its spread is
+noise, not a result.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ MAX_TOKENS = 1920
 MAX_TOKENS_QUICK = 960
 KILL_AFTER_S = 1.0
 """The SIGKILL lands this long after a snapshot: the middle of the 2 s checkpoint interval."""
+IN_FLIGHT = 16
+"""``limits.max_in_flight``: groups generated at once."""
+WAVES = 3
+"""A throughput window spans at least this many waves of ``IN_FLIGHT`` committed groups."""
 ROUNDS_QUICK = 3
 ROUNDS_FULL = 3
 """Rounds of throughput runs; each round runs every setting once, in the same order."""
@@ -96,7 +102,7 @@ class Service(common.Serve):
             "ROLLOUTD_ENGINE__VLLM__MAX_MODEL_LEN": "2048",
             "ROLLOUTD_ENGINE__VLLM__LOG_PATH": str(work / f"vllm-{label}.log"),
             "ROLLOUTD_ENGINE__TEMPERATURE": "0",
-            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "16",
+            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": str(IN_FLIGHT),
             "ROLLOUTD_RECOVERY__GRANULARITY": granularity,
         }
         args = [
@@ -332,19 +338,37 @@ def throughput(
                 if "rolloutd.engines.reaper" not in p.cmdline()
             ]
 
-            def committed() -> tuple[float, int, float, float]:
+            def committed() -> tuple[float, int, int, float, float]:
                 status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
                 return (
                     time.monotonic(),
                     status.counters.committed_tokens,
+                    status.counters.committed_groups,
                     _cpu_s(main_proc),
                     sum(map(_cpu_s, engine)),
                 )
 
+            def commit_after(
+                groups: int, not_before: float
+            ) -> tuple[float, int, int, float, float]:
+                """The first reading just after a commit (within 0.1 s) that has at least
+                ``groups`` committed, from ``not_before``."""
+                deadline = time.monotonic() + 600
+                before = committed()
+                while True:
+                    time.sleep(0.1)
+                    now = committed()
+                    if now[2] > before[2] and now[2] >= groups and now[0] >= not_before:
+                        return now
+                    if now[0] > deadline:
+                        common.fail(f"{label}: {groups} groups not committed within 600 s")
+                    before = now
+
             time.sleep(window_s / 4)  # warm-up
-            t0, c0, s0, e0 = committed()
-            time.sleep(window_s)
-            t1, c1, s1, e1 = committed()
+            # Groups commit in waves (a group when its last sibling ends), so the window runs
+            # from one commit to another: WAVES waves of the groups in flight, and window_s.
+            t0, c0, g0, s0, e0 = commit_after(committed()[2] + 1, 0.0)
+            t1, c1, _, s1, e1 = commit_after(g0 + WAVES * IN_FLIGHT, t0 + window_s)
     finally:
         stop.set()
         consumer.join()
@@ -377,6 +401,8 @@ def main() -> None:
     max_tokens = MAX_TOKENS_QUICK if quick else MAX_TOKENS
     min_prefix = int(max_tokens * 0.6)
     window_s = 8.0 if quick else 45.0
+    # Siblings of the throughput runs: several commit waves fit in a quick run's window.
+    throughput_tokens = max_tokens // 4 if quick else max_tokens // 2
     with tempfile.TemporaryDirectory(prefix="rolloutd-recovery-") as tmp:
         work = Path(tmp)
         write_prompts(work / "prompts.jsonl", 256)
@@ -392,7 +418,7 @@ def main() -> None:
             for label, granularity, interval in settings:
                 runs[label].append(
                     throughput(
-                        work, f"{label}-{r}", granularity, interval, max_tokens // 2, window_s
+                        work, f"{label}-{r}", granularity, interval, throughput_tokens, window_s
                     )
                 )
     held = sum(map(len, crashed["held"]))
