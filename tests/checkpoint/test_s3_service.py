@@ -11,8 +11,10 @@ import urllib.request
 import uuid
 from typing import Any
 
+import fsspec
 import pytest
 
+from rolloutd.telemetry.history import HISTORY_OBJECTS
 from tests.conftest import BUCKET
 from tests.integration.crash_scenario import Scenario
 from tests.integration.proc import ServeProcess
@@ -51,6 +53,14 @@ def _wait_for_points(service: ServeProcess, enough, timeout: float = 30.0) -> li
     return points
 
 
+def _stored_points(url: str, s3_options: dict[str, Any]) -> int:
+    """Points the service has written to the bucket (a point is served before it is written)."""
+    fs = fsspec.filesystem("s3", **s3_options, skip_instance_cache=True)
+    path = f"{url.removeprefix('s3://')}/{HISTORY_OBJECTS}"
+    names = [n for n in fs.ls(path) if n.endswith(".jsonl")] if fs.exists(path) else []
+    return sum(len(fs.cat_file(n).splitlines()) for n in names)
+
+
 def test_the_dashboard_history_is_kept_in_the_bucket_across_a_sigkill(tmp_path, s3_options):
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     env = {
@@ -61,6 +71,10 @@ def test_the_dashboard_history_is_kept_in_the_bucket_across_a_sigkill(tmp_path, 
     try:
         first.wait_listening()
         before = _wait_for_points(first, lambda points: len(points) >= 5)
+        deadline = time.monotonic() + 30
+        while _stored_points(url, s3_options) < len(before):  # written, not only served
+            assert time.monotonic() < deadline, "the served points never reached the bucket"
+            time.sleep(0.05)
     finally:
         first.kill()
 
@@ -71,4 +85,4 @@ def test_the_dashboard_history_is_kept_in_the_bucket_across_a_sigkill(tmp_path, 
     finally:
         second.kill()
     kept = [p for p in after if p["run"] == before[0]["run"]]
-    assert kept[: len(before)] == before  # every point served before the kill, unchanged
+    assert kept[: len(before)] == before  # every point written before the kill, unchanged
