@@ -63,7 +63,7 @@ def test_dynamic_sampling_delivers_or_drops_each_prompt_once_across_sigkills(tmp
     store = tmp_path / "ckpt"
     delivered: dict[str, int] = {}  # prompt id -> group id, acked
     rewards: dict[int, list[float]] = {}
-    peak, outputs, kills, step = 0, [], [40, 100, 160], 0
+    peak, outputs, kills, step, last_snapshot = 0, [], [40, 100, 160], 0, 0
     p = _serve(store, config, "--checkpoint-interval", "0.3")
     try:
         while True:
@@ -74,7 +74,9 @@ def test_dynamic_sampling_delivers_or_drops_each_prompt_once_across_sigkills(tmp
                     assert status.state == pb.SERVING_STATE_SERVING, p.output[-3000:]
                     peak = max(peak, b.generating + b.finishing)
                     assert b.generating + b.finishing <= cap == b.max_in_flight
-                    if kills and len(delivered) >= kills[0]:
+                    snapshot = status.last_checkpoint.sequence
+                    if kills and len(delivered) >= kills[0] and snapshot > last_snapshot:
+                        last_snapshot = snapshot  # a restart has a snapshot of this run to restore
                         break
                     if status.dataset_exhausted and b.generating + b.finishing + b.committed + \
                             b.leased == 0:  # fmt: skip

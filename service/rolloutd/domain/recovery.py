@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -50,6 +51,8 @@ from rolloutd.domain.state import (
     JournaledSubmission,
     LostLease,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Granularity(enum.Enum):
@@ -259,6 +262,12 @@ class Recovery:
         else:
             core.buffer.remove(drop.group_id, GroupState.DROPPED)
         core.counters.dropped(drop.reason, drop.tokens)
+        log.debug(
+            "group %d (prompt %s) dropped: %s (replayed from the journal)",
+            drop.group_id,
+            drop.admission.prompt.prompt_id,
+            drop.reason,
+        )
 
     def _bump_ids(self, group_ids: Iterable[int]) -> None:
         core = self.core
