@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
+from rolloutd.domain.spec import GenerationSpec, SpecError, SpecLimits, check
 from rolloutd.engines.factory import EngineFactoryConfig
 from rolloutd.engines.synthetic import SyntheticConfig
 from rolloutd.engines.vllm_config import VLLMConfig
@@ -125,14 +126,52 @@ class EngineConfig(_Section):
     max_tokens: int = owned(SamplingParams, "max_tokens", gt=0)
     temperature: float = owned(SamplingParams, "temperature", ge=0)
     top_p: float = owned(SamplingParams, "top_p", gt=0, le=1)
+    top_k: int = owned(SamplingParams, "top_k", ge=0)
+    min_p: float = owned(SamplingParams, "min_p", ge=0, le=1)
     stop: tuple[str, ...] = owned(SamplingParams, "stop")
     synthetic: SyntheticSettings = SyntheticSettings()
     vllm: VLLMSettings = VLLMSettings()
 
 
+class GenerationSettings(_Section):
+    """Generation settings of a source's prompts (a row's own ``generation`` wins); each one
+    unset here comes from ``engine.*`` and ``group_size``."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, gt=0)
+    stop: tuple[str, ...] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**31 - 1)
+    group_size: int | None = Field(None, gt=0)
+
+    def spec(self) -> GenerationSpec:
+        return GenerationSpec(**self.model_dump())
+
+
+class SourceSettings(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    """The source's name: a metric label and what delivered groups carry (letters, digits,
+    ``_ . -``; at most 63)."""
+    path: str | None = None
+    """JSONL or Parquet prompt file (``bundled:arithmetic``: the bundled set)."""
+    weight: float = Field(1.0, ge=0)
+    """Share of admissions drawn from this source, relative to the others' weights (0: none
+    for now). May change at a restore; each source keeps its cursor."""
+    generation: GenerationSettings = GenerationSettings()
+    verifier: str | None = None
+    """Verifier of this source's groups, as ``scoring.verifier`` (unset: ``scoring.verifier``)."""
+
+
 class DatasetConfig(_Section):
     path: str | None = None
-    """JSONL or Parquet prompt file; unset uses the bundled arithmetic prompt set."""
+    """JSONL or Parquet prompt file; unset uses the bundled arithmetic prompt set. Exclusive
+    with ``sources``."""
+    sources: tuple[SourceSettings, ...] = ()
+    """Several prompt files, each with a weight and its own generation settings: admission
+    draws a source by weight (deterministically from ``seed``), and each keeps its own epoch
+    and cursor. ``[{name, path, weight, generation, verifier}]``."""
     seed: int = 0
     """Seed of the per-epoch permutation and of the siblings' seeds."""
     shuffle: bool = True
@@ -151,6 +190,8 @@ class LimitsConfig(_Section):
     max_wait_ms: int = owned(ControllerConfig, "max_wait_ms", ge=0)
     max_pending_prompts: int = Field(100_000, gt=0)
     """Most submitted prompts waiting for admission; more get RESOURCE_EXHAUSTED."""
+    max_group_size: int = Field(1024, gt=0)
+    """Largest ``group_size`` a prompt, a source or the service may ask for."""
 
 
 class CheckpointConfig(_Section):
@@ -283,7 +324,7 @@ class AuthConfig(_Section):
 class Config(_Section):
     engine: EngineConfig = EngineConfig()
     dataset: DatasetConfig = DatasetConfig()
-    group_size: int = owned(ControllerConfig, "group_size", gt=0, le=1024)
+    group_size: int = owned(ControllerConfig, "group_size", gt=0)
     limits: LimitsConfig = LimitsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
@@ -317,7 +358,11 @@ class Config(_Section):
             raise ValueError("grpc.tls_client_ca needs grpc.tls_cert and grpc.tls_key")
         self.scoring_config()  # its cross-field checks name their keys
         self.filter_config()
-        if self.filter.zero_variance and not (self.scoring.verifier or self.scoring.group_verifier):
+        if self.filter.zero_variance and not (
+            self.scoring.verifier
+            or self.scoring.group_verifier
+            or any(s.verifier for s in self.dataset.sources)
+        ):
             raise ValueError(
                 "filter.zero_variance needs rewards: set scoring.verifier or scoring.group_verifier"
             )
@@ -325,6 +370,29 @@ class Config(_Section):
             raise ValueError(
                 "pipeline.finishing_stage replaces the scoring stage: unset it or scoring.verifier"
             )
+        if self.group_size > self.limits.max_group_size:
+            raise ValueError(
+                f"group_size {self.group_size} exceeds limits.max_group_size "
+                f"{self.limits.max_group_size}"
+            )
+        if self.dataset.sources:
+            if self.dataset.path is not None:
+                raise ValueError("dataset.path and dataset.sources exclude each other: use one")
+            names = [s.name for s in self.dataset.sources]
+            if len(set(names)) != len(names):
+                raise ValueError(f"dataset.sources: names must be unique, got {names}")
+            if not any(s.weight > 0 for s in self.dataset.sources):
+                raise ValueError("dataset.sources: at least one source needs a weight above 0")
+        for i, source in enumerate(self.dataset.sources):
+            try:
+                check(source.generation.spec(), self.spec_limits())
+            except SpecError as exc:
+                raise ValueError(f"dataset.sources[{i}].{exc}") from exc
+            if source.verifier and self.pipeline.finishing_stage:
+                raise ValueError(
+                    f"dataset.sources[{i}].verifier: pipeline.finishing_stage replaces the "
+                    "scoring stage"
+                )
         if self.fleet.replica >= self.fleet.replicas:
             raise ValueError(
                 f"fleet.replica must be below fleet.replicas ({self.fleet.replica} >= "
@@ -347,9 +415,17 @@ class Config(_Section):
             group_size=self.group_size,
             seed=self.dataset.seed,
             sampling=_compose(SamplingParams, self.engine),
+            spec_limits=self.spec_limits(),
             replica=self.fleet.replica,
             replicas=self.fleet.replicas,
             capture_partials=self.recovery.granularity == "token",
+        )
+
+    def spec_limits(self) -> SpecLimits:
+        """What a prompt's or a source's generation settings may ask for."""
+        vllm = self.engine.kind == "vllm"
+        return SpecLimits(
+            self.limits.max_group_size, self.engine.vllm.max_model_len if vllm else None
         )
 
     def scoring_config(self) -> ScoringConfig:
@@ -371,13 +447,23 @@ class Config(_Section):
             vllm=_compose(VLLMConfig, self.engine.vllm),
         )
 
-    def semantic_fingerprint(self, dataset_digest: str, model_id: str) -> dict[str, Any]:
+    def semantic_fingerprint(
+        self, dataset_digest: str | Mapping[str, str], model_id: str
+    ) -> dict[str, Any]:
         """Keys whose change makes a snapshot's groups mean something else. The dataset is
-        identified by its content, so the same file mounted elsewhere still restores."""
+        identified by its content, so the same file mounted elsewhere still restores. With
+        ``dataset.sources``, ``dataset_digest`` maps each source's name to a digest of its
+        content and generation settings, each its own key (a source's weight may change)."""
+        if isinstance(dataset_digest, str):
+            dataset: dict[str, Any] = {"dataset": dataset_digest}
+        else:
+            dataset = {"dataset.sources": list(dataset_digest)} | {
+                f"dataset.sources[{name}]": digest for name, digest in dataset_digest.items()
+            }
         return {
             "engine.model": model_id,
             "group_size": self.group_size,
-            "dataset": dataset_digest,
+            **dataset,
             "dataset.seed": self.dataset.seed,
             "dataset.shuffle": self.dataset.shuffle,
             "fleet.replicas": self.fleet.replicas,

@@ -1,8 +1,10 @@
 """Prompt files: JSONL or Parquet, one prompt a row.
 
 A row has ``prompt`` (text) or ``messages`` (chat, rendered by the engine's tokenizer), an optional
-``id`` (else its position among the prompts, counted from 0) and optional ``metadata`` (any JSON,
-returned with the group).
+``id`` (else its position among the prompts, counted from 0), optional ``metadata`` (any JSON,
+returned with the group) and optional ``generation``: the row's own settings (``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``stop``, ``seed``, ``group_size``), over its
+source's and the service's.
 
 Messages about a row count as an editor does, from 1: ``line N`` of a JSONL file (blank lines
 count), ``row N`` of a Parquet file.
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.domain.group import Prompt
+from rolloutd.domain.sampler import Source
+from rolloutd.domain.spec import EMPTY, GenerationSpec, SpecError, SpecLimits, check
 
 BUNDLED = "bundled:arithmetic"
 
@@ -25,10 +29,18 @@ class DatasetError(ValueError):
     """The prompt file cannot be used; the message names the file and row."""
 
 
-def _prompt(row: Any, index: int, where: str) -> Prompt:
+NO_LIMITS = SpecLimits(max_group_size=1024)
+
+
+def _prompt(row: Any, index: int, where: str, limits: SpecLimits) -> Prompt:
     """``index``: the prompt's position (its default id); ``where``: file and 1-based line or row."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where} is not an object")
+    try:
+        spec = GenerationSpec.from_json(row.get("generation"))
+        check(spec, limits)
+    except SpecError as exc:
+        raise DatasetError(f"{where}: {exc}") from exc
     text = row.get("prompt")
     messages = row.get("messages")
     if text is None and messages is None:
@@ -57,14 +69,16 @@ def _prompt(row: Any, index: int, where: str) -> Prompt:
         text=text if text is not None else fallback,
         metadata=metadata,
         messages=chat,
+        generation=spec,
     )
 
 
-def load_prompts(path: str | None) -> tuple[list[Prompt], str]:
-    """Returns the prompts and a content digest (part of the snapshot fingerprint)."""
+def load_prompts(path: str | None, limits: SpecLimits = NO_LIMITS) -> tuple[list[Prompt], str]:
+    """Returns the prompts and a content digest (part of the snapshot fingerprint). A row's
+    generation settings must be within ``limits``."""
     if path is None or path == BUNDLED:
         data = resources.files("rolloutd").joinpath("data/arithmetic.jsonl").read_bytes()
-        return _from_jsonl(data, BUNDLED), hashlib.sha256(data).hexdigest()[:16]
+        return _from_jsonl(data, BUNDLED, limits), hashlib.sha256(data).hexdigest()[:16]
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -76,9 +90,9 @@ def load_prompts(path: str | None) -> tuple[list[Prompt], str]:
         import pyarrow.parquet as pq
 
         rows = pq.read_table(io.BytesIO(data)).to_pylist()
-        prompts = [_prompt(r, i, f"{p}: row {i + 1}") for i, r in enumerate(rows)]
+        prompts = [_prompt(r, i, f"{p}: row {i + 1}", limits) for i, r in enumerate(rows)]
     else:
-        prompts = _from_jsonl(data, str(p))
+        prompts = _from_jsonl(data, str(p), limits)
     if not prompts:
         raise DatasetError(f"dataset {p}: no prompts")
     ids = [pr.prompt_id for pr in prompts]
@@ -87,7 +101,22 @@ def load_prompts(path: str | None) -> tuple[list[Prompt], str]:
     return prompts, hashlib.sha256(data).hexdigest()[:16]
 
 
-def _from_jsonl(data: bytes, where: str) -> list[Prompt]:
+def load_source(
+    name: str,
+    path: str | None,
+    weight: float = 1.0,
+    generation: GenerationSpec = EMPTY,
+    limits: SpecLimits = NO_LIMITS,
+) -> tuple[Source, str]:
+    """One weighted source and its digest: of its name, content and generation settings."""
+    prompts, digest = load_prompts(path, limits)
+    settings = json.dumps([name, digest, generation.to_json()], sort_keys=True)
+    return Source(name, prompts, weight, generation), hashlib.sha256(settings.encode()).hexdigest()[
+        :16
+    ]
+
+
+def _from_jsonl(data: bytes, where: str, limits: SpecLimits) -> list[Prompt]:
     prompts: list[Prompt] = []
     for lineno, line in enumerate(data.decode().splitlines()):
         if not line.strip():
@@ -96,5 +125,5 @@ def _from_jsonl(data: bytes, where: str) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: line {lineno + 1} is not JSON: {exc.msg}") from exc
-        prompts.append(_prompt(row, len(prompts), f"{where}: line {lineno + 1}"))
+        prompts.append(_prompt(row, len(prompts), f"{where}: line {lineno + 1}", limits))
     return prompts

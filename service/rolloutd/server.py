@@ -25,7 +25,7 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.checkpoint.tags import NONE, sequence_of
 from rolloutd.config import Config, ConfigError
-from rolloutd.dataset import load_prompts
+from rolloutd.dataset import load_prompts, load_source
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.engine import EngineDeadError, GenerationEngine
 from rolloutd.domain.errors import (
@@ -55,7 +55,7 @@ from rolloutd.domain.errors import (
 )
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.report import RestoreReport
-from rolloutd.domain.sampler import Sampler, fleet_share
+from rolloutd.domain.sampler import DATASET, Sampler, Source, fleet_share
 from rolloutd.engines.factory import build_engine
 from rolloutd.entrypoints import EntryPointError, load
 from rolloutd.scoring import build_stage
@@ -114,11 +114,27 @@ class RolloutService:
         runner = _plugged("pipeline.sibling_runner", config.pipeline.sibling_runner)
         stage = _plugged("pipeline.finishing_stage", config.pipeline.finishing_stage)
         try:
-            self.scoring = build_stage(config.scoring_config(), config.filter_config())
+            self.scoring = build_stage(
+                config.scoring_config(),
+                config.filter_config(),
+                {s.name: s.verifier for s in config.dataset.sources if s.verifier},
+            )
         except ValueError as exc:  # a verifier's entry point that cannot be loaded
             raise ConfigError(str(exc)) from exc
         stage = stage or self.scoring
-        prompts, dataset_digest = load_prompts(config.dataset.path)
+        limits = config.spec_limits()
+        sources: list[Source] = []
+        dataset_digest: str | dict[str, str]
+        if config.dataset.sources:
+            dataset_digest = {}
+            for s in config.dataset.sources:
+                source, dataset_digest[s.name] = load_source(
+                    s.name, s.path, s.weight, s.generation.spec(), limits
+                )
+                sources.append(source)
+        else:
+            prompts, dataset_digest = load_prompts(config.dataset.path, limits)
+            sources.append(Source(DATASET, prompts))
         if engine is None:
             built = build_engine(
                 config.engine_factory(),
@@ -131,7 +147,7 @@ class RolloutService:
         self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
-        ckpt = config.checkpoint
+        ckpt, fleet = config.checkpoint, config.fleet
         self.store = SnapshotStore(
             ckpt.dir, ckpt.storage_options, lock_timeout_s=ckpt.lock_timeout_s
         )
@@ -139,7 +155,10 @@ class RolloutService:
             config.controller(),
             engine,
             Sampler(
-                fleet_share(prompts, config.fleet.replica, config.fleet.replicas),
+                [
+                    replace(s, prompts=fleet_share(s.prompts, fleet.replica, fleet.replicas))
+                    for s in sources
+                ],
                 seed=config.dataset.seed,
                 shuffle=config.dataset.shuffle,
                 epochs=config.dataset.epochs,
@@ -240,6 +259,7 @@ class RolloutService:
                 consecutive_failures=self.checkpointer.consecutive_failures,
             ),
             model=model_id,
+            dataset_sources=[s.name for s in sources],
         )
         self._stopping = asyncio.Event()
         self._stopped = False

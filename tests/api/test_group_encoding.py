@@ -10,6 +10,7 @@ import pytest
 
 from rolloutd.api.convert import group_to_proto
 from rolloutd.domain.group import Group, GroupMeta, GroupState, Position, Prompt, Sample, SamplePart
+from rolloutd.domain.spec import SamplingParams
 from rolloutd.v1 import rollout_pb2 as pb
 
 
@@ -47,8 +48,13 @@ def test_every_field_of_the_group_and_its_samples(position, metadata):
         committed_at=12.0,
     )
     group = Group(meta, {2: sample(2), 0: sample(0, resumed=True), 1: sample(1)})
-    proto = group_to_proto(group)
+    params = SamplingParams(max_tokens=16, temperature=0.5, top_p=0.9, top_k=5, stop=("\n",))
+    proto = group_to_proto(group, "math", params)
 
+    assert (proto.source_name, proto.generation.group_size, proto.generation.seed) == ("math", 3, 5)
+    assert (proto.generation.max_tokens, proto.generation.temperature) == (16, 0.5)
+    assert (proto.generation.top_k, list(proto.generation.stop)) == (5, ["\n"])
+    assert proto.generation.top_p == pytest.approx(0.9)
     assert (proto.group_id, proto.prompt_id, proto.prompt_text) == (9, "p9", "hi")
     assert (proto.epoch, proto.offset) == (
         (position.epoch, position.offset) if position else (0, 0)

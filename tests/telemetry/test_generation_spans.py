@@ -26,7 +26,9 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def started(group_id: int, admitted_at: float) -> GenerationStarted:
-    return GenerationStarted(group_id, f"p{group_id}", 4, admitted_at, 32, 0.7, 0.95)
+    return GenerationStarted(
+        group_id, f"p{group_id}", 4, admitted_at, 32, 0.7, 0.95, top_k=5, seed=123, source="math"
+    )
 
 
 def traceparent(headers) -> tuple[str, str, str]:
@@ -54,6 +56,8 @@ def test_a_group_is_one_span_from_admission_to_commit_with_genai_attributes(span
         GenAIAttr.REQUEST_MAX_TOKENS: 32,
         GenAIAttr.REQUEST_TEMPERATURE: 0.7,
         GenAIAttr.REQUEST_TOP_P: 0.95,
+        GenAIAttr.REQUEST_TOP_K: 5,
+        GenAIAttr.REQUEST_SEED: 123,
         GenAIAttr.REQUEST_CHOICE_COUNT: 4,
         GenAIAttr.USAGE_INPUT_TOKENS: 11,
         GenAIAttr.USAGE_OUTPUT_TOKENS: 90,
@@ -61,6 +65,7 @@ def test_a_group_is_one_span_from_admission_to_commit_with_genai_attributes(span
         GroupAttr.SIZE: 4,
         GroupAttr.PROMPT_ID: "p7",
         GroupAttr.ENGINE: "vllm",
+        GroupAttr.SOURCE: "math",
     }
     assert len(spans) == 0
 

@@ -13,6 +13,8 @@ from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
+from rolloutd.domain.sampler import SUBMITTED
+from rolloutd.domain.spec import GenerationSpec, SamplingParams
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.weights.receive import PushChunk, PushHeader
 from rolloutd.weights.staging import FileSpec
@@ -68,9 +70,37 @@ def _sample_fields(s: Sample) -> dict[str, Any]:
     }
 
 
-def group_to_proto(g: Group) -> pb.Group:
+def spec_to_proto(p: SamplingParams, group_size: int, seed: int) -> pb.GenerationSpec:
+    """Every setting of a group, as it was generated."""
+    return pb.GenerationSpec(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        max_tokens=p.max_tokens,
+        stop=p.stop,
+        seed=seed,
+        group_size=group_size,
+    )
+
+
+def spec_from_proto(s: pb.GenerationSpec) -> GenerationSpec:
+    """The settings a prompt sets (its fields present in ``s``)."""
+    return GenerationSpec(
+        **{
+            name: getattr(s, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
+            if s.HasField(name)
+        },
+        stop=tuple(s.stop) or None,
+        group_size=s.group_size if s.HasField("group_size") else None,
+    )
+
+
+def group_to_proto(g: Group, source: str, params: SamplingParams) -> pb.Group:
     """The group with its samples built in place (a list of built samples passed to
-    ``pb.Group`` would be copied into it): ``FetchGroups`` builds one per delivered group."""
+    ``pb.Group`` would be copied into it): ``FetchGroups`` builds one per delivered group.
+    ``source``: the name of its source; ``params``: its sampling settings."""
     m = g.meta
     position = m.position
     metadata = m.prompt.metadata
@@ -86,6 +116,8 @@ def group_to_proto(g: Group) -> pb.Group:
         policy_version=m.policy_version,
         admitted_at=m.admitted_at,
         committed_at=m.committed_at or 0.0,
+        generation=spec_to_proto(params, m.group_size, m.seed),
+        source_name=source,
     )
     add = group.samples.add
     scores = m.scores
@@ -128,7 +160,13 @@ def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
     text = p.text if p.text.strip() else "\n".join(m["content"] for m in messages)
     if len(text) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"{field}.text", f"must be at most {MAX_PROMPT_CHARS} characters")
-    return Prompt(prompt_id=p.prompt_id, text=text, metadata=_metadata(p, field), messages=messages)
+    return Prompt(
+        prompt_id=p.prompt_id,
+        text=text,
+        metadata=_metadata(p, field),
+        messages=messages,
+        generation=spec_from_proto(p.generation) if p.HasField("generation") else GenerationSpec(),
+    )
 
 
 def _metadata(p: pb.Prompt, field: str) -> Any:
@@ -217,6 +255,22 @@ def status_to_proto(
         last_checkpoint=last_checkpoint,
         replica=s.replica,
         replicas=s.replicas,
+        sources=[
+            pb.SourceStatus(
+                name=src.name,
+                weight=src.weight,
+                epoch=src.cursor.epoch,
+                offset=src.cursor.offset,
+                prompts=src.prompts,
+                exhausted=src.exhausted,
+                committed_groups=c.committed_by_source.get(src.name, 0),
+                committed_tokens=c.committed_tokens_by_source.get(src.name, 0),
+                delivered_groups=c.acked_by_source.get(src.name, 0),
+            )
+            for src in s.sources
+        ],
+        submitted_committed_groups=c.committed_by_source.get(SUBMITTED, 0),
+        submitted_delivered_groups=c.acked_by_source.get(SUBMITTED, 0),
     )
 
 

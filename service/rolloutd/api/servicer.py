@@ -122,7 +122,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         lease, groups = leased
         return pb.FetchGroupsResponse(
             lease_id=lease.lease_id,
-            groups=[convert.group_to_proto(g) for g in groups],
+            groups=[convert.group_to_proto(g, *self._controller.settings_of(g)) for g in groups],
             lease_expires_at=lease.expires_at,
         )
 

@@ -12,10 +12,11 @@ its size and a checksum (checksums.py).
 
 from __future__ import annotations
 
-FORMAT_VERSION = 4
-"""Version of the manifest and segment layout; readers refuse a newer one. Format 4 adds the
-finishing stage's scores to the group columns (:data:`GROUP_SCHEMA`); format 3 had the same
-columns without them (:data:`GROUP_SCHEMA_V3`), format 2 kept group metadata as one JSON string
+FORMAT_VERSION = 5
+"""Version of the manifest and segment layout; readers refuse a newer one. Format 5 adds each
+group's source and generation settings to the group columns (:data:`GROUP_SCHEMA`); format 4
+had the finishing stage's scores without them (:data:`GROUP_SCHEMA_V4`), format 3 neither
+(:data:`GROUP_SCHEMA_V3`), format 2 kept group metadata as one JSON string
 per group (:data:`GROUP_SCHEMA_V2`) and format 1 in the sidecar. All are still read: a snapshot
 taken after an upgrade lists the group segments of earlier ones until compaction rewrites
 them."""

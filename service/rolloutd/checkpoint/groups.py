@@ -28,7 +28,13 @@ import pyarrow.compute as pc
 
 from rolloutd.checkpoint import sidecar
 from rolloutd.checkpoint.format import FormatError
-from rolloutd.checkpoint.rows import BATCH_ROWS, GROUP_SCHEMA, GROUP_SCHEMA_V2, GROUP_SCHEMA_V3
+from rolloutd.checkpoint.rows import (
+    BATCH_ROWS,
+    GROUP_SCHEMA,
+    GROUP_SCHEMA_V2,
+    GROUP_SCHEMA_V3,
+    GROUP_SCHEMA_V4,
+)
 from rolloutd.domain.group import (
     STATES,
     UNFINISHED,
@@ -41,6 +47,7 @@ from rolloutd.domain.group import (
     SampleScore,
     ScoreStatus,
 )
+from rolloutd.domain.spec import EMPTY, GenerationSpec, SamplingParams
 
 _META_FIELDS = (
     "group_id",
@@ -55,11 +62,12 @@ _META_FIELDS = (
     "lease_id",
     "ack_step",
     "scores",
+    "params",
 )
 """``GroupMeta``'s fields in declaration order, as :func:`batch_to_metas` fills them."""
 
-_PROMPT_FIELDS = ("prompt_id", "text", "metadata", "messages")
-_POSITION_FIELDS = ("epoch", "offset")
+_PROMPT_FIELDS = ("prompt_id", "text", "metadata", "messages", "generation")
+_POSITION_FIELDS = ("epoch", "offset", "source")
 
 for _kind, _expected in (
     (GroupMeta, _META_FIELDS),
@@ -104,6 +112,9 @@ def _encode(metas: Sequence[GroupMeta]) -> pa.RecordBatch:
         pa.array(
             [None if m.scores is None else _scores_json(m.scores) for m in metas], pa.string()
         ),
+        pa.array([None if p is None else p.source for p in positions], pa.int32()),
+        pa.array([_json(p.generation.to_json()) if p.generation else None for p in prompts]),
+        pa.array([None if m.params is None else _params_json(m.params) for m in metas]),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=GROUP_SCHEMA)
 
@@ -122,12 +133,37 @@ def _scores(record: dict[str, Any] | None) -> GroupScores | None:
     return GroupScores(samples, record["mean"], record["std"])
 
 
+def _params_json(params: SamplingParams) -> str:
+    return _json(dataclasses.asdict(params))
+
+
+_PARAMS: dict[str, SamplingParams] = {}
+"""Settings by their JSON: groups share a few, and a restore decodes each only once."""
+
+
+def _params(text: str | None) -> SamplingParams | None:
+    if text is None:
+        return None
+    params = _PARAMS.get(text)
+    if params is None:
+        record = json.loads(text)
+        params = SamplingParams(**{**record, "stop": tuple(record["stop"])})
+        if len(_PARAMS) < 4096:
+            _PARAMS[text] = params
+    return params
+
+
 def _current(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A batch of :data:`GROUP_SCHEMA`: one of format 3 gets a null ``scores`` column."""
-    if batch.schema.remove_metadata() == GROUP_SCHEMA_V3.remove_metadata():
-        nulls = pa.nulls(batch.num_rows, pa.string())
-        return pa.RecordBatch.from_arrays([*batch.columns, nulls], schema=GROUP_SCHEMA)
-    if batch.schema.remove_metadata() != GROUP_SCHEMA.remove_metadata():
+    """A batch of :data:`GROUP_SCHEMA`: one of an earlier format gets null columns for what it
+    lacks (format 3: ``scores``; formats 3 and 4: the source and the generation settings)."""
+    schema = batch.schema.remove_metadata()
+    if schema in (GROUP_SCHEMA_V3.remove_metadata(), GROUP_SCHEMA_V4.remove_metadata()):
+        columns = [
+            batch.column(f.name) if f.name in schema.names else pa.nulls(batch.num_rows, f.type)
+            for f in GROUP_SCHEMA
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=GROUP_SCHEMA)
+    if schema != GROUP_SCHEMA.remove_metadata():
         raise FormatError(f"group segment schema differs from the group schema: {batch.schema}")
     return batch
 
@@ -184,15 +220,22 @@ def batch_to_metas(
     metadata = _parsed(col("prompt_metadata"), None)
     messages = [tuple(m) for m in _parsed(col("prompt_messages"), ())]
     prompt_ids = col("prompt_id").to_pylist()
+    specs = [
+        GenerationSpec.from_json(g) if g else EMPTY for g in _parsed(col("prompt_generation"), None)
+    ]
     prompts = _filled(
-        Prompt, _PROMPT_FIELDS, (prompt_ids, col("prompt_text").to_pylist(), metadata, messages)
+        Prompt,
+        _PROMPT_FIELDS,
+        (prompt_ids, col("prompt_text").to_pylist(), metadata, messages, specs),
     )
     epochs, offsets = _values(col("epoch")), _values(col("offset"))
+    sources = _values(col("source").fill_null(0))
     if col("epoch").null_count == 0:
-        positions = _filled(Position, _POSITION_FIELDS, (epochs, offsets))
+        positions = _filled(Position, _POSITION_FIELDS, (epochs, offsets, sources))
     else:
         positions = [
-            None if e is None else Position(e, o) for e, o in zip(epochs, offsets, strict=True)
+            None if e is None else Position(e, o, s)
+            for e, o, s in zip(epochs, offsets, sources, strict=True)
         ]
     columns = (
         _values(col("group_id")),
@@ -207,6 +250,7 @@ def batch_to_metas(
         _values(col("lease_id")),
         _values(col("ack_step")),
         list(map(_scores, _parsed(col("scores"), None))),
+        list(map(_params, col("generation").to_pylist())),
     )
     metas: list[GroupMeta] = _filled(GroupMeta, _META_FIELDS, columns)
     return metas
@@ -243,6 +287,7 @@ class _Columns(GroupTable):
         self._states = _array(codes, np.int8)
         self._epochs = _array(col("epoch"), np.int64, -1)
         self._offsets = _array(col("offset"), np.int64, -1)
+        self._sources = _array(col("source"), np.int64, 0)
         self._committed_at = _array(col("committed_at"), np.float64)
         policy_versions = _array(col("policy_version"), np.int64)
         super().__init__(self._ids.tolist(), self._states.tolist(), policy_versions.tolist())
@@ -256,10 +301,10 @@ class _Columns(GroupTable):
         n = np.bincount(self._states, minlength=len(STATES)).tolist()
         return dict(zip(STATES, n, strict=True))
 
-    def positions_from(self, epoch: int, offset: int) -> list[Position]:
+    def positions_from(self, epoch: int, offset: int, source: int = 0) -> list[Position]:
         e, o = self._epochs, self._offsets
-        at = (e > epoch) | ((e == epoch) & (o >= offset))
-        return [Position(*p) for p in zip(e[at].tolist(), o[at].tolist(), strict=True)]
+        at = ((e > epoch) | ((e == epoch) & (o >= offset))) & (self._sources == source)
+        return [Position(e, o, source) for e, o in zip(e[at].tolist(), o[at].tolist(), strict=True)]
 
     def unfinished(self) -> list[int]:
         at = np.isin(self._states, [STATES.index(s) for s in UNFINISHED])

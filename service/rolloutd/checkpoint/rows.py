@@ -66,6 +66,9 @@ GROUP_SCHEMA = pa.schema(
         pa.field("lease_id", pa.string()),
         pa.field("ack_step", pa.int64()),
         pa.field("scores", pa.string()),
+        pa.field("source", pa.int32()),
+        pa.field("prompt_generation", pa.string()),
+        pa.field("generation", pa.string()),
     ],
     metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
 )
@@ -76,12 +79,23 @@ one JSON document per group. ``position`` is ``epoch`` and ``offset`` (null: non
 ``group_id`` is the row id: a later snapshot that changes or drops a group lists it as removed
 from the segment that held it, so each group is live in one segment. ``scores`` (format 4) is
 the finishing stage's record as JSON, ``{"mean", "std", "samples": [[reward, status, info]]}``
-(null: unscored)."""
+(null: unscored). Format 5 adds the position's ``source`` (null: 0), the prompt's own
+``prompt_generation`` settings (JSON, null: none) and the group's effective sampling settings
+``generation`` (JSON of ``SamplingParams``; null: the service's configured ones)."""
 
-GROUP_SCHEMA_V3 = GROUP_SCHEMA.remove(GROUP_SCHEMA.get_field_index("scores")).with_metadata(
-    {b"rolloutd.format_version": b"3"}
-)
-"""Group segments of format 3: the same columns but ``scores``; read as unscored groups."""
+
+def _without(schema: pa.Schema, names: tuple[str, ...], version: int) -> pa.Schema:
+    for name in names:
+        schema = schema.remove(schema.get_field_index(name))
+    return schema.with_metadata({b"rolloutd.format_version": str(version).encode()})
+
+
+FORMAT_5_COLUMNS = ("source", "prompt_generation", "generation")
+GROUP_SCHEMA_V4 = _without(GROUP_SCHEMA, FORMAT_5_COLUMNS, 4)
+"""Group segments of format 4: no per-prompt settings; read as the only source's, with the
+service's configured settings."""
+GROUP_SCHEMA_V3 = _without(GROUP_SCHEMA_V4, ("scores",), 3)
+"""Group segments of format 3: format 4's columns but ``scores``; read as unscored groups."""
 
 GROUP_SCHEMA_V2 = pa.schema(
     [

@@ -3,12 +3,14 @@ outside the exclusive hold.
 
 Values are encoded field by field from their dataclass declarations (:func:`to_json`,
 :func:`from_json`), so a field added to ``GroupMeta``, ``Lease``, ``AckRecord``, ``Counters`` ...
-is persisted without being listed again here. Positions are ``[epoch, offset]``, prompts
-``{id, text, metadata, messages}``, enums their value.
+is persisted without being listed again here. Positions are ``[epoch, offset]`` (``[epoch,
+offset, source]`` beyond the first source), prompts ``{id, text, metadata, messages}`` (and
+``generation`` where the prompt has its own settings), enums their value.
 
 The layout (format 1)::
 
-    {"format": 1, "sampler": {cursor, submitted_len, submitted_head, readmit, skip, skip_ids},
+    {"format": 1, "sampler": {cursor, submitted_len, submitted_head, readmit, skip, skip_ids,
+                              cursors, draws},
      "controller": {next_group_id, policy_version, weights_path,
      max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
      "lost_acks": [...], "lost_leases": [...]}
@@ -36,6 +38,7 @@ from typing import Any
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.group import GroupMeta, GroupTable, Position, Prompt
 from rolloutd.domain.sampler import Admission, SamplerState
+from rolloutd.domain.spec import GenerationSpec
 from rolloutd.domain.state import ControllerState, Counters, LostAck, LostLease
 
 SIDECAR_FORMAT = 1
@@ -62,7 +65,10 @@ def _same(value: Any) -> Any:
 
 
 def _prompt_to_json(p: Prompt) -> dict[str, Any]:
-    return {"id": p.prompt_id, "text": p.text, "metadata": p.metadata, "messages": list(p.messages)}
+    out = {"id": p.prompt_id, "text": p.text, "metadata": p.metadata, "messages": list(p.messages)}
+    if p.generation:
+        out["generation"] = p.generation.to_json()
+    return out
 
 
 def _prompt_from_json(d: Mapping[str, Any]) -> Prompt:
@@ -71,6 +77,7 @@ def _prompt_from_json(d: Mapping[str, Any]) -> Prompt:
         text=str(d["text"]),
         metadata=d["metadata"],  # any JSON value, delivered exactly as it came
         messages=tuple(d["messages"]),
+        generation=GenerationSpec.from_json(d.get("generation")),
     )
 
 
@@ -88,7 +95,7 @@ def _encoder(kind: Any) -> Callable[[Any], Any]:
     if origin in (dict, Mapping) or kind is Any or kind in (int, float, str, bool, type(None)):
         return _same
     if kind is Position:
-        return lambda p: [p.epoch, p.offset]
+        return lambda p: [p.epoch, p.offset] if p.source == 0 else [p.epoch, p.offset, p.source]
     if kind is Prompt:
         return _prompt_to_json
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -131,7 +138,7 @@ def _decoder(kind: Any) -> Callable[[Any], Any]:
     if kind in (int, float, str, bool):
         return kind  # type: ignore[no-any-return]
     if kind is Position:
-        return lambda d: Position(int(d[0]), int(d[1]))
+        return lambda d: Position(int(d[0]), int(d[1]), int(d[2]) if len(d) > 2 else 0)
     if kind is Prompt:
         return _prompt_from_json
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -170,6 +177,8 @@ def sampler_to_json(s: SamplerState) -> dict[str, Any]:
         "readmit": to_json(s.readmit),
         "skip": to_json(s.skip),
         "skip_ids": list(s.skip_ids),
+        "cursors": to_json(s.cursors),
+        "draws": s.draws,
     }
 
 
@@ -186,6 +195,8 @@ def sampler_from_json(d: Mapping[str, Any]) -> SamplerState:
         readmit=from_json(tuple[Admission, ...], d["readmit"]),
         skip=from_json(tuple[Position, ...], d["skip"]),
         skip_ids=tuple(d["skip_ids"]),
+        cursors=from_json(tuple[Position, ...], d.get("cursors", [])),
+        draws=int(d.get("draws", 0)),
     )
 
 

@@ -27,7 +27,7 @@ from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import BufferCounts, Lease, RolloutBuffer, RowSealer
 from rolloutd.domain.core import ControllerConfig, Core
 from rolloutd.domain.delivery import AckResult, Delivery, RewindResult
-from rolloutd.domain.engine import GenerationEngine
+from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.finishing import FinishingStage
 from rolloutd.domain.generation import ID_BITS, ID_BLOCK, Generation, local_id
 from rolloutd.domain.group import Group, GroupState
@@ -35,7 +35,7 @@ from rolloutd.domain.observer import Observer
 from rolloutd.domain.recovery import Recovered, Recovery, RecoveryCounts
 from rolloutd.domain.report import PhaseClock
 from rolloutd.domain.runner import SiblingRunner
-from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.sampler import Admission, Sampler, SourceStatus
 from rolloutd.domain.state import ControllerState, Counters, DeliveryJournal
 from rolloutd.domain.weights import WeightsTimeline
 
@@ -66,6 +66,8 @@ class ControllerStatus:
     counters: Counters
     replica: int
     replicas: int
+    sources: tuple[SourceStatus, ...] = ()
+    """Each dataset source's cursor and size."""
     trainer_step: int = -1
     """The highest trainer step acked (lowered by a Rewind); -1 before the first ack."""
 
@@ -252,6 +254,10 @@ class Controller:
     def inflight_samples(self) -> int:
         return self.generation.inflight_samples
 
+    def settings_of(self, group: Group) -> tuple[str, SamplingParams]:
+        """A group's source name and the sampling settings it was generated with."""
+        return self.core.source_of(group.meta), self.core.params_of(group.meta)
+
     def status(self) -> ControllerStatus:
         core = self.core
         cursor = core.sampler.cursor
@@ -269,5 +275,6 @@ class Controller:
             counters=core.counters,
             replica=core.config.replica,
             replicas=core.config.replicas,
+            sources=tuple(core.sampler.status()),
             trainer_step=core.max_acked_step,
         )

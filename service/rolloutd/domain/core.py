@@ -19,10 +19,11 @@ from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import RolloutBuffer, RowSealer
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.errors import Unavailable
-from rolloutd.domain.group import GroupState
+from rolloutd.domain.group import GroupMeta, GroupState, Position
 from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.pauses import Pauses
-from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.sampler import SUBMITTED, Admission, Sampler
+from rolloutd.domain.spec import SpecLimits
 from rolloutd.domain.state import Counters, DeliveryJournal, LostAck, NullJournal
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class ControllerConfig:
     seed: int = 0
     """Root of every group's and sibling's seed."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    """The service's sampling settings: a group's unless its prompt or source sets its own."""
+    spec_limits: SpecLimits = field(default_factory=lambda: SpecLimits(max_group_size=1024))
+    """What a prompt's generation settings may ask for."""
     sibling_retries: int = 2
     """Attempts after a recoverable engine error before the group is dropped."""
     reap_interval_s: float = 1.0
@@ -170,3 +174,19 @@ class Core:
             raise Unavailable(f"the service failed: {self.fatal}")
         if self.draining:
             raise Unavailable("the service is draining (shutting down); fetch from another replica")
+
+    # --- a group's settings ----------------------------------------------------------------
+
+    def params_of(self, meta: GroupMeta) -> SamplingParams:
+        """The sampling settings a group's siblings are generated with."""
+        return self.config.sampling if meta.params is None else meta.params
+
+    def source_of(self, meta: GroupMeta) -> str:
+        """The name of a group's source (``submitted`` for a submitted prompt's)."""
+        return self.source_name(meta.position)
+
+    def source_name(self, position: Position | None) -> str:
+        """The name of the source of a prompt at ``position`` (None: a submitted prompt)."""
+        if position is None:
+            return SUBMITTED
+        return self.sampler.sources[position.source].name

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from rolloutd.domain.buffer import AckRecord, Lease, check_same_step
 from rolloutd.domain.core import Core
+from rolloutd.domain.engine import EngineError, PromptMeter
 from rolloutd.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -29,9 +30,10 @@ from rolloutd.domain.errors import (
     NotFound,
     Unavailable,
 )
-from rolloutd.domain.group import Group
+from rolloutd.domain.group import Group, Prompt
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.sampler import Admission
+from rolloutd.domain.spec import SpecError, check, check_prompt_length
 from rolloutd.domain.state import JournaledAck, LostAck
 
 log = logging.getLogger(__name__)
@@ -322,7 +324,7 @@ class Delivery:
         lost = core.buffer.ack(record)
         if lost is None:
             return  # acked already: idempotent
-        core.counters.acked_groups += len(record.group_ids)
+        core.counters.acked([self._source(gid, ack) for gid in record.group_ids])
         core.max_acked_step = max(core.max_acked_step, record.trainer_step)
         if lost:
             if not ack.admissions:
@@ -331,6 +333,14 @@ class Delivery:
             for admission in admissions:
                 core.sampler.skip(admission)
             core.lost_acks.append(LostAck(record.trainer_step, admissions))
+
+    def _source(self, group_id: int, ack: JournaledAck) -> str:
+        """The source of an acked group: from the buffer, else from the ack's journal record."""
+        group = self.core.buffer.groups.get(group_id)
+        if group is not None:
+            return self.core.source_of(group.meta)
+        admission = (ack.admissions or {}).get(group_id)
+        return self.core.source_name(None if admission is None else admission.position)
 
     # --- the trainer's checkpoints ---------------------------------------------------------
 
@@ -402,12 +412,35 @@ class Delivery:
 
     # --- submissions -----------------------------------------------------------------------
 
+    async def _check_specs(self, prompts: list[Prompt]) -> None:
+        """Raises :class:`InvalidArgument` naming the first prompt whose generation settings the
+        service or the engine cannot honour (also where the prompt and its ``max_tokens`` do not
+        fit the engine's context)."""
+        core = self.core
+        meter = core.engine if isinstance(core.engine, PromptMeter) else None
+        for i, prompt in enumerate(prompts):
+            spec = prompt.generation
+            try:
+                check(spec, core.config.spec_limits)
+                if meter is not None:
+                    max_tokens = spec.max_tokens or core.config.sampling.max_tokens
+                    tokens = await meter.prompt_tokens(prompt)
+                    check_prompt_length(max_tokens, tokens, meter.max_model_len)
+            except SpecError as exc:
+                raise InvalidArgument(
+                    f"prompts[{i}].generation.{exc.field}",
+                    f"{exc.problem} (prompt {prompt.prompt_id!r})",
+                ) from None
+            except EngineError as exc:
+                raise InvalidArgument(f"prompts[{i}]", str(exc)) from None
+
     async def submit(self, admissions: list[Admission]) -> tuple[int, int]:
         """Queues trainer-supplied prompts; the accepted ones are journaled (durable) before
         this returns, and a prompt id accepted before, also before a restart, is a duplicate."""
         core = self.core
         core.check_serving()
         prompts = [a.prompt for a in admissions]
+        await self._check_specs(prompts)
         async with self._submitting, core.barrier.mutation(MutationKind.ADMIT):
             fresh = core.sampler.fresh(prompts)
             if fresh:

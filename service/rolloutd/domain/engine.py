@@ -9,22 +9,21 @@ from typing import Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.partial import PartialSibling, TokenDelta
+from rolloutd.domain.spec import SamplingParams
 from rolloutd.domain.weights import WeightsTimeline
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings shared by every sibling; each sibling brings its own seed."""
-
-    max_tokens: int = 64
-    """Longest completion of one sibling, in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature (0: greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
-    stop: tuple[str, ...] = ()
-    """Strings that end a completion (not included in its text); also when one spans the
-    boundary between the tokens a restored sibling resumed from and its continuation."""
+__all__ = [
+    "DeltaSink",
+    "EngineCounters",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStartError",
+    "GenerationEngine",
+    "GenerationRequest",
+    "PromptMeter",
+    "RequestRefused",
+    "SamplingParams",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,11 @@ class EngineCounters:
 
 class EngineError(RuntimeError):
     """A request failed but the engine lives on; the sibling may be retried."""
+
+
+class RequestRefused(EngineError):
+    """The engine can never serve this request as asked (its prompt and ``max_tokens`` do not
+    fit the context, say): the group is dropped at once, not retried."""
 
 
 class EngineDeadError(RuntimeError):
@@ -119,3 +123,15 @@ class GenerationEngine(Protocol):
 
     @property
     def policy_version(self) -> int: ...
+
+
+@runtime_checkable
+class PromptMeter(Protocol):
+    """What an engine with a bounded context offers beside :class:`GenerationEngine`, so that a
+    submitted prompt whose ``max_tokens`` cannot fit is refused before it is accepted."""
+
+    max_model_len: int
+
+    async def prompt_tokens(self, prompt: Prompt) -> int:
+        """Tokens of ``prompt`` as the engine renders it."""
+        ...

@@ -56,6 +56,8 @@ class FinishingGroup:
     policy_version: int
     samples: Sequence[Sample]
     """The siblings in index order."""
+    source: str = ""
+    """The name of the prompt's source (``submitted``: a trainer submitted it)."""
 
 
 @dataclass(frozen=True)

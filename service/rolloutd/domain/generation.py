@@ -25,6 +25,7 @@ from rolloutd.domain.engine import (
     EngineDeadError,
     EngineError,
     GenerationRequest,
+    RequestRefused,
 )
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
@@ -39,6 +40,7 @@ from rolloutd.domain.observer import (
 from rolloutd.domain.partial import PartialSibling, TokenDelta
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
+from rolloutd.domain.spec import EMPTY, resolve
 from rolloutd.domain.state import JournaledDrop
 from rolloutd.domain.weights import WeightsTimeline
 
@@ -48,6 +50,9 @@ ENGINE_ERROR = "engine_error"
 """Drop reason: a sibling's engine error outlasted its retries."""
 STAGE_FAILED = "stage_failed"
 """Drop reason: the finishing stage raised."""
+REFUSED = "refused"
+"""Drop reason: the engine can never serve the group's request as asked (a prompt and
+``max_tokens`` that do not fit its context)."""
 
 ID_BITS = 40
 """Low bits of a group id count within a replica; the bits above are the replica's index, so ids
@@ -135,15 +140,23 @@ class Generation:
             raise InvariantError(f"group id {core.next_group_id} issued before it was reserved")
         gid = (core.config.replica << ID_BITS) | core.next_group_id
         core.next_group_id += 1
+        position = admission.position
+        source = EMPTY if position is None else core.sampler.sources[position.source].generation
+        spec = resolve(
+            admission.prompt.generation.over(source), core.config.sampling, core.config.group_size
+        )
         return Group(
             GroupMeta(
                 group_id=gid,
                 prompt=admission.prompt,
-                position=admission.position,
-                group_size=core.config.group_size,
+                position=position,
+                group_size=spec.group_size,
                 policy_version=core.policy_version,
                 admitted_at=core.clock(),
-                seed=(core.config.seed * 7_919 + gid * 104_729) % (2**31 - 1),
+                seed=(core.config.seed * 7_919 + gid * 104_729) % (2**31 - 1)
+                if spec.seed is None
+                else spec.seed,
+                params=spec.params,
             )
         )
 
@@ -159,16 +172,20 @@ class Generation:
         with a prefix in ``prefixes`` continues from it."""
         core = self.core
         if group.group_id not in self._trace_headers:
-            p = core.config.sampling
+            meta = group.meta
+            p = core.params_of(meta)
             self._trace_headers[group.group_id] = core.observer.generation_started(
                 GenerationStarted(
                     group.group_id,
-                    group.meta.prompt.prompt_id,
-                    group.meta.group_size,
-                    group.meta.admitted_at,
+                    meta.prompt.prompt_id,
+                    meta.group_size,
+                    meta.admitted_at,
                     p.max_tokens,
                     p.temperature,
                     p.top_p,
+                    p.top_k,
+                    meta.seed,
+                    core.source_of(meta),
                 )
             )
         tasks = self.siblings.setdefault(group.group_id, {})
@@ -195,7 +212,7 @@ class Generation:
             index=index,
             prompt=group.meta.prompt,
             seed=group.meta.sibling_seed(index),
-            params=core.config.sampling,
+            params=core.params_of(group.meta),
             trace_headers=self._trace_headers.get(group.group_id, {}),
             prefix=prefix,
         )
@@ -209,6 +226,9 @@ class Generation:
             try:
                 sample = await self.runner.run(SiblingJob(core.engine, request, on_delta))
                 break
+            except RequestRefused as exc:
+                await self.drop(group.group_id, REFUSED, str(exc), error=True)
+                return
             except EngineError as exc:
                 log.warning(
                     "sibling %s failed (attempt %d): %s", request.request_id, attempt + 1, exc
@@ -255,6 +275,7 @@ class Generation:
                 group.meta.position,
                 group.meta.policy_version,
                 group.ordered_samples(),
+                self.core.source_of(group.meta),
             )
             started = time.time_ns()
             try:
@@ -293,8 +314,8 @@ class Generation:
             prompt_tokens = len(group.samples[0].prompt_token_ids)
             core.buffer.commit(group.group_id, now, scores)
             self.siblings.pop(group.group_id, None)
-            core.counters.committed_groups += 1
-            core.counters.committed_tokens += tokens
+            source = core.source_of(group.meta)
+            core.counters.committed(source, tokens)
         self._trace_headers.pop(group.group_id, None)
         core.observer.group_committed(
             GroupCommitted(
@@ -304,6 +325,7 @@ class Generation:
                 completion_s=now - group.meta.admitted_at,
                 prompt_tokens=prompt_tokens,
                 group_size=group.meta.group_size,
+                source=source,
             )
         )
         await core.notify()

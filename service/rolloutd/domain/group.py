@@ -13,17 +13,22 @@ from itertools import repeat
 from typing import Any
 
 from rolloutd.domain.errors import InvariantError
+from rolloutd.domain.spec import EMPTY, GenerationSpec, SamplingParams
 
 
 @dataclass(frozen=True, order=True)
 class Position:
-    """Where a dataset prompt sits in the sampler's stream: pass ``epoch``, index ``offset``."""
+    """Where a dataset prompt sits in its source's stream: pass ``epoch``, index ``offset``.
+    Positions of one source are ordered; those of two sources are never compared."""
 
     epoch: int
     offset: int
+    source: int = 0
+    """The index of the prompt's source among ``dataset.sources`` (0: the only one)."""
 
     def __str__(self) -> str:
-        return f"({self.epoch}, {self.offset})"
+        at = f"{self.epoch}, {self.offset}"
+        return f"({at})" if self.source == 0 else f"(source {self.source}: {at})"
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class Prompt:
     metadata: Any = None
     """Any JSON value (None: none given), returned exactly with the group."""
     messages: tuple[dict[str, str], ...] = ()
+    generation: GenerationSpec = EMPTY
+    """The prompt's own generation settings (over its source's and the service's)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,10 @@ class GroupMeta:
     ack_step: int | None = None
     scores: GroupScores | None = None
     """What the finishing stage recorded when it committed the group (None: unscored)."""
+    params: SamplingParams | None = None
+    """The group's sampling settings, fixed at admission: every sibling, also one resumed after
+    a restart, generates with them. None: the service's configured ones (a group of a snapshot
+    before format 5)."""
 
     def sibling_seed(self, index: int) -> int:
         """Each sibling has its own seed, derived so a re-run after a restart is reproducible."""
@@ -340,8 +351,8 @@ class GroupTable(Mapping[int, GroupMeta]):
         """Groups by state."""
 
     @abstractmethod
-    def positions_from(self, epoch: int, offset: int) -> list[Position]:
-        """Positions of groups at or after ``(epoch, offset)``."""
+    def positions_from(self, epoch: int, offset: int, source: int = 0) -> list[Position]:
+        """Positions of ``source``'s groups at or after ``(epoch, offset)``."""
 
     @abstractmethod
     def committed_order(self) -> list[int]:
@@ -388,9 +399,13 @@ class _Decoded(GroupTable):
         n = Counter(m.state for m in self._metas)
         return {s: n[s] for s in STATES}
 
-    def positions_from(self, epoch: int, offset: int) -> list[Position]:
-        at = Position(epoch, offset)
-        return [m.position for m in self._metas if m.position is not None and m.position >= at]
+    def positions_from(self, epoch: int, offset: int, source: int = 0) -> list[Position]:
+        at = Position(epoch, offset, source)
+        return [
+            m.position
+            for m in self._metas
+            if m.position is not None and m.position.source == source and m.position >= at
+        ]
 
     def committed_order(self) -> list[int]:
         committed = GroupState.COMMITTED

@@ -27,6 +27,11 @@ class GenerationStarted:
     max_tokens: int
     temperature: float
     top_p: float
+    top_k: int = 0
+    seed: int = 0
+    """The group's seed (each sibling's derives from it)."""
+    source: str = ""
+    """The name of the group's source."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class GroupCommitted:
     prompt_tokens: int
     """Tokens of the prompt, as the engine saw it (once, not once per sibling)."""
     group_size: int
+    source: str = ""
+    """The name of the group's source."""
 
 
 @dataclass(frozen=True)

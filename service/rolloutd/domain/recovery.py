@@ -163,15 +163,17 @@ class Recovery:
         Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
         position (admission would create a second group for a buffered position).
         """
-        cursor = state.sampler.cursor
         groups = restored_groups(state.buffer.groups)
-        ahead = sorted(map(str, groups.positions_from(cursor.epoch, cursor.offset)))
-        if ahead:
-            raise RestoreRefused(
-                f"sampler cursor {cursor} is not ahead of restored group positions "
-                + ", ".join(ahead[:10])
-                + (" ..." if len(ahead) > 10 else "")
+        for cursor in state.sampler.cursors or (state.sampler.cursor,):
+            ahead = sorted(
+                map(str, groups.positions_from(cursor.epoch, cursor.offset, cursor.source))
             )
+            if ahead:
+                raise RestoreRefused(
+                    f"sampler cursor {cursor} is not ahead of restored group positions "
+                    + ", ".join(ahead[:10])
+                    + (" ..." if len(ahead) > 10 else "")
+                )
         buffer = RolloutBuffer(self.core.buffer.sealer)
         buffer.load(replace(state.buffer, groups=groups))
         return buffer

@@ -1,9 +1,12 @@
 """The sampler: which prompt is admitted next.
 
-Dataset prompts are visited in a seeded permutation per epoch, addressed by a cursor
-``Position(epoch, offset)``; the order is a pure function of (seed, epoch), so a restored cursor
-continues exactly where the snapshot left off. Prompts submitted by trainers and prompts to
-re-admit (their groups were lost or rewound) go first.
+Dataset prompts come from one or more weighted :class:`Source` s. Each source visits its prompts
+in a seeded permutation per epoch, addressed by its own cursor ``Position(epoch, offset,
+source)``; the order is a pure function of (seed, source, epoch), so a restored cursor continues
+exactly where the snapshot left off. With several sources, the n-th dataset admission draws its
+source by weight from a generator seeded with (seed, n): deterministic, and after a restore it
+continues from the draw count the snapshot holds (under the weights configured then). Prompts
+submitted by trainers and prompts to re-admit (their groups were lost or rewound) go first.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from rolloutd.domain.errors import FailedPrecondition, ResourceExhausted
 from rolloutd.domain.group import Position, Prompt
+from rolloutd.domain.spec import EMPTY, GenerationSpec
 
 
 def fleet_share(prompts: Sequence[Prompt], replica: int, replicas: int) -> Sequence[Prompt]:
@@ -27,6 +31,23 @@ def fleet_share(prompts: Sequence[Prompt], replica: int, replicas: int) -> Seque
 
 
 @dataclass(frozen=True)
+class Source:
+    """A stream of dataset prompts, drawn from by ``weight`` (relative to the other sources'),
+    whose groups are generated with ``generation`` unless a prompt sets its own."""
+
+    name: str
+    prompts: Sequence[Prompt]
+    weight: float = 1.0
+    generation: GenerationSpec = EMPTY
+
+
+DATASET = "dataset"
+"""The name of the one source of a sampler built from a plain list of prompts."""
+SUBMITTED = "submitted"
+"""What the groups of submitted prompts count under where sources are named."""
+
+
+@dataclass(frozen=True)
 class Admission:
     """The next prompt to admit; ``position`` is None for submitted prompts."""
 
@@ -34,24 +55,42 @@ class Admission:
     position: Position | None
 
 
+@dataclass(frozen=True)
+class SourceStatus:
+    name: str
+    weight: float
+    cursor: Position
+    prompts: int
+    exhausted: bool
+
+
 class Sampler:
     def __init__(
         self,
-        prompts: Sequence[Prompt],
+        sources: Sequence[Source] | Sequence[Prompt],
         *,
         seed: int,
         shuffle: bool = True,
         epochs: int | None = None,
         max_pending: int = 100_000,
     ) -> None:
-        self._prompts = prompts
+        """``sources``: the dataset's sources, or the prompts of its only one."""
+        given = list(sources)
+        if given and all(isinstance(s, Source) for s in given):
+            self.sources: tuple[Source, ...] = tuple(given)  # type: ignore[arg-type]
+        elif any(isinstance(s, Source) for s in given):
+            raise TypeError("a sampler takes sources or prompts, not both")
+        else:
+            self.sources = (Source(DATASET, sources),)  # type: ignore[arg-type]
         self._seed = seed
         self._shuffle = shuffle
         self._epochs = epochs
         self._max_pending = max_pending
-        self._cursor = Position(0, 0)
-        self._order_epoch = -1
-        self._order: list[int] = []
+        self._cursors = [Position(0, 0, i) for i in range(len(self.sources))]
+        self._draws = 0
+        """Weighted draws of a source made so far (with more than one source to draw from)."""
+        self._orders: dict[int, tuple[int, list[int]]] = {}
+        """Source -> (epoch, that epoch's permutation of its prompts)."""
         self._submitted: list[Prompt] = []
         """Every prompt ever submitted, append-only: a captured prefix never changes."""
         self._submitted_head = 0
@@ -66,31 +105,71 @@ class Sampler:
 
     @property
     def cursor(self) -> Position:
-        """The next dataset position to admit."""
-        return self._cursor
+        """The next position of the first source to admit."""
+        return self._cursors[0]
+
+    @property
+    def cursors(self) -> tuple[Position, ...]:
+        """The next position to admit of each source."""
+        return tuple(self._cursors)
 
     @property
     def pending(self) -> int:
         return len(self._submitted) - self._submitted_head + len(self._readmit)
 
+    def _spent(self, source: int) -> bool:
+        """Whether the source has nothing more to admit: no prompts, no weight, or every
+        configured epoch admitted."""
+        cursor = self._cursors[source]
+        s = self.sources[source]
+        return (
+            not s.prompts
+            or s.weight <= 0
+            or (self._epochs is not None and cursor.epoch >= self._epochs)
+        )
+
     @property
     def exhausted(self) -> bool:
-        """Every configured epoch has been admitted (never true without an epoch limit)."""
-        return self._epochs is not None and self._cursor.epoch >= self._epochs
+        """Every source has admitted every configured epoch (never true without an epoch
+        limit)."""
+        return all(map(self._spent, range(len(self.sources))))
 
-    def order(self, epoch: int) -> list[int]:
-        if epoch != self._order_epoch:
-            order = list(range(len(self._prompts)))
+    def order(self, epoch: int, source: int = 0) -> list[int]:
+        cached = self._orders.get(source)
+        if cached is None or cached[0] != epoch:
+            order = list(range(len(self.sources[source].prompts)))
             if self._shuffle:
-                random.Random(f"{self._seed}:{epoch}").shuffle(order)
-            self._order, self._order_epoch = order, epoch
-        return self._order
+                key = f"{self._seed}:{epoch}" if source == 0 else f"{self._seed}:{source}:{epoch}"
+                random.Random(key).shuffle(order)
+            cached = self._orders[source] = (epoch, order)
+        return cached[1]
 
     def prompt_at(self, position: Position) -> Prompt:
-        return self._prompts[self.order(position.epoch)[position.offset]]
+        prompts = self.sources[position.source].prompts
+        return prompts[self.order(position.epoch, position.source)[position.offset]]
 
     def has_next(self) -> bool:
-        return self.pending > 0 or (not self.exhausted and bool(self._prompts))
+        return self.pending > 0 or not self.exhausted
+
+    def status(self) -> list[SourceStatus]:
+        return [
+            SourceStatus(s.name, s.weight, self._cursors[i], len(s.prompts), self._spent(i))
+            for i, s in enumerate(self.sources)
+        ]
+
+    def _draw(self) -> int | None:
+        """The source of the next dataset admission; None when every one is spent."""
+        live = [i for i in range(len(self.sources)) if not self._spent(i)]
+        if len(live) <= 1:
+            return live[0] if live else None
+        weights = [self.sources[i].weight for i in live]
+        at = random.Random(f"{self._seed}:draw:{self._draws}").random() * sum(weights)
+        self._draws += 1
+        for i, w in zip(live, weights, strict=True):
+            at -= w
+            if at < 0:
+                return i
+        return live[-1]
 
     def next(self) -> Admission | None:
         if self._readmit:
@@ -102,13 +181,13 @@ class Sampler:
                 self._skip_ids.discard(prompt.prompt_id)
                 continue
             return Admission(prompt, None)
-        while not self.exhausted and self._prompts:
-            position = self._cursor
+        while (source := self._draw()) is not None:
+            position = self._cursors[source]
             offset = position.offset + 1
-            self._cursor = (
-                Position(position.epoch + 1, 0)
-                if offset == len(self._prompts)
-                else Position(position.epoch, offset)
+            self._cursors[source] = (
+                Position(position.epoch + 1, 0, source)
+                if offset == len(self.sources[source].prompts)
+                else Position(position.epoch, offset, source)
             )
             if position in self._skip:
                 self._skip.discard(position)
@@ -148,7 +227,7 @@ class Sampler:
             elif earlier != p:
                 differing = [
                     f
-                    for f in ("text", "messages", "metadata")
+                    for f in ("text", "messages", "metadata", "generation")
                     if getattr(earlier, f) != getattr(p, f)
                 ]
                 raise FailedPrecondition(
@@ -161,7 +240,7 @@ class Sampler:
         """Never admit this again: its group was acknowledged, though no snapshot held it."""
         if admission.position is None:
             self._skip_ids.add(admission.prompt.prompt_id)
-        elif admission.position >= self._cursor:
+        elif admission.position >= self._cursors[admission.position.source]:
             self._skip.add(admission.position)
 
     def unskip(self, admission: Admission) -> None:
@@ -185,17 +264,23 @@ class Sampler:
         lost, evicted or rewound: their length, not the dataset's). Call under the exclusive
         hold."""
         return SamplerState(
-            self._cursor,
+            self._cursors[0],
             self._submitted,
             self._submitted_head,
             len(self._submitted),
             tuple(self._readmit),
             tuple(self._skip),
             tuple(self._skip_ids),
+            tuple(self._cursors),
+            self._draws,
         )
 
     def restore(self, state: SamplerState) -> None:
-        self._cursor = state.cursor
+        cursors = state.cursors or (state.cursor,)
+        self._cursors = [
+            cursors[i] if i < len(cursors) else Position(0, 0, i) for i in range(len(self.sources))
+        ]
+        self._draws = state.draws
         self._submitted = list(state.submitted_prompts)
         self._submitted_head = state.submitted_head
         self._submitted_ids = {p.prompt_id: p for p in self._submitted}
@@ -206,9 +291,10 @@ class Sampler:
 
 @dataclass(frozen=True)
 class SamplerState:
-    """The sampler's part of a snapshot: cursor, submitted prompts, queues."""
+    """The sampler's part of a snapshot: cursors, submitted prompts, queues."""
 
     cursor: Position
+    """The first source's cursor (all a snapshot before format 5 holds)."""
     submitted: list[Prompt]
     """The sampler's append-only list, shared: only ``submitted[:submitted_len]`` belongs here."""
     submitted_head: int
@@ -217,6 +303,10 @@ class SamplerState:
     readmit: tuple[Admission, ...]
     skip: tuple[Position, ...]
     skip_ids: tuple[str, ...]
+    cursors: tuple[Position, ...] = ()
+    """Each source's cursor (empty: only ``cursor``, a snapshot before format 5)."""
+    draws: int = 0
+    """Weighted draws of a source made so far."""
 
     @property
     def submitted_prompts(self) -> list[Prompt]:

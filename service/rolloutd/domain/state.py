@@ -44,6 +44,12 @@ class Counters:
     ``stage_failed``)."""
     dropped_tokens: int = 0
     """Generated tokens of the dropped groups' staged siblings."""
+    committed_by_source: dict[str, int] = field(default_factory=dict)
+    """``committed_groups`` by the name of the group's source (``submitted``: a submitted
+    prompt's)."""
+    committed_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    acked_by_source: dict[str, int] = field(default_factory=dict)
+    """``acked_groups`` by source: what each source delivered to training."""
 
     def dropped(self, reason: str, tokens: int) -> None:
         """Counts one dropped group."""
@@ -51,10 +57,30 @@ class Counters:
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
         self.dropped_tokens += tokens
 
+    def committed(self, source: str, tokens: int) -> None:
+        """Counts one committed group."""
+        self.committed_groups += 1
+        self.committed_tokens += tokens
+        self.committed_by_source[source] = self.committed_by_source.get(source, 0) + 1
+        by_tokens = self.committed_tokens_by_source
+        by_tokens[source] = by_tokens.get(source, 0) + tokens
+
+    def acked(self, sources: list[str]) -> None:
+        """Counts acked groups, one source name each."""
+        self.acked_groups += len(sources)
+        for source in sources:
+            self.acked_by_source[source] = self.acked_by_source.get(source, 0) + 1
+
     def copy(self) -> Counters:
         """A copy that shares nothing with this one: a capture's counters are encoded after the
-        hold ends, while drops go on counting into the live ones."""
-        return replace(self, dropped_by_reason=dict(self.dropped_by_reason))
+        hold ends, while drops and commits go on counting into the live ones."""
+        return replace(
+            self,
+            dropped_by_reason=dict(self.dropped_by_reason),
+            committed_by_source=dict(self.committed_by_source),
+            committed_tokens_by_source=dict(self.committed_tokens_by_source),
+            acked_by_source=dict(self.acked_by_source),
+        )
 
 
 @dataclass(frozen=True)

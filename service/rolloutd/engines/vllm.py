@@ -66,9 +66,11 @@ from rolloutd.domain.engine import (
     EngineError,
     EngineStartError,
     GenerationRequest,
+    RequestRefused,
 )
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.partial import PartialSibling, TokenDelta
+from rolloutd.domain.spec import SpecError, check_prompt_length
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
 from rolloutd.engines.reaper_client import ReaperClient
 from rolloutd.engines.stop_boundary import StopBoundary
@@ -296,6 +298,7 @@ class VLLMEngine:
         try:
             engine_input = await self._render(llm, request.prompt)
             prompt_ids = list(engine_input["prompt_token_ids"])  # type: ignore[typeddict-item]
+            self._check_fits(request, len(prompt_ids))
             prefix = request.prefix
             if prefix is None:
                 got = await self._run(llm, engine_input, request, on_delta)
@@ -310,6 +313,22 @@ class VLLMEngine:
             self._tasks.pop(request.request_id, None)
         got.prompt_token_ids = prompt_ids
         return to_sample(request, got, started, current=self._version, decode=self._decode)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._config.max_model_len
+
+    async def prompt_tokens(self, prompt: Prompt) -> int:
+        """Tokens of ``prompt`` as :meth:`generate` renders it (``PromptMeter``)."""
+        engine_input = await self._render(self._live_engine(), prompt)
+        return len(engine_input["prompt_token_ids"])  # type: ignore[typeddict-item]
+
+    def _check_fits(self, request: GenerationRequest, prompt_tokens: int) -> None:
+        """vLLM would end a completion at the context's end without a word; refuse instead."""
+        try:
+            check_prompt_length(request.params.max_tokens, prompt_tokens, self.max_model_len)
+        except SpecError as exc:
+            raise RequestRefused(f"prompt {request.prompt.prompt_id}: {exc}") from None
 
     def _prefix_finish(self, request: GenerationRequest, prefix: PartialSibling) -> str | None:
         """The finish reason when the prefix is already a whole completion (the snapshot caught
@@ -368,6 +387,8 @@ class VLLMEngine:
             max_tokens=p.max_tokens - done,
             temperature=p.temperature,
             top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
             seed=request.seed,
             stop=list(p.stop) or None,
             logprobs=0,

@@ -24,8 +24,8 @@ import asyncio
 import enum
 import logging
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from rolloutd.domain.finishing import FinishingGroup, SampleScore, ScoreStatus, Verdict
@@ -196,22 +196,34 @@ class ScoringStage:
 
     def __init__(
         self,
-        scorer: Scorer,
+        scorer: Scorer | None,
         *,
         on_failure: OnFailure = OnFailure.DROP,
         filter: FilterConfig | None = None,
+        by_source: Mapping[str, Scorer] | None = None,
     ) -> None:
+        """``scorer`` scores every group but those of a source in ``by_source``; a group with
+        neither is committed unscored."""
         self.scorer = scorer
+        self.by_source = dict(by_source or {})
         self.on_failure = on_failure
         self.filter = filter or FilterConfig()
 
+    @property
+    def _scorers(self) -> list[Scorer]:
+        return [*([self.scorer] if self.scorer else []), *self.by_source.values()]
+
     async def start(self) -> None:
-        """Starts the scorer's workers now rather than on the first group, so that workers
+        """Starts the scorers' workers now rather than on the first group, so that workers
         that cannot start fail the service's start-up instead of every group's scores."""
-        await self.scorer.start()
+        for scorer in self._scorers:
+            await scorer.start()
 
     async def finish(self, group: FinishingGroup) -> Verdict:
-        scores = group_scores(await self.scorer.score(scoring_inputs(group)))
+        scorer = self.by_source.get(group.source, self.scorer)
+        if scorer is None:
+            return Verdict()
+        scores = group_scores(await scorer.score(scoring_inputs(group)))
         failures = [s for s in scores.samples if s.status is ScoreStatus.FAILED]
         if failures:
             log.warning(
@@ -230,17 +242,34 @@ class ScoringStage:
         return Verdict(scores=scores)
 
     async def aclose(self) -> None:
-        """Stops the scorer's workers (or closes its HTTP client)."""
-        await self.scorer.aclose()
+        """Stops the scorers' workers (or closes their HTTP clients)."""
+        for scorer in self._scorers:
+            await scorer.aclose()
 
 
-def build_stage(scoring: ScoringConfig, filter: FilterConfig) -> ScoringStage | None:
-    """The stage ``scoring`` and ``filter`` configure; None when neither asks for anything (no
-    verifier, no filter). A filter without a verifier has no rewards to filter on: an error."""
+def build_stage(
+    scoring: ScoringConfig,
+    filter: FilterConfig,
+    source_verifiers: Mapping[str, str] | None = None,
+) -> ScoringStage | None:
+    """The stage ``scoring`` and ``filter`` configure, with a verifier of its own for each
+    source in ``source_verifiers`` (``dataset.sources[].verifier``); None when nothing asks for
+    anything (no verifier, no filter). A filter without a verifier has no rewards to filter on:
+    an error."""
+    by_source = {
+        name: build_scorer(replace(scoring, verifier=spec, group_verifier=None))
+        for name, spec in (source_verifiers or {}).items()
+    }
     if scoring.verifier is None and scoring.group_verifier is None:
+        if by_source:
+            return ScoringStage(
+                None, on_failure=scoring.on_failure, filter=filter, by_source=by_source
+            )
         if filter.zero_variance:
             raise ValueError(
                 "filter.zero_variance needs rewards: set scoring.verifier or scoring.group_verifier"
             )
         return None
-    return ScoringStage(build_scorer(scoring), on_failure=scoring.on_failure, filter=filter)
+    return ScoringStage(
+        build_scorer(scoring), on_failure=scoring.on_failure, filter=filter, by_source=by_source
+    )

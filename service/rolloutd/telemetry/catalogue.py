@@ -176,6 +176,17 @@ COMMITTED_GROUPS = Instrument(
     "rolloutd.committed.groups", Kind.OBSERVABLE_COUNTER, "{group}",
     "Groups that became training-ready.", Area.USABLE_OUTPUT,
 )  # fmt: skip
+SOURCE_COMMITTED_GROUPS = Instrument(
+    "rolloutd.source.committed.groups", Kind.OBSERVABLE_COUNTER, "{group}",
+    "Groups that became training-ready, by the name of their dataset source (one series per "
+    "configured source; submitted: a submitted prompt's).", Area.USABLE_OUTPUT,
+    open_attributes=("source",),
+)  # fmt: skip
+SOURCE_COMMITTED_TOKENS = Instrument(
+    "rolloutd.source.committed.tokens", Kind.OBSERVABLE_COUNTER, "{token}",
+    "Generated tokens of groups that became training-ready, by the name of their dataset "
+    "source.", Area.USABLE_OUTPUT, open_attributes=("source",),
+)  # fmt: skip
 GROUP_COMPLETION = Instrument(
     "rolloutd.group.completion.duration", Kind.HISTOGRAM, "s",
     "Time from a group's admission until all its siblings are staged.", Area.LATENCY,

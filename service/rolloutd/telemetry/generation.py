@@ -38,6 +38,8 @@ class GenAIAttr:
     REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
     REQUEST_TEMPERATURE = "gen_ai.request.temperature"
     REQUEST_TOP_P = "gen_ai.request.top_p"
+    REQUEST_TOP_K = "gen_ai.request.top_k"
+    REQUEST_SEED = "gen_ai.request.seed"
     REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
     USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
     """The prompt's tokens (one prompt, whatever the group size)."""
@@ -52,6 +54,8 @@ class GroupAttr:
     SIZE = "rolloutd.group.size"
     PROMPT_ID = "rolloutd.prompt.id"
     ENGINE = "rolloutd.engine"
+    SOURCE = "rolloutd.source"
+    """The name of the group's dataset source (``submitted``: a submitted prompt)."""
     ABANDONED = "rolloutd.group.abandoned"
     """Why a group never committed (evicted, dropped)."""
 
@@ -74,11 +78,16 @@ class GenerationSpans:
             GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
             GenAIAttr.REQUEST_TEMPERATURE: event.temperature,
             GenAIAttr.REQUEST_TOP_P: event.top_p,
+            GenAIAttr.REQUEST_SEED: event.seed,
             GenAIAttr.REQUEST_CHOICE_COUNT: event.group_size,
             GroupAttr.ID: event.group_id,
             GroupAttr.SIZE: event.group_size,
             GroupAttr.PROMPT_ID: event.prompt_id,
         }
+        if event.top_k:
+            attributes[GenAIAttr.REQUEST_TOP_K] = event.top_k
+        if event.source:
+            attributes[GroupAttr.SOURCE] = event.source
         if self.model is not None:
             attributes[GenAIAttr.REQUEST_MODEL] = self.model
         if self.engine is not None:

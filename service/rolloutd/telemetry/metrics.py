@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -29,6 +29,7 @@ from rolloutd.domain.group import BUFFERED, ScoreStatus
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
+from rolloutd.domain.sampler import SUBMITTED
 from rolloutd.domain.weights import WeightsOutcome, WeightsReport
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import (
@@ -106,6 +107,9 @@ class MetricsObserver:
         self._last_completed_ns: int | None = None
         self._committed_groups = 0
         self._committed_tokens = {"false": 0, "true": 0}
+        self._by_source: dict[str, list[int]] = {SUBMITTED: [0, 0]}
+        """Source name -> [committed groups, committed tokens], from zero for each configured
+        source (:meth:`register_sources`) and for submitted prompts: a bounded set."""
         """By ``estimated``. Both are added to on the event loop for every committed group and
         read at collection time: a synchronous counter's add costs microseconds per group."""
 
@@ -138,6 +142,8 @@ class MetricsObserver:
 
         self._observable(cat.COMMITTED_TOKENS, self._observe_committed_tokens)
         self._observable(cat.COMMITTED_GROUPS, self._observe_committed_groups)
+        self._observable(cat.SOURCE_COMMITTED_GROUPS, self._observe_source(0))
+        self._observable(cat.SOURCE_COMMITTED_TOKENS, self._observe_source(1))
         self._observable(cat.GENERATION_TOKENS, self._observe_generation_tokens)
         self._observable(cat.PROMPT_TOKENS, self._observe_prompt_tokens)
         self._observable(cat.CHECKPOINT_CONSECUTIVE_FAILURES, self._observe_failures)
@@ -237,10 +243,14 @@ class MetricsObserver:
         engine_name: str,
         status: Callable[[], StatusSnapshot],
         checkpoint_state: Callable[[], CheckpointState],
+        dataset_sources: Sequence[str] = (),
     ) -> None:
         """Connects the observable instruments; the callbacks run on reader threads (see
-        :mod:`rolloutd.telemetry.sources`). Calling again replaces the previous sources."""
+        :mod:`rolloutd.telemetry.sources`). Calling again replaces the previous sources.
+        ``dataset_sources``: the names of the dataset's sources, counted from zero."""
         self._sources = _Sources(engine_name, engine_counters, status, checkpoint_state)
+        for name in dataset_sources:
+            self._by_source.setdefault(name, [0, 0])
 
     # -- Observer -------------------------------------------------------------------------------
 
@@ -252,6 +262,10 @@ class MetricsObserver:
     def group_committed(self, event: GroupCommitted) -> None:
         self._committed_groups += 1
         self._committed_tokens["false" if event.exact else "true"] += event.tokens
+        if event.source:
+            counts = self._by_source.setdefault(event.source, [0, 0])
+            counts[0] += 1
+            counts[1] += event.tokens
         self._group_completion.record(event.completion_s)
 
     def group_finished(self, event: GroupFinished) -> None:
@@ -341,6 +355,17 @@ class MetricsObserver:
 
     def _observe_committed_groups(self, _: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._committed_groups)]
+
+    def _observe_source(self, column: int) -> ObservableCallback:
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            if self._sources is None:
+                return []  # the sources' names are not known yet
+            return [
+                Observation(counts[column], {"source": name})
+                for name, counts in list(self._by_source.items())
+            ]
+
+        return observe
 
     def _observe_committed_tokens(self, _: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, self._estimated(key)) for key, n in self._committed_tokens.items()]

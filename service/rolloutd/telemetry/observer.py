@@ -9,7 +9,7 @@ exporter thread), so nothing here waits on the network.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from opentelemetry.context import Context
@@ -59,10 +59,13 @@ class TelemetryObserver:
         status: Callable[[], StatusSnapshot],
         checkpoint_state: Callable[[], CheckpointState],
         model: str | None = None,
+        dataset_sources: Sequence[str] = (),
     ) -> None:
         """See :meth:`MetricsObserver.register_sources`; ``model`` names the weights on the
         generation spans (``gen_ai.request.model``)."""
-        self.metrics.register_sources(engine_counters, engine_name, status, checkpoint_state)
+        self.metrics.register_sources(
+            engine_counters, engine_name, status, checkpoint_state, dataset_sources
+        )
         self.generation.engine, self.generation.model = engine_name, model
 
     def rpc_finished(self, method: str, status_code: int, seconds: float) -> None:

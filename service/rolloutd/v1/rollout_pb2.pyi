@@ -82,18 +82,40 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json")
+    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json", "generation")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     metadata: _struct_pb2.Struct
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     metadata_json: str
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    generation: GenerationSpec
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ...) -> None: ...
+
+class GenerationSpec(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "group_size")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    group_size: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts", "reward", "reward_info_json", "score_status")
@@ -138,7 +160,7 @@ class SamplePart(_message.Message):
     def __init__(self, start: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at", "metadata_json", "reward_mean", "reward_std")
+    __slots__ = ("group_id", "prompt_id", "epoch", "samples", "offset", "source", "prompt_text", "metadata", "policy_version", "admitted_at", "committed_at", "metadata_json", "reward_mean", "reward_std", "generation", "source_name")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +175,8 @@ class Group(_message.Message):
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     REWARD_STD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     prompt_id: str
     epoch: int
@@ -167,7 +191,9 @@ class Group(_message.Message):
     metadata_json: str
     reward_mean: float
     reward_std: float
-    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., metadata_json: _Optional[str] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ...) -> None: ...
+    generation: GenerationSpec
+    source_name: str
+    def __init__(self, group_id: _Optional[int] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., offset: _Optional[int] = ..., source: _Optional[_Union[PromptSource, str]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., admitted_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., metadata_json: _Optional[str] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., source_name: _Optional[str] = ...) -> None: ...
 
 class FetchGroupsRequest(_message.Message):
     __slots__ = ("max_groups", "wait_ms", "consumer")
@@ -433,8 +459,30 @@ class Counters(_message.Message):
     dropped_tokens: int
     def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
 
+class SourceStatus(_message.Message):
+    __slots__ = ("name", "weight", "epoch", "offset", "prompts", "exhausted", "committed_groups", "committed_tokens", "delivered_groups")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    epoch: int
+    offset: int
+    prompts: int
+    exhausted: bool
+    committed_groups: int
+    committed_tokens: int
+    delivered_groups: int
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., prompts: _Optional[int] = ..., exhausted: _Optional[bool] = ..., committed_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., delivered_groups: _Optional[int] = ...) -> None: ...
+
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas")
+    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -449,6 +497,9 @@ class GetStatusResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_DELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     engine: str
     policy_version: int
@@ -463,4 +514,7 @@ class GetStatusResponse(_message.Message):
     counters: Counters
     replica: int
     replicas: int
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[SourceStatus]
+    submitted_committed_groups: int
+    submitted_delivered_groups: int
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ...) -> None: ...
