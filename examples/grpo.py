@@ -88,6 +88,21 @@ def bf16_copy(model: Path, out: Path) -> Path:
     return out
 
 
+def dataset_sources(temperatures: str | None) -> dict[str, Any]:
+    """One source per temperature over the bundled prompts; none: the service's own dataset."""
+    if not temperatures:
+        return {}
+    sources = [
+        {
+            "name": f"t{float(t):g}",
+            "path": "bundled:arithmetic",
+            "generation": {"temperature": float(t)},
+        }
+        for t in temperatures.split(",")
+    ]
+    return {"dataset": {"sources": sources}}
+
+
 def service_config(run: Path, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """rolloutd's configuration for this run (written as ``rolloutd.yaml``)."""
     return {
@@ -108,6 +123,7 @@ def service_config(run: Path, model: Path, args: argparse.Namespace) -> dict[str
                 "logprobs_mode": "processed_logprobs",
             },
         },
+        **dataset_sources(args.temperatures),
         "group_size": args.group_size,
         "limits": {
             "max_in_flight": args.groups_per_step,
@@ -238,6 +254,17 @@ def duplicates(ledger: list[dict[str, Any]], events: list[dict[str, Any]]) -> in
     return count
 
 
+def by_temperature(ledger: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean |trainer logprob - rolloutd logprob| over the tokens sampled at each temperature."""
+    sums: dict[str, list[float]] = {}
+    for r in ledger:
+        for t, (n, total) in r["parity_by_temperature"].items():
+            acc = sums.setdefault(t, [0, 0.0])
+            acc[0] += n
+            acc[1] += total
+    return {t: total / n for t, (n, total) in sorted(sums.items()) if n}
+
+
 def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any]:
     ledger = read_ledger(run / "ledger.jsonl")
     events = read_ledger(run / "events.jsonl")
@@ -273,6 +300,7 @@ def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any
         else None,
         "logprob_abs_diff_max": max(r["parity_max"] for r in ledger),
         "logprob_tokens_compared": parity_tokens,
+        "logprob_abs_diff_mean_by_temperature": by_temperature(ledger),
         "stale_groups": sum(r["stale_groups"] for r in ledger),
         "staleness_max": max(r["staleness_max"] for r in ledger),
         "duplicate_groups": duplicates(ledger, events),
@@ -300,6 +328,7 @@ def report(run: Path, args: argparse.Namespace, started: float) -> dict[str, Any
             "quick": args.quick,
             "crash_at": args.crash_at,
             "temperature": args.temperature,
+            "temperatures": args.temperatures,
             "group_size": args.group_size,
             "groups_per_step": args.groups_per_step,
             "max_tokens": args.max_tokens,
@@ -371,6 +400,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16, help="longest completion")
     p.add_argument("--max-staleness", type=int, default=4, help="rolloutd limits.max_staleness")
     p.add_argument("--temperature", type=float, default=2.0, help="sampling temperature")
+    p.add_argument(
+        "--temperatures",
+        help="comma-separated temperatures, e.g. 0.5,2.0: the bundled prompts become one dataset "
+        "source per temperature, drawn from equally (each group sampled at its source's)",
+    )
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     p.add_argument(
         "--weights",

@@ -50,8 +50,14 @@ from rolloutd.weights.delta import make_delta
 
 
 def position(group: pb.Group) -> str:
-    """Which prompt of which epoch a group answers; rolloutd admits each position once an epoch."""
-    return f"{group.epoch}/{group.prompt_id}"
+    """Which prompt of which epoch of which source a group answers; rolloutd admits each position
+    once an epoch."""
+    return f"{group.source_name}/{group.epoch}/{group.prompt_id}"
+
+
+def temperature_of(group: pb.Group) -> float:
+    """The temperature the group was sampled at: its prompt's, its source's or the service's."""
+    return group.generation.temperature
 
 
 def rewards_of(group: pb.Group) -> list[float]:
@@ -123,9 +129,16 @@ class Batch:
     """rolloutd's logprob of each target completion token (0 elsewhere)."""
     advantages: torch.Tensor
     """One per row."""
+    temperatures: torch.Tensor
+    """The temperature each row was sampled at (one per row)."""
 
 
-def build_batch(samples: Sequence[pb.Sample], advantages: Sequence[float], pad_id: int) -> Batch:
+def build_batch(
+    samples: Sequence[pb.Sample],
+    advantages: Sequence[float],
+    pad_id: int,
+    temperatures: Sequence[float],
+) -> Batch:
     """Rows are prompt ids + completion ids exactly as rolloutd delivered them (no re-tokenizing),
     so a misaligned token or logprob shows up in the parity figures."""
     width = max(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
@@ -149,13 +162,15 @@ def build_batch(samples: Sequence[pb.Sample], advantages: Sequence[float], pad_i
         completion_mask=mask,
         behaviour=behaviour,
         advantages=torch.tensor(advantages, dtype=torch.float32),
+        temperatures=torch.tensor(temperatures, dtype=torch.float32),
     )
 
 
-def token_logprobs(model: Any, batch: Batch, temperature: float) -> torch.Tensor:
-    """Log-probability of each target token under ``model`` at ``temperature``, [rows, width-1]."""
+def token_logprobs(model: Any, batch: Batch) -> torch.Tensor:
+    """Log-probability of each target token under ``model`` at each row's temperature,
+    [rows, width-1]."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logp = torch.log_softmax(logits[:, :-1].float() / batch.temperatures[:, None, None], dim=-1)
     return logp.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
@@ -302,6 +317,8 @@ class Trainer:
         self.started = time.monotonic()
         self.tokens = 0
         self.history: dict[int, dict[str, torch.Tensor]] = {}
+        self.parity_by_temperature: dict[float, tuple[int, float]] = {}
+        """The last step's parity by sampling temperature: (tokens, sum of differences)."""
         """Copies of the weights of recent versions, to recompute the logprobs of samples they
         generated (most samples are a version or two behind the trainer)."""
         self.shadow = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
@@ -430,6 +447,7 @@ class Trainer:
         for i, s in enumerate(samples):
             by_version.setdefault(s.policy_version, []).append(i)
         result: dict[int, tuple[int, float, float]] = {}
+        by_temperature = self.parity_by_temperature = {}
         for v, rows in sorted(by_version.items()):
             if v == version:
                 ours = logp[rows]
@@ -441,14 +459,19 @@ class Trainer:
                     batch.completion_mask[rows],
                     batch.behaviour[rows],
                     batch.advantages[rows],
+                    batch.temperatures[rows],
                 )
                 with torch.no_grad():
-                    ours = token_logprobs(self.shadow, sub, self.cfg.temperature)
+                    ours = token_logprobs(self.shadow, sub)
             else:
                 continue
             mask = batch.completion_mask[rows].bool()
-            diff = (ours - batch.behaviour[rows]).abs()[mask]
-            result[v] = (int(diff.numel()), float(diff.sum()), float(diff.max()))
+            diff = (ours - batch.behaviour[rows]).abs()
+            result[v] = (int(mask.sum()), float(diff[mask].sum()), float(diff[mask].max()))
+            for t in batch.temperatures[rows].unique().tolist():
+                at = mask & (batch.temperatures[rows] == t)[:, None]
+                n, total = by_temperature.get(t, (0, 0.0))
+                by_temperature[t] = (n + int(at.sum()), total + float(diff[at].sum()))
         for old in [v for v in self.history if v < version - self.cfg.max_staleness]:
             del self.history[old]
         return result
@@ -461,6 +484,7 @@ class Trainer:
         version = self.state.version
         samples: list[pb.Sample] = []
         advantages: list[float] = []
+        temperatures: list[float] = []
         rewards: list[float] = []
         staleness: list[int] = []
         duplicates = 0
@@ -474,13 +498,14 @@ class Trainer:
             rewards.extend(r)
             advantages.extend(group_advantages(r))
             samples.extend(g.samples)
+            temperatures.extend([temperature_of(g)] * len(g.samples))
             staleness.append(version - min(s.policy_version for s in g.samples))
         if version not in self.history:
             self.history[version] = {
                 k: v.detach().clone() for k, v in self.model.state_dict().items()
             }
-        batch = build_batch(samples, advantages, self.pad_id)
-        logp = token_logprobs(self.model, batch, self.cfg.temperature)
+        batch = build_batch(samples, advantages, self.pad_id, temperatures)
+        logp = token_logprobs(self.model, batch)
         loss = grpo_loss(logp, batch, self.cfg.clip_eps)
         self.optimizer.zero_grad()
         loss.backward()
@@ -521,6 +546,9 @@ class Trainer:
             "parity_max": max((mx for _, _, mx in parity.values()), default=0.0),
             "parity_by_lag": {
                 str(version - v): [n, total, mx] for v, (n, total, mx) in parity.items()
+            },
+            "parity_by_temperature": {
+                f"{t:g}": [n, total] for t, (n, total) in self.parity_by_temperature.items()
             },
             "fetch_s": t_fetch,
             "train_s": t_train,

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import FORMAT_VERSION
 from rolloutd.checkpoint.restore import Granularity, restore
-from rolloutd.checkpoint.rows import GROUP_SCHEMA, SegmentKind
+from rolloutd.checkpoint.rows import GROUP_SCHEMA, GROUP_SCHEMA_V3, GROUP_SCHEMA_V4, SegmentKind
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.group import (
     BUFFERED,
@@ -27,6 +28,7 @@ from rolloutd.domain.group import (
     RestoredGroup,
 )
 from rolloutd.domain.report import RecoveryState, Trigger
+from rolloutd.domain.spec import GenerationSpec, SamplingParams
 from tests.checkpoint.data import make_format2 as format2
 from tests.checkpoint.helpers import Location, StoreNode
 from tests.fakes import settle
@@ -41,7 +43,9 @@ def metas() -> list[GroupMeta]:
         Prompt("meta", "q \u00e9", metadata={"answer": [1, 2.5, None], "s": 'quote " \\'}),
         Prompt("scalar", "q", metadata=0),
         Prompt("chat", "", messages=({"role": "user", "content": "hi"}, {"role": "x", "c": ""})),
+        Prompt("spec", "q", generation=GenerationSpec(temperature=0.5, stop=("\n", "##"), seed=3)),
     ]
+    params = [None, SamplingParams(max_tokens=7, temperature=0.0, top_k=5, stop=("\n",))]
     out = []
     for i, state in enumerate(BUFFERED):
         for j, prompt in enumerate(prompts):
@@ -50,7 +54,7 @@ def metas() -> list[GroupMeta]:
                 GroupMeta(
                     group_id=gid,
                     prompt=prompt,
-                    position=None if j == 3 else Position(i, gid),
+                    position=None if j == 3 else Position(i, gid, source=j % 3),
                     group_size=j + 1,
                     policy_version=i,
                     admitted_at=1_700_000_000.25 + gid,
@@ -61,6 +65,7 @@ def metas() -> list[GroupMeta]:
                     if state in (GroupState.LEASED, GroupState.ACKED)
                     else None,
                     ack_step=gid if state is GroupState.ACKED else None,
+                    params=params[gid % 2],
                 )
             )
     return out
@@ -69,7 +74,7 @@ def metas() -> list[GroupMeta]:
 def test_every_field_comes_back_from_the_typed_columns():
     given = metas()
     batches = list(groups.metas_to_batches(given, batch_rows=5))
-    assert len(batches) == 4 and all(b.schema == GROUP_SCHEMA for b in batches)
+    assert len(batches) == 5 and all(b.schema == GROUP_SCHEMA for b in batches)
     decoded = [m for batch in batches for m in groups.batch_to_metas(batch)]
     assert decoded == given
     assert [sidecar.to_json(m) for m in decoded] == [sidecar.to_json(m) for m in given]
@@ -153,9 +158,14 @@ def test_a_table_over_the_typed_columns_answers_from_them_and_decodes_each_group
         by_commit = sorted(committed, key=lambda m: (m.committed_at or 0.0, m.group_id))
         assert table.committed_order() == [m.group_id for m in by_commit]
         assert table.unfinished() == [m.group_id for m in live if m.state in UNFINISHED]
-        assert table.positions_from(1, 12) == [
-            m.position for m in live if m.position is not None and m.position >= Position(1, 12)
-        ]
+        for source in range(3):  # each source's positions apart from the others'
+            assert table.positions_from(1, 12, source) == [
+                m.position
+                for m in live
+                if m.position is not None
+                and m.position.source == source
+                and m.position >= Position(1, 12, source)
+            ]
         assert table.policy_versions == [m.policy_version for m in live]
         assert table.holds([live[0].group_id]) and not table.holds([live[0].group_id, 999])
 
@@ -196,3 +206,23 @@ async def test_a_restore_decodes_only_the_groups_it_delivers(tmp_path):
     assert read() == {group.group_id}
     assert again.controller.status().buffer.committed == 11
     await again.controller.stop()
+
+
+@pytest.mark.parametrize(("schema", "dropped"), [(GROUP_SCHEMA_V4, 3), (GROUP_SCHEMA_V3, 4)])
+def test_group_segments_of_formats_3_and_4_read_with_the_defaults_of_what_they_lack(
+    schema, dropped
+):
+    given = [m for m in metas() if m.prompt.prompt_id != "spec"]
+    [batch] = groups.metas_to_batches(given, batch_rows=len(given))
+    old = pa.RecordBatch.from_arrays([batch.column(f.name) for f in schema], schema=schema)
+    assert old.num_columns == batch.num_columns - dropped
+    decoded = groups.batch_to_metas(old)
+    defaults = {"params": None, **({"scores": None} if dropped == 4 else {})}
+    assert decoded == [
+        m.evolve(
+            **defaults,
+            position=None if m.position is None else Position(m.position.epoch, m.position.offset),
+        )
+        for m in given
+    ]
+    assert dict(groups.table_of([(old, None)])) == {m.group_id: m for m in decoded}

@@ -34,6 +34,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     args = ["--steps", str(STEPS), "--crash-at", str(CRASH_AT)]
     args += ["--checkpoint-every", str(CHECKPOINT_EVERY), "--groups-per-step", "2"]
     args += ["--run-dir", str(run / "run"), "--json", str(run / "report.json")]
+    args += ["--temperatures", "0.5,2.0"]  # two dataset sources, each at its own temperature
     done = subprocess.run(
         [sys.executable, str(REPO / "examples" / "grpo.py"), *args],
         capture_output=True,
@@ -75,6 +76,10 @@ def test_recomputed_logprobs_match_what_rolloutd_delivered(run: Path) -> None:
     report = json.loads((run / "report.json").read_text())
     assert report["logprob_tokens_compared"] > 100
     assert report["logprob_abs_diff_mean"] <= 1e-3
+    # each group's logprobs are those of its own source's temperature
+    by_temperature = report["logprob_abs_diff_mean_by_temperature"]
+    assert sorted(by_temperature) == ["0.5", "2"]
+    assert all(diff <= 1e-3 for diff in by_temperature.values()), by_temperature
     # A misaligned token would cost whole nats, not fractions of one.
     assert report["logprob_abs_diff_max"] < 0.05
 

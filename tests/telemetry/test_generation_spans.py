@@ -15,12 +15,20 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import NoOpTracerProvider, StatusCode
 
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.group import Prompt
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.domain.sampler import Sampler, Source
+from rolloutd.domain.spec import GenerationSpec, SamplingParams
 from rolloutd.telemetry.generation import GENERATE_SPAN, GenAIAttr, GenerationSpans, GroupAttr
 from rolloutd.telemetry.observer import TelemetryObserver
+from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from tests.fakes import GatedEngine, settle
 from tests.integration.proc import ServeProcess
 from tests.integration.trainer_harness import Trainer
 from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
+from tests.telemetry.test_metrics import collect
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -141,3 +149,53 @@ def test_the_cli_exports_a_generate_span_per_committed_group(receiver, tmp_path)
         assert 3 <= attrs[GenAIAttr.USAGE_OUTPUT_TOKENS] <= 3 * 16
         assert span.parent_span_id == b"" and span.end_time_unix_nano > span.start_time_unix_nano
     assert len({attributes(s.attributes)[GroupAttr.ID] for s in generate}) == len(generate)
+
+
+async def test_a_groups_span_carries_its_rows_settings_and_its_sources_name(
+    span_exporter, metric_reader
+):
+    (tracer_provider, exporter), (meter_provider, reader) = span_exporter, metric_reader
+    rows = [
+        Prompt("hot", "q1", generation=GenerationSpec(temperature=2.0, max_tokens=12, seed=9)),
+        Prompt("cool", "q2", generation=GenerationSpec(top_p=0.5, top_k=7, group_size=3)),
+    ]
+    observer = TelemetryObserver(tracer_provider, meter_provider)
+    observer.register_sources(
+        engine_counters=EngineCounters,
+        engine_name="gated",
+        status=StatusSnapshot,
+        checkpoint_state=CheckpointState,
+        dataset_sources=["math"],
+    )
+    c = Controller(
+        ControllerConfig(group_size=2, sampling=SamplingParams(max_tokens=20, temperature=0.7)),
+        GatedEngine(auto=True),
+        Sampler(
+            [Source("math", rows, generation=GenerationSpec(temperature=0.3))], seed=0, epochs=1
+        ),
+        observer=observer,
+    )
+    c.start()
+    try:
+        await settle(lambda: c.counters.committed_groups == 2, 10)
+    finally:
+        await c.stop()
+    spans = {
+        s.attributes[GroupAttr.PROMPT_ID]: dict(s.attributes)
+        for s in exporter.get_finished_spans()
+        if s.name == GENERATE_SPAN
+    }
+    hot, cool = spans["hot"], spans["cool"]
+    assert (hot[GenAIAttr.REQUEST_TEMPERATURE], hot[GenAIAttr.REQUEST_MAX_TOKENS]) == (2.0, 12)
+    assert (hot[GenAIAttr.REQUEST_SEED], hot[GenAIAttr.REQUEST_CHOICE_COUNT]) == (9, 2)
+    assert GenAIAttr.REQUEST_TOP_K not in hot  # 0: not set
+    assert (cool[GenAIAttr.REQUEST_TEMPERATURE], cool[GenAIAttr.REQUEST_TOP_P]) == (0.3, 0.5)
+    assert (cool[GenAIAttr.REQUEST_TOP_K], cool[GenAIAttr.REQUEST_CHOICE_COUNT]) == (7, 3)
+    assert cool[GenAIAttr.REQUEST_MAX_TOKENS] == 20  # the service's
+    assert hot[GroupAttr.SOURCE] == cool[GroupAttr.SOURCE] == "math"
+    metrics = collect(reader)
+    committed = {
+        dict(p.attributes)["source"]: p.value
+        for p in metrics["rolloutd.source.committed.groups"].data.data_points
+    }
+    assert committed == {"math": 2, "submitted": 0}
