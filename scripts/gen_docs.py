@@ -12,6 +12,7 @@ doc differs from what would be generated. ``tests/telemetry/test_docs.py`` runs 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import types
 import typing
@@ -187,6 +188,14 @@ def _default(field: FieldInfo) -> str:
     return f"`{value}`"
 
 
+def _list_of_sections(annotation: Any) -> type[BaseModel] | None:
+    """The section type of ``tuple[Section, ...]``; None for any other annotation."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and args and isinstance(args[0], type):
+        return args[0] if issubclass(args[0], BaseModel) else None
+    return None
+
+
 def _section(model: type[BaseModel], path: tuple[str, ...]) -> list[str]:
     rows: list[str] = []
     nested: list[str] = []
@@ -197,14 +206,21 @@ def _section(model: type[BaseModel], path: tuple[str, ...]) -> list[str]:
             continue
         key = ".".join((*path, name))
         env = ENV_PREFIX + "__".join((*path, name)).upper()
+        if any(part.endswith("[]") for part in path):
+            env = "in the list"  # an item's keys are set with the whole list
+        kind = _type_name(annotation)
+        item = _list_of_sections(annotation)
+        if item is not None:  # a list of sections: each item's keys in a table of their own
+            kind = f"list of `{key}[]`"
+            nested += _section(item, (*path, f"{name}[]"))
         rows.append(
-            f"| `{key}` | {_type_name(annotation)}{_constraints(field)} | {_default(field)} "
-            f"| `{env}` | {_cell(field.description or '')} |"
+            f"| `{key}` | {kind}{_constraints(field)} | {_default(field)} "
+            f"| {env if env == 'in the list' else f'`{env}`'} | {_cell(field.description or '')} |"
         )
     title = ".".join(path) if path else "Top level"
     lines = [f"## {title}", ""]
     if model.__doc__ and path:
-        lines += [model.__doc__.strip(), ""]
+        lines += [inspect.cleandoc(model.__doc__), ""]
     lines += [
         "| Key | Type | Default | Environment | Meaning |",
         "|---|---|---|---|---|",
@@ -268,6 +284,40 @@ def render_configuration() -> str:
         "```json",
         '{"id": "q1", "prompt": "What is 2 + 3?", "metadata": {"answer": 5}}',
         '{"id": "q2", "messages": [{"role": "user", "content": "What is 7 - 4?"}]}',
+        '{"id": "q3", "prompt": "Prove it.", "generation": {"temperature": 0.6, "max_tokens": 512}}',
+        "```",
+        "",
+        "### Generation settings and sources",
+        "",
+        "A row may carry `generation`, its own settings: `temperature`, `top_p`, `top_k`, `min_p`,",
+        "`max_tokens`, `stop`, `seed` (the group's; each sibling's derives from it and its index) and",
+        "`group_size`. A submitted prompt takes the same settings (`Prompt.generation`). A group is",
+        "generated with its prompt's settings, then its source's (`dataset.sources[].generation`),",
+        "then the service's (`engine.*`, `group_size`); they are fixed at admission, stored in the",
+        "snapshot with the group, and a sibling resumed after a restart keeps them. A setting the",
+        "engine cannot honour (a negative temperature, `top_p` outside (0, 1], a `group_size` over",
+        "`limits.max_group_size`, `max_tokens` that leave the prompt no room in",
+        "`engine.vllm.max_model_len`, an unknown key) is refused naming the file, row and field at",
+        "start, or with `INVALID_ARGUMENT` naming the prompt and field on `SubmitPrompts`.",
+        "",
+        "`dataset.sources` mixes several files, each with a weight and settings of its own:",
+        "admission draws a source by weight, deterministically from `dataset.seed`, and each source",
+        "keeps its own epoch and cursor (and, in a fleet, its own sharding). A source's weight may",
+        "change at a restore; a change to its content or settings is refused, naming",
+        "`dataset.sources[NAME]`. Delivered groups carry `source_name` and `generation` (every",
+        "setting they were generated with); `GetStatus` reports each source's cursor and counts.",
+        "",
+        "```yaml",
+        "dataset:",
+        "  sources:",
+        "    - name: math",
+        "      path: math.jsonl",
+        "      weight: 3",
+        "      generation: {temperature: 0.6, max_tokens: 512}",
+        '      verifier: "builtin:math"',
+        "    - name: chat",
+        "      path: chat.parquet",
+        "      generation: {max_tokens: 256, group_size: 4}",
         "```",
         "",
         *_section(Config, ()),

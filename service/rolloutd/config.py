@@ -134,17 +134,26 @@ class EngineConfig(_Section):
 
 
 class GenerationSettings(_Section):
-    """Generation settings of a source's prompts (a row's own ``generation`` wins); each one
-    unset here comes from ``engine.*`` and ``group_size``."""
+    """Generation settings of a source's prompts (a row's own ``generation`` wins); each one unset
+    here comes from ``engine.*`` and ``group_size``."""
 
     temperature: float | None = Field(None, ge=0)
+    """Sampling temperature (0: greedy); unset: ``engine.temperature``."""
     top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling threshold; unset: ``engine.top_p``."""
     top_k: int | None = Field(None, ge=0)
+    """Sample among this many most likely tokens (0: all); unset: ``engine.top_k``."""
     min_p: float | None = Field(None, ge=0, le=1)
+    """Minimum probability relative to the most likely token; unset: ``engine.min_p``."""
     max_tokens: int | None = Field(None, gt=0)
+    """Longest completion of one sibling; unset: ``engine.max_tokens``."""
     stop: tuple[str, ...] | None = None
+    """Strings that end a completion; unset: ``engine.stop``."""
     seed: int | None = Field(None, ge=0, lt=2**31 - 1)
+    """Seed of every group of the source (each sibling's derives from it and its index);
+    unset: derived from ``dataset.seed`` and the group's id."""
     group_size: int | None = Field(None, gt=0)
+    """Siblings of each group; unset: ``group_size``."""
 
     def spec(self) -> GenerationSpec:
         return GenerationSpec(**self.model_dump())

@@ -1,6 +1,7 @@
 """SIGKILL a real ``rolloutd serve`` on vLLM mid-generation; the restarted service continues each
 unfinished sibling from the tokens the last snapshot held (recovery.granularity: token, the
-default), and with greedy decoding delivers what an uninterrupted run delivers."""
+default), with its dataset row's own settings, and with greedy decoding delivers what an
+uninterrupted run delivers."""
 
 from __future__ import annotations
 
@@ -16,13 +17,36 @@ from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
-from tests.integration.test_vllm_service import dataset, serve
+from tests.integration.test_vllm_service import serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process]
 
 RESTORED = re.compile(r"restored snapshot (\d+) .* tokens (\{.*?\})")
 MAX_TOKENS = 256
 PREFIX_AT_LEAST = 16
+
+
+def row_max_tokens(i: int) -> int:
+    return MAX_TOKENS if i % 2 == 0 else MAX_TOKENS - 56
+
+
+def dataset(path, n):
+    """Rows whose own settings differ from the service's: greedy (the service samples at
+    temperature 1) and a max_tokens of their own."""
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"q{i}",
+                    "prompt": f"Question: what is {i} plus {2 * i}?",
+                    "generation": {"temperature": 0, "max_tokens": row_max_tokens(i)},
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +62,6 @@ def test_sigkill_mid_generation_resumes_each_sibling_from_its_snapshot_tokens(tm
         "ROLLOUTD_ENGINE__VLLM__MAX_NUM_SEQS": "8",
         "ROLLOUTD_ENGINE__VLLM__DTYPE": "float32",
         "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "2",
-        "ROLLOUTD_ENGINE__TEMPERATURE": "0",
     }
     shape = ["--dataset", str(data), "--group-size", "2", "--max-tokens", str(MAX_TOKENS)]
     p = serve(tmp_path, cache_dir, *shape, "--checkpoint-interval", "0.5", **env)
@@ -50,7 +73,7 @@ def test_sigkill_mid_generation_resumes_each_sibling_from_its_snapshot_tokens(tm
             snapshot = store.resolve("latest").snapshot
             if snapshot is not None:
                 partials = store.read_partials(snapshot.manifest)
-                if any(PREFIX_AT_LEAST <= len(x) < MAX_TOKENS for x in partials):
+                if any(PREFIX_AT_LEAST <= len(x) < MAX_TOKENS - 56 for x in partials):
                     break
             time.sleep(0.1)
     finally:
@@ -77,13 +100,23 @@ def test_sigkill_mid_generation_resumes_each_sibling_from_its_snapshot_tokens(tm
         assert ast.literal_eval(m[2]) == {"reused": reused, "regenerated": 0}
         with grpc.insecure_channel(q.grpc) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
-            # The same prompts again, generated without a crash: the greedy reference.
+            # The same prompts with the same settings again, generated without a crash: the
+            # greedy reference.
             prompts = {
                 groups[gid]["prompt"]["id"]: groups[gid]["prompt"]["text"] for gid, _ in held
             }
             stub.SubmitPrompts(
                 pb.SubmitPromptsRequest(
-                    prompts=[pb.Prompt(prompt_id=f"ref-{i}", text=t) for i, t in prompts.items()]
+                    prompts=[
+                        pb.Prompt(
+                            prompt_id=f"ref-{i}",
+                            text=t,
+                            generation=pb.GenerationSpec(
+                                temperature=0, max_tokens=row_max_tokens(int(i[1:]))
+                            ),
+                        )
+                        for i, t in prompts.items()
+                    ]
                 ),
                 timeout=30,
             )
@@ -104,7 +137,11 @@ def test_sigkill_mid_generation_resumes_each_sibling_from_its_snapshot_tokens(tm
 
     for (gid, index), x in held.items():
         n = len(x)
+        row = int(groups[gid]["prompt"]["id"][1:])
+        spec = seen[gid].generation  # the row's settings, kept through the crash
+        assert (spec.temperature, spec.max_tokens) == (0, row_max_tokens(row))
         [s] = [s for s in seen[gid].samples if s.index == index]
+        assert len(s.token_ids) <= row_max_tokens(row)
         assert s.HasField("resumed_at") and s.resumed_at == n
         assert list(s.token_ids[:n]) == x.token_ids().tolist()
         assert list(s.logprobs[:n]) == x.logprobs().tolist(), "exactly the snapshot's logprobs"

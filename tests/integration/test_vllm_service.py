@@ -66,8 +66,16 @@ def serve(tmp_path, cache_dir, *args, **env) -> ServeProcess:
     return p
 
 
+SHAPED = {"s4": {"max_tokens": 4, "group_size": 2}, "s16": {"max_tokens": 16, "group_size": 8}}
+"""Rows with settings of their own: at most 4 and 16 tokens, groups of 2 and 8."""
+
+
 def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path, cache_dir):
     data = dataset(tmp_path / "prompts.jsonl", 5)
+    with data.open("a") as f:
+        for pid, spec in SHAPED.items():
+            f.write(json.dumps({"id": pid, "prompt": f"Count to {pid[1:]}:", "generation": spec}))
+            f.write("\n")
     p = serve(
         tmp_path,
         cache_dir,
@@ -87,22 +95,25 @@ def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path
     try:
         with grpc.insecure_channel(p.grpc) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
-            while len(groups) < 5:
+            while len(groups) < 7:
                 r = stub.FetchGroups(
-                    pb.FetchGroupsRequest(max_groups=5, wait_ms=60_000), timeout=120
+                    pb.FetchGroupsRequest(max_groups=7, wait_ms=60_000), timeout=120
                 )
                 groups += r.groups
                 stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
             status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
     finally:
         p.terminate()
-    assert sorted(g.prompt_id for g in groups) == [f"q{i}" for i in range(5)]
+    assert sorted(g.prompt_id for g in groups) == sorted([f"q{i}" for i in range(5)] + [*SHAPED])
     for g in groups:
-        assert [s.index for s in g.samples] == [0, 1, 2]
-        assert len({s.seed for s in g.samples}) == 3
+        shaped = SHAPED.get(g.prompt_id, {"group_size": 3, "max_tokens": 24})
+        size, max_tokens = shaped["group_size"], shaped["max_tokens"]
+        assert (g.generation.group_size, g.generation.max_tokens) == (size, max_tokens)
+        assert [s.index for s in g.samples] == list(range(size))
+        assert len({s.seed for s in g.samples}) == size
         assert tokenizer.decode(list(g.samples[0].prompt_token_ids)).endswith(g.prompt_text)
         for s in g.samples:
-            assert 0 < len(s.token_ids) <= 24
+            assert 0 < len(s.token_ids) <= max_tokens
             assert len(s.logprobs) == len(s.token_ids)
             assert all(lp <= 0.0 for lp in s.logprobs)
             assert tokenizer.decode(list(s.token_ids), skip_special_tokens=True) == s.text
