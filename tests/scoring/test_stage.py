@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
@@ -16,6 +17,7 @@ from rolloutd.scoring import (
     FilterConfig,
     OnFailure,
     PoolScorer,
+    SampleScore,
     ScoreFailure,
     ScoreStatus,
     ScoringConfig,
@@ -130,3 +132,35 @@ async def test_a_url_is_an_http_verifier():
     built = build_stage(ScoringConfig(verifier="https://rewards.internal/v1/score"), FilterConfig())
     assert built is not None and isinstance(built.scorer, HttpVerifier)
     await built.aclose()
+
+
+class Constant:
+    """A scorer that gives every sample one reward (what a source's own verifier would)."""
+
+    def __init__(self, reward: float) -> None:
+        self.reward = reward
+        self.started = self.closed = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def score(self, inputs):  # type: ignore[no-untyped-def]
+        return [SampleScore(self.reward) for _ in inputs]
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_sources_own_verifier_scores_its_groups_and_the_others_keep_theirs(scorer):
+    code = Constant(0.25)
+    per_source = ScoringStage(scorer, by_source={"code": code})  # type: ignore[dict-item]
+    await per_source.start()
+    mine = await per_source.finish(replace(rewarded([1, 0]), source="code"))
+    others = await per_source.finish(replace(rewarded([1, 0]), source="math"))
+    assert mine.scores is not None and [s.reward for s in mine.scores.samples] == [0.25, 0.25]
+    assert others.scores is not None and [s.reward for s in others.scores.samples] == [1.0, 0.0]
+    only = ScoringStage(None, by_source={"code": code})  # type: ignore[dict-item]
+    unscored = await only.finish(replace(rewarded([1, 0]), source="chat"))
+    assert unscored.commits and unscored.scores is None
+    await only.aclose()
+    assert code.started and code.closed
