@@ -2,7 +2,11 @@
 # rolloutd adds its own dependencies without moving any package the image already pins.
 #
 #   docker build -t rolloutd:0.1.0 .
-#   docker run --gpus all --shm-size 8g -p 50051:50051 -p 8080:8080 rolloutd:0.1.0
+#   docker run --gpus all --shm-size 8g -p 50051:50051 -p 8080:8080 \
+#     -e ROLLOUTD_AUTH__TOKEN="$(openssl rand -hex 32)" rolloutd:0.1.0
+#
+# The configuration binds every interface, which rolloutd refuses without a bearer token
+# (docs/security.md); trainers pass the same token.
 FROM vllm/vllm-openai:v0.32.0
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

@@ -117,3 +117,58 @@ def test_only_token_granularity_streams_partial_siblings(granularity, captured):
 def test_stop_strings_reach_the_sampling_params():
     config = load_config(environ={"ROLLOUTD_ENGINE__STOP": '["</s>", "Answer:"]'})
     assert config.controller().sampling.stop == ("</s>", "Answer:")
+
+
+def test_both_ports_bind_loopback_unless_told_otherwise():
+    """`rolloutd serve` with no flags (`make run`) is reachable from this machine only."""
+    config = load_config(environ={})
+    assert (config.grpc.host, config.http.host) == ("127.0.0.1", "127.0.0.1")
+    assert config.unauthenticated_binds() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "open_ports"),
+    [
+        ({"grpc.host": "0.0.0.0"}, ["grpc.host"]),
+        ({"grpc.host": "::", "http.host": "10.0.0.5"}, ["grpc.host", "http.host"]),
+        ({"grpc.host": "rolloutd.example"}, ["grpc.host"]),  # a name could resolve to anything
+        ({"grpc.host": "::1", "http.host": "localhost"}, []),
+        ({"grpc.host": "127.0.0.2"}, []),
+        ({"grpc.host": "0.0.0.0", "http.host": "0.0.0.0", "auth.token": "t0ken"}, []),
+        ({"http.host": "0.0.0.0", "http.enabled": False}, []),
+    ],
+)
+def test_public_binds_without_authentication(overrides, open_ports):
+    assert load_config(overrides=overrides, environ={}).unauthenticated_binds() == open_ports
+
+
+def test_mutual_tls_authenticates_a_port_too(tmp_path):
+    tls = {"tls_cert": "c.pem", "tls_key": "k.pem", "tls_client_ca": "ca.pem"}
+    overrides = {f"{port}.{k}": v for port in ("grpc", "http") for k, v in tls.items()}
+    overrides |= {"grpc.host": "0.0.0.0", "http.host": "0.0.0.0"}
+    assert load_config(overrides=overrides, environ={}).unauthenticated_binds() == []
+
+
+@pytest.mark.parametrize("overrides", [{"http.tls_cert": "c.pem"}, {"http.tls_client_ca": "a"}])
+def test_admin_tls_keys_go_together(overrides):
+    with pytest.raises(ConfigError, match=r"http\.tls_"):
+        load_config(overrides=overrides, environ={})
+
+
+def test_a_token_from_a_file_loses_its_newline_and_must_be_sendable():
+    environ = {"ROLLOUTD_AUTH__TOKEN": "0123abcd\n"}
+    assert load_config(environ=environ).auth.token == "0123abcd"
+    for bad in ("two words", "tök", "   "):
+        with pytest.raises(ConfigError, match=r"config key 'auth\.token'"):
+            load_config(overrides={"auth.token": bad}, environ={})
+
+
+@pytest.mark.parametrize(("raw", "umask"), [("027", 0o027), ("0o007", 0o007), ("0", 0)])
+def test_the_umask_is_octal(raw, umask):
+    assert load_config(environ={"ROLLOUTD_UMASK": raw}).umask == umask
+    assert load_config(environ={}).umask == 0o077
+
+
+def test_a_umask_that_is_not_octal_names_the_key():
+    with pytest.raises(ConfigError, match=r"config key 'umask'"):
+        load_config(environ={"ROLLOUTD_UMASK": "0o9"})

@@ -95,7 +95,14 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="give up on an endpoint that has not answered at all for this long",
     )
-    trainer.add_argument("--token", help="bearer token")
+    trainer.add_argument(
+        "--token-file",
+        help="file holding the bearer token (the service's auth.token); default: the "
+        "environment variable ROLLOUTD_AUTH__TOKEN",
+    )
+    trainer.add_argument(
+        "--token", help="bearer token; visible to every user in `ps`: prefer --token-file"
+    )
     trainer.add_argument("--tls-ca", help="PEM CA bundle of the service's certificate (TLS)")
     trainer.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
     trainer.add_argument("--tls-key", help="PEM key of --tls-cert")
@@ -161,6 +168,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rolloutd: {exc}", file=sys.stderr)
         return 2
     _keep_freed_memory()
+    # before anything is created: the store, the journal, staged weights, logs
+    os.umask(config.umask)
 
     async def main() -> int:
         try:
@@ -178,6 +187,26 @@ def _serve(args: argparse.Namespace) -> int:
 
     code = asyncio.run(main())
     _end_process(code)
+
+
+def _trainer_token(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """``--token``, else ``--token-file``, else ``ROLLOUTD_AUTH__TOKEN`` (the variable the
+    service reads its own from), else none. A file or the environment keeps the token out of
+    the command line, which every user of the machine can read."""
+    if args.token is not None and args.token_file is not None:
+        parser.error("--token and --token-file: pass one")
+    if args.token is not None:
+        return str(args.token)
+    if args.token_file is not None:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            parser.error(f"--token-file {args.token_file}: {exc.strerror}")
+        if not token:
+            parser.error(f"--token-file {args.token_file} is empty")
+        return token
+    return os.environ.get("ROLLOUTD_AUTH__TOKEN", "").strip() or None
 
 
 def _end_process(code: int) -> NoReturn:
@@ -208,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
 
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        from rolloutd.telemetry.logs import TextFormatter
+
+        handler.setFormatter(TextFormatter())
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # The admin server logs its own start and stop; rolloutd says where it listens.
@@ -232,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             idle_exit_s=args.idle_exit_s,
             ready_timeout_s=args.ready_timeout_s,
             unreachable_timeout_s=args.unreachable_timeout_s,
-            token=args.token,
+            token=_trainer_token(args, parser),
             tls_ca=args.tls_ca,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,

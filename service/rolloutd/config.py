@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import itertools
 import logging
 import os
@@ -290,8 +291,9 @@ class PipelineConfig(_Section):
 
 
 class GrpcConfig(_Section):
-    host: str = "0.0.0.0"
-    """Address the gRPC server binds."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds: this machine only by default. Any other address (0.0.0.0
+    for every interface) needs auth.token or grpc.tls_client_ca, or auth.allow_unauthenticated."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port; 0 picks a free one."""
     grace_s: float = Field(10.0, ge=0)
@@ -310,14 +312,25 @@ class GrpcConfig(_Section):
 class HttpConfig(_Section):
     enabled: bool = True
     """Serve the admin HTTP app (health, readiness, /metrics, status)."""
-    host: str = "0.0.0.0"
-    """Address the admin app binds."""
+    host: str = "127.0.0.1"
+    """Address the admin app binds: this machine only by default. Any other address needs
+    auth.token or http.tls_client_ca, or auth.allow_unauthenticated."""
     port: int = Field(8080, ge=0, le=65535)
     """Admin port; 0 picks a free one."""
     dashboard_interval_s: float = Field(5.0, gt=0)
     """How often the dashboard on the admin port's front page samples the metrics."""
     dashboard_points: int = Field(1440, gt=0)
     """Dashboard points kept (in memory and next to the checkpoints): 2 h at 5 s."""
+    tls_cert: str | None = None
+    """PEM certificate chain; with tls_key, the admin port serves HTTPS only."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: str | None = None
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).
+    Needs tls_cert and tls_key."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A connection that has not sent a whole request head (request line and headers) this long
+    after it opened, or after its previous response, is closed."""
 
 
 class FleetConfig(_Section):
@@ -327,7 +340,24 @@ class FleetConfig(_Section):
 
 class AuthConfig(_Section):
     token: str | None = None
-    """Bearer token required on mutating RPCs; unset: no authentication."""
+    """Bearer token required on mutating RPCs and on the admin port's POST routes; unset: no
+    authentication, which only a loopback bind or auth.allow_unauthenticated allows. Keep it out
+    of the YAML file (ROLLOUTD_AUTH__TOKEN, from a Kubernetes Secret). Printable ASCII without
+    spaces; whitespace around it (a file's trailing newline) is dropped."""
+    allow_unauthenticated: bool = False
+    """Serve on an address other than loopback without a token (or mutual TLS): anyone who can
+    reach the port may then replace the weights, rewind or submit prompts. Logged as a warning
+    at every start."""
+
+    @field_validator("token")
+    @classmethod
+    def _printable_token(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        if not value or not all("!" <= ch <= "~" for ch in value):
+            raise ValueError("must be printable ASCII without spaces (e.g. `openssl rand -hex 32`)")
+        return value
 
 
 class Config(_Section):
@@ -343,10 +373,25 @@ class Config(_Section):
     weights: WeightsConfig = WeightsConfig()
     restore: str = "latest"
     """Snapshot to restore at start: latest, none, a sequence number or a tag."""
+    umask: int = Field(0o077, ge=0, le=0o777)
+    """umask of ``rolloutd serve``: the snapshots, journal, staged weights and logs it creates
+    are its user's alone (files 0600, directories 0700); ``0o027`` lets its group read them.
+    Octal: ``0o027`` or ``"027"`` in YAML and in ROLLOUTD_UMASK."""
     grpc: GrpcConfig = GrpcConfig()
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
     fleet: FleetConfig = FleetConfig()
+
+    @field_validator("umask", mode="before")
+    @classmethod
+    def _octal(cls, value: Any) -> Any:
+        # YAML reads 0o027 as text and 027 as a number in base 8 already; text is octal digits.
+        if isinstance(value, str):
+            try:
+                return int(value.removeprefix("0o"), 8)
+            except ValueError:
+                raise ValueError(f"not an octal umask: {value!r}") from None
+        return value
 
     @field_validator("restore", mode="before")
     @classmethod
@@ -365,6 +410,10 @@ class Config(_Section):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")
         if self.grpc.tls_client_ca is not None and self.grpc.tls_cert is None:
             raise ValueError("grpc.tls_client_ca needs grpc.tls_cert and grpc.tls_key")
+        if (self.http.tls_cert is None) != (self.http.tls_key is None):
+            raise ValueError("http.tls_cert and http.tls_key must be set together")
+        if self.http.tls_client_ca is not None and self.http.tls_cert is None:
+            raise ValueError("http.tls_client_ca needs http.tls_cert and http.tls_key")
         self.scoring_config()  # its cross-field checks name their keys
         self.filter_config()
         if self.filter.zero_variance and not (
@@ -408,6 +457,23 @@ class Config(_Section):
                 f"{self.fleet.replicas}); replicas are numbered from 0"
             )
         return self
+
+    def unauthenticated_binds(self) -> list[str]:
+        """The host keys of ports bound beyond this machine that nothing authenticates: no
+        auth.token and no mutual TLS. ``rolloutd serve`` refuses to start with any unless
+        auth.allow_unauthenticated (see docs/security.md)."""
+        if self.auth.token is not None:
+            return []
+        open_ports = []
+        if not is_loopback(self.grpc.host) and self.grpc.tls_client_ca is None:
+            open_ports.append("grpc.host")
+        if (
+            self.http.enabled
+            and not is_loopback(self.http.host)
+            and self.http.tls_client_ca is None
+        ):
+            open_ports.append("http.host")
+        return open_ports
 
     def controller(self) -> ControllerConfig:
         """The controller's config: its keys from ``limits``, ``group_size``, ``dataset.seed``
@@ -478,6 +544,17 @@ class Config(_Section):
             "fleet.replicas": self.fleet.replicas,
             "fleet.replica": self.fleet.replica,
         }
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address accepts connections from this machine only. A name other than
+    ``localhost`` counts as public: what it resolves to can change."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _compose(component: type[T], section: BaseModel, **rest: Any) -> T:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rolloutd.api.admin import AdminServer, create_admin_app
+from rolloutd.api.admin import AdminServer, AdminTls, create_admin_app
 from rolloutd.api.dashboard import dashboard_router
 from rolloutd.api.grpc_server import SERVICE_NAME, GrpcServer
 from rolloutd.api.startup_errors import PortUnavailable
@@ -83,6 +83,31 @@ UNRECOVERABLE = (InvariantError, EngineDeadError)
 """Errors after which the process must be restarted rather than wait to be ready again."""
 
 
+def _check_exposure(config: Config) -> None:
+    """Secure by default: a port reachable from other machines needs a token (or mutual TLS),
+    unless the operator opts out, and then hears about it at every start (docs/security.md)."""
+    exposed = config.unauthenticated_binds()
+    if not exposed:
+        return
+    where = " and ".join(f"{key} {_host_of(config, key)}" for key in exposed)
+    if not config.auth.allow_unauthenticated:
+        raise ConfigError(
+            f"config key '{exposed[0]}': {where} accepts connections from other machines but "
+            "nothing authenticates them; set auth.token (ROLLOUTD_AUTH__TOKEN, e.g. "
+            "`export ROLLOUTD_AUTH__TOKEN=$(openssl rand -hex 32)`), bind 127.0.0.1, or set "
+            "auth.allow_unauthenticated: true to serve without authentication"
+        )
+    log.warning(
+        "%s: serving without authentication (auth.allow_unauthenticated): anyone who can reach "
+        "the port may replace the weights, rewind or submit prompts",
+        where,
+    )
+
+
+def _host_of(config: Config, key: str) -> str:
+    return config.grpc.host if key == "grpc.host" else config.http.host
+
+
 def _plugged(key: str, spec: str | None) -> Any:
     """A pipeline component built from its entry point (None: the default one); a failure is a
     configuration error that names the key."""
@@ -111,6 +136,7 @@ class RolloutService:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
+        _check_exposure(config)
         runner = _plugged("pipeline.sibling_runner", config.pipeline.sibling_runner)
         stage = _plugged("pipeline.finishing_stage", config.pipeline.finishing_stage)
         try:
@@ -247,7 +273,15 @@ class RolloutService:
                     scoring=self.scoring is not None,
                 )
             )
-            self._admin = AdminServer(app, host=config.http.host, port=config.http.port)
+            self._admin = AdminServer(
+                app,
+                host=config.http.host,
+                port=config.http.port,
+                tls=AdminTls(config.http.tls_cert, config.http.tls_key, config.http.tls_client_ca)
+                if config.http.tls_cert is not None and config.http.tls_key is not None
+                else None,
+                header_timeout_s=config.http.header_timeout_s,
+            )
         self._status = StatusSnapshot()
         self.observer.register_sources(
             engine_counters=engine.counters,
@@ -347,6 +381,7 @@ class RolloutService:
                 self.config.checkpoint.dir,
                 restored,
                 not_ready=self.lifecycle.reason,
+                https=self.config.http.tls_cert is not None,
             ),
         )
         return self.addresses

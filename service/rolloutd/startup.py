@@ -80,14 +80,16 @@ def ready_line(
     restored: RestoreReport | None,
     *,
     not_ready: str = "",
+    https: bool = False,
 ) -> str:
     """The last line of a start: ``restored`` is None after ``--restore none``.
 
     Scripts find the addresses by ``gRPC <host:port>,`` and ``dashboard http://<host:port>/``
-    (or ``dashboard off``); a wildcard bind address is shown as ``localhost``."""
+    (``https://`` with ``https``, the admin port's TLS, or ``dashboard off``); a wildcard bind
+    address is shown as ``localhost``."""
     dashboard = "dashboard off (http.enabled is false)"
     if http is not None:
-        dashboard = f"dashboard http://{_reachable(http)}/"
+        dashboard = f"dashboard {'https' if https else 'http'}://{_reachable(http)}/"
     head = "ready" if not not_ready else f"started but {not_ready}"
     return (
         f"{head}: gRPC {_reachable(grpc)}, {dashboard}; {_started_from(checkpoint_dir, restored)}"

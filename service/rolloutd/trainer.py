@@ -55,8 +55,10 @@ class RequestFailed(RuntimeError):
 
 
 _HINTS = {
-    grpc.StatusCode.UNAUTHENTICATED: "pass --token, the service's auth.token",
-    grpc.StatusCode.PERMISSION_DENIED: "pass --token, the service's auth.token",
+    grpc.StatusCode.UNAUTHENTICATED: "set ROLLOUTD_AUTH__TOKEN or pass --token-file, the "
+    "service's auth.token",
+    grpc.StatusCode.PERMISSION_DENIED: "set ROLLOUTD_AUTH__TOKEN or pass --token-file, the "
+    "service's auth.token",
     grpc.StatusCode.INVALID_ARGUMENT: "lower the trainer flag behind the field it names "
     "(max_groups: --groups-per-step), or raise the service's limit",
     grpc.StatusCode.UNAVAILABLE: "is `rolloutd serve` still running? The last line of its log "

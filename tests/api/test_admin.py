@@ -3,8 +3,11 @@ real uvicorn on port 0."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import socket
+import ssl
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -12,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rolloutd.api.admin import AdminServer, SnapshotInfo, create_admin_app
+from rolloutd.api.admin import AdminServer, AdminTls, SnapshotInfo, create_admin_app
 from rolloutd.domain.report import CheckpointPhase, CheckpointReport
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.prometheus import prometheus_name
@@ -24,6 +27,7 @@ from tests.telemetry.reports import (
     checkpoint_report,
     scripted_run,
 )
+from tests.tls_certs import make_pki
 
 TOKEN = "s3cret"
 
@@ -164,6 +168,18 @@ async def test_a_failed_checkpoint_reports_its_reason_and_error(client, state):
     assert "No space left on device" in result["error"]
 
 
+async def test_a_failed_checkpoint_does_not_tell_the_client_server_paths(client, state):
+    report = checkpoint_report(failing=CheckpointPhase.SIDECAR_WRITE)
+    report.error = OSError(errno.ENOSPC, "No space left on device", "/srv/ck/.tmp-9/sidecar")
+    state.report = report
+    response = await client.post(
+        "/v1/checkpoints", json={}, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    result = response.json()
+    assert result["error"] == "OSError: No space left on device"
+    assert result["message"] == "No space left on device"
+
+
 async def test_bad_checkpoint_requests_are_refused_with_the_field(client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     response = await client.post("/v1/checkpoints", json={"trainer_step": -1}, headers=auth)
@@ -240,3 +256,91 @@ async def test_no_page_loads_assets_from_a_cdn(client):
     assert (await client.get("/redoc")).status_code == 404
     spec = (await client.get("/openapi.json")).json()
     assert "/v1/checkpoints/{snapshot}" in spec["paths"]
+
+
+async def test_every_route_that_changes_state_needs_the_token(client):
+    """Reads are open; anything else takes the bearer token, whatever route is added later."""
+    app = client._transport.app
+    changing = [
+        (method, route.path)
+        for route in app.routes
+        for method in getattr(route, "methods", ()) or ()
+        if method not in ("GET", "HEAD")
+    ]
+    assert ("POST", "/v1/checkpoints") in changing
+    for method, path in changing:
+        response = await client.request(method, path, json={})
+        assert response.status_code == 401, (method, path)
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+async def test_the_scheme_is_case_insensitive(client, state, scheme):
+    headers = {"Authorization": f"{scheme} {TOKEN}"}
+    assert (await client.post("/v1/checkpoints", json={}, headers=headers)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "authorization", [b"Bearer \xc3\xa9t\xc3\xa9", b"\xe9\xe9 s3cret", b"Bearer s3cret\xff"]
+)
+async def test_a_non_ascii_authorization_header_is_401(client, state, authorization):
+    response = await client.post(
+        "/v1/checkpoints", json={}, headers={"Authorization": authorization}
+    )
+    assert response.status_code == 401
+    assert state.requests == []
+
+
+@pytest.mark.parametrize("spec", ["²", "①", "\u0663", "\uff18"])
+async def test_digits_that_are_not_ascii_name_no_snapshot(client, spec):
+    response = await client.get(f"/v1/checkpoints/{spec}")
+    assert response.status_code == 404
+    assert spec in response.json()["detail"]
+
+
+async def test_a_connection_that_never_finishes_its_request_head_is_closed(state):
+    """Slowloris: a byte now and then kept a half-sent request open for good."""
+    server = AdminServer(
+        create_admin_app(state, CollectorRegistry()),
+        host="127.0.0.1",
+        port=0,
+        header_timeout_s=0.5,
+    )
+    port = await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: a\r\n")
+        await writer.drain()
+        # closed by the server, with nothing sent: no response to a request never finished
+        assert await asyncio.wait_for(reader.read(), timeout=30) == b""
+        writer.close()
+        # a whole request on a connection of its own is served as ever
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            assert (await c.get("/healthz")).status_code == 200
+    finally:
+        await server.stop()
+
+
+async def test_the_admin_port_serves_tls_and_can_require_a_client_certificate(state, tmp_path):
+    pki = make_pki(tmp_path)
+    server = AdminServer(
+        create_admin_app(state, CollectorRegistry()),
+        host="127.0.0.1",
+        port=0,
+        tls=AdminTls(str(pki.server_cert), str(pki.server_key), client_ca=str(pki.ca)),
+    )
+    port = await server.start()
+    try:
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        mutual = ssl.create_default_context(cafile=str(pki.ca))
+        mutual.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        async with httpx.AsyncClient(base_url=f"https://localhost:{port}", verify=mutual) as c:
+            assert (await c.get("/healthz")).json() == {"live": True}
+        for refused in (
+            httpx.AsyncClient(base_url=f"https://localhost:{port}", verify=trusted),  # no cert
+            httpx.AsyncClient(base_url=f"http://localhost:{port}"),  # plaintext
+        ):
+            async with refused as c:
+                with pytest.raises(httpx.TransportError):
+                    await c.get("/healthz")
+    finally:
+        await server.stop()

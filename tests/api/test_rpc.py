@@ -1,10 +1,14 @@
 import asyncio
+import logging
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rolloutd.config import ConfigError
+from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
+from tests.api.conftest import service_config
 
 
 async def test_fetch_returns_whole_groups_with_token_ids_and_a_lease(serve):
@@ -105,16 +109,37 @@ async def test_status_and_health(serve):
 
 
 async def test_bearer_token_required_on_mutating_calls(serve):
-    _service, stub = await serve(**{"auth.token": "s3cret"})
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1))
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    r = await stub.FetchGroups(
-        pb.FetchGroupsRequest(max_groups=1, wait_ms=3000),
-        metadata=(("authorization", "Bearer s3cret"),),
-    )
-    assert r.lease_id
+    # with a token, every interface may be bound
+    _service, stub = await serve(**{"auth.token": "s3cret", "grpc.host": "0.0.0.0"})
+    for wrong in ((), (("authorization", "Bearer nope"),), (("authorization", "s3cret"),)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1), metadata=wrong)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for scheme in ("Bearer", "bearer", "BEARER"):  # RFC 9110: the scheme in any case
+        r = await stub.FetchGroups(
+            pb.FetchGroupsRequest(max_groups=1, wait_ms=3000),
+            metadata=(("authorization", f"{scheme} s3cret"),),
+        )
+        assert r.lease_id
     await stub.GetStatus(pb.GetStatusRequest())  # read-only: no token needed
+
+
+def test_a_public_bind_without_a_token_is_refused_before_anything_starts(tmp_path):
+    for key in ("grpc.host", "http.host"):
+        config = service_config(tmp_path, **{key: "0.0.0.0"})
+        with pytest.raises(ConfigError) as info:
+            RolloutService(config)
+        message = str(info.value)
+        assert message.startswith(f"config key '{key}': {key} 0.0.0.0")
+        assert "ROLLOUTD_AUTH__TOKEN" in message and "auth.allow_unauthenticated" in message
+    assert not (tmp_path / "checkpoints").exists()
+
+
+async def test_an_explicit_opt_out_serves_without_a_token_and_says_so(serve, caplog):
+    with caplog.at_level(logging.WARNING, logger="rolloutd.server"):
+        _service, stub = await serve(**{"grpc.host": "0.0.0.0", "auth.allow_unauthenticated": True})
+    assert "grpc.host 0.0.0.0: serving without authentication" in caplog.text
+    assert (await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=3000))).lease_id
 
 
 async def test_update_weights_bumps_version_and_new_samples_carry_it(serve, tmp_path):

@@ -143,3 +143,15 @@ def test_a_store_that_does_not_exist_is_an_error(location: Location, capsys):
         code, _ = _run(location, *argv)
         assert code == 1, command
         assert f"no snapshot store at {location.url}" in capsys.readouterr().err
+
+
+def test_list_escapes_what_a_client_put_in_a_tag(location: Location):
+    """A tag comes from a trainer's Checkpoint call: its ANSI escapes and newlines are shown,
+    not obeyed by the operator's terminal."""
+    store = location.open()
+    publish(store, None, make_rows(0, 3), tag="step-1\x1b[2J\x1b]0;owned\x07\nforged row")
+    code, out = _run(location, "list")
+    assert code == 0
+    _header, row = out.splitlines()
+    assert "step-1\\x1b[2J\\x1b]0;owned\\x07\\nforged" in row.split()
+    assert out.replace("\n", "").isprintable()

@@ -9,6 +9,7 @@ strictly against the Kubernetes OpenAPI schema.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -106,6 +107,8 @@ class Rendering:
         for source in c.get("envFrom", []):
             if "configMapRef" in source:
                 env |= self.get("ConfigMap", source["configMapRef"]["name"])["data"]
+            if "secretRef" in source and source["secretRef"]["name"] in self.secrets():
+                env |= self.secrets()[source["secretRef"]["name"]]
         fields = {
             "metadata.name": f"{workload['metadata']['name']}-0",
             "metadata.namespace": workload["metadata"]["namespace"],
@@ -119,6 +122,13 @@ class Rendering:
             else:
                 env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], var["value"])
         return env
+
+    def secrets(self) -> dict[str, dict[str, str]]:
+        """The rendered Secrets' data, decoded."""
+        return {
+            d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in d["data"].items()}
+            for d in self.of_kind("Secret")
+        }
 
     def rolloutd_config(self) -> Config:
         """The config rolloutd loads in the pod: the mounted file, then ROLLOUTD_* variables."""
@@ -147,11 +157,19 @@ def service_port(service: dict[str, Any], number: int) -> dict[str, Any]:
     return found
 
 
+TOKEN = "0123456789abcdef0123456789abcdef"
+"""What an operator writes to k8s/base/auth-token.env (never committed), as the base's comment
+says; the checks render a copy of the manifests with it."""
+
+
 def _render(kubectl: str, variant: Variant, scratch: Path) -> list[dict[str, Any]]:
+    k8s = scratch / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("auth-token.env"))
+    (k8s / "base" / "auth-token.env").write_text(f"ROLLOUTD_AUTH__TOKEN={TOKEN}\n")
     if variant.components:
-        # kustomize refuses absolute paths; a scratch overlay reaches the repository relatively.
+        # kustomize refuses absolute paths; a scratch overlay reaches the manifests relatively.
         def relative(path: str) -> str:
-            return os.path.relpath(K8S / path, scratch)
+            return os.path.relpath(k8s / path, scratch)
 
         (scratch / "kustomization.yaml").write_text(
             yaml.safe_dump(
@@ -164,7 +182,7 @@ def _render(kubectl: str, variant: Variant, scratch: Path) -> list[dict[str, Any
         target = scratch
     else:
         (only,) = variant.resources
-        target = K8S / only
+        target = k8s / only
     result = subprocess.run([kubectl, "kustomize", str(target)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
@@ -298,7 +316,7 @@ def test_the_fleet_size_is_set_once_next_to_replicas(
     """Raising the overlay's replica count (kustomize's `replicas:`) is all it takes: every pod's
     fleet.replicas follows, and each pod is the replica of its ordinal (above)."""
     copy = rendered.scratch / f"k8s-{count}"
-    shutil.copytree(K8S, copy, dirs_exist_ok=True)
+    shutil.copytree(rendered.scratch / "k8s", copy, dirs_exist_ok=True)  # with its token file
     v = rendered.variant
     (overlay,) = [r for r in v.resources if r.startswith("overlays/")]
     kustomization = copy / overlay / "kustomization.yaml"
@@ -465,6 +483,45 @@ def test_pods_do_not_get_service_links(rendered: Rendering) -> None:
         assert pod["enableServiceLinks"] is False, name
 
 
+def test_the_token_comes_from_a_generated_secret(rendered: Rendering) -> None:
+    """Both ports bind 0.0.0.0 in the pod, which rolloutd refuses without a token: the token is
+    a Secret kustomize generates (its name hashed, so a new token rolls the pods)."""
+    config = rendered.rolloutd_config()
+    assert config.auth.token == TOKEN and not config.auth.allow_unauthenticated
+    assert config.unauthenticated_binds() == [] and config.grpc.host == "0.0.0.0"
+    statefulset = rendered.get("StatefulSet", "rolloutd")
+    refs = [s["secretRef"]["name"] for s in container(statefulset)["envFrom"] if "secretRef" in s]
+    (ref,) = [r for r in refs if r.startswith("rolloutd-auth")]
+    assert re.fullmatch(r"rolloutd-auth-[a-z0-9]{10}", ref) and ref in rendered.secrets()
+
+
+def test_a_network_policy_admits_trainers_prometheus_and_the_collector_only(
+    rendered: Rendering,
+) -> None:
+    statefulset = rendered.get("StatefulSet", "rolloutd")
+    policy = rendered.get("NetworkPolicy", "rolloutd")["spec"]
+    pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    admitted: dict[str, set[int]] = {}
+    for rule in policy["ingress"]:
+        ports = {container_port(statefulset, p["port"]) for p in rule["ports"]}
+        for peer in rule["from"]:
+            (label,) = peer["podSelector"]["matchLabels"].items()
+            admitted.setdefault("=".join(label), set()).update(ports)
+    grpc_port = rendered.rolloutd_config().grpc.port
+    admin_port = rendered.rolloutd_config().http.port
+    assert admitted == {
+        "rolloutd.io/trainer=true": {grpc_port, admin_port},
+        "app.kubernetes.io/name=prometheus": {admin_port},
+        "app.kubernetes.io/name=otel-collector": {admin_port},
+    }
+    collector = rendered.get("Deployment", "otel-collector")
+    assert collector["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == (
+        "otel-collector"
+    )
+
+
 FAKE_SECRETS = {
     "rolloutd-s3-credentials": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
 }
@@ -482,7 +539,9 @@ def test_rolloutd_starts_with_the_environment_kubelet_builds(
     c = container(statefulset)
 
     def lookup(kind: str, name: str) -> dict[str, str]:
-        return FAKE_SECRETS[name] if kind == "Secret" else rendered.get(kind, name)["data"]
+        if kind == "Secret":
+            return rendered.secrets().get(name) or FAKE_SECRETS[name]
+        return rendered.get(kind, name)["data"]
 
     fields = {
         "metadata.name": f"{statefulset['metadata']['name']}-0",

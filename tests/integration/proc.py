@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-LISTENING = re.compile(r"\bgRPC (?P<grpc>[^\s,]+), dashboard (?:http://(?P<http>[^/\s]+)/|off)")
+LISTENING = re.compile(r"\bgRPC (?P<grpc>[^\s,]+), dashboard (?:https?://(?P<http>[^/\s]+)/|off)")
 """The addresses in the ``ready`` line that ends a start (``rolloutd.startup.ready_line``)."""
 OWN_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:INFO|WARNING|ERROR|CRITICAL) rolloutd[.\w]*: "

@@ -1,6 +1,7 @@
 """The real CLI in a subprocess: grpcurl through reflection, hostile bytes, SIGTERM shutdown."""
 
 import contextlib
+import ipaddress
 import json
 import shutil
 import socket
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.integration.proc import ServeProcess, foreign_lines
@@ -66,6 +68,15 @@ def test_grpcurl_lists_services_health_and_fetches_groups(served):
 
 def test_random_bytes_and_http1_change_nothing(served):
     p, addr = served
+    # `make run` is `rolloutd serve` with no host: both ports on this machine only
+    listening = {
+        ipaddress.ip_address(c.laddr.ip)
+        for c in psutil.Process(p.proc.pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert len(listening) >= 1
+    # gRPC's socket may be dual-stack: 127.0.0.1 shows as ::ffff:127.0.0.1
+    assert all((getattr(ip, "ipv4_mapped", None) or ip).is_loopback for ip in listening), listening
     host, port = addr.rsplit(":", 1)
     for payload in (
         bytes(range(256)) * 8,
@@ -84,11 +95,16 @@ def test_random_bytes_and_http1_change_nothing(served):
     assert json.loads(status.stdout)["state"] == "SERVING_STATE_SERVING"
 
 
-def test_sigterm_shuts_down_in_order(served):
+def test_sigterm_shuts_down_in_order(served, tmp_path):
     p, _addr = served
     assert p.terminate() == 0
     out = p.output
     assert out.index("state: draining") < out.index("stopped in")
+    # what the store holds (snapshot, journal, claim) is the service user's alone (umask)
+    made = list((tmp_path / "ckpt").rglob("*"))
+    assert any(f.is_file() for f in made) and any(f.is_dir() for f in made)
+    modes = {f.relative_to(tmp_path): f.stat().st_mode & 0o777 for f in made}
+    assert modes == {f: 0o700 if (tmp_path / f).is_dir() else 0o600 for f in modes}
 
 
 def test_start_restart_and_a_failed_start_print_only_rolloutds_own_lines(tmp_path):
@@ -118,6 +134,8 @@ def test_start_restart_and_a_failed_start_print_only_rolloutds_own_lines(tmp_pat
         (["--group-size", "0"], {}, "group_size"),
         ([], {"ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "-2"}, "limits.max_in_flight"),
         ([], {"ROLLOUTD_CHECKPOINT__INTERVAL": "5"}, "checkpoint.interval"),
+        # a public bind without a token: refused before anything starts
+        ([], {"ROLLOUTD_GRPC__HOST": "0.0.0.0"}, "grpc.host"),
     ],
 )
 def test_bad_configuration_exits_with_a_message_naming_the_key(tmp_path, args, env, key):

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import ssl
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,10 +26,11 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, ConfigDict, Field
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rolloutd import __version__
 from rolloutd.api import validation
-from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.errors import InvalidArgument, public_cause
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, Trigger
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def find_snapshot(snapshots: Sequence[SnapshotInfo], spec: str) -> SnapshotInfo 
     """``latest`` (the first: listings are newest first), a sequence number, or a tag."""
     if spec == "latest":
         return snapshots[0] if snapshots else None
-    if spec.isdigit():
+    if spec.isascii() and spec.isdigit():  # "²".isdigit() too, but int() refuses it
         return next((s for s in snapshots if s.sequence == int(spec)), None)
     return next((s for s in snapshots if s.tag == spec), None)
 
@@ -131,7 +133,7 @@ class CheckpointResult(BaseModel):
             phase_seconds=report.phase_seconds(),
             error=None
             if report.error is None
-            else f"{type(report.error).__name__}: {report.error}",
+            else f"{type(report.error).__name__}: {public_cause(report.error)}",
             message=report.message(),
         )
 
@@ -150,8 +152,10 @@ def create_admin_app(
     *,
     auth_token: str | None = None,
 ) -> FastAPI:
-    """The admin app. ``auth_token``: required as ``Authorization: Bearer`` on ``POST`` (the
-    same token as mutating RPCs); reads are open."""
+    """The admin app. ``auth_token``: required as ``Authorization: Bearer`` (scheme in any
+    case) on every route that changes state, the same token as mutating RPCs; reads are
+    open. A new route that is not a ``GET`` takes ``dependencies=[Depends(require_token)]``
+    (tests/api/test_admin.py checks every route)."""
     app = FastAPI(
         title="rolloutd admin",
         version=__version__,
@@ -162,11 +166,16 @@ def create_admin_app(
         redoc_url=None,
     )
 
+    expected = None if auth_token is None else auth_token.encode()
+
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
-        if auth_token is None:
+        if expected is None:
             return
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token, auth_token):
+        # as bytes: compare_digest refuses text that is not ASCII (a header decoded as latin-1)
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), expected
+        ):
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,
                 "a valid bearer token is required",
@@ -231,6 +240,56 @@ def create_admin_app(
     return app
 
 
+@dataclass(frozen=True)
+class AdminTls:
+    """PEM files: the admin port serves HTTPS only; with ``client_ca``, mutual TLS."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+def _with_header_timeout(timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's protocol, closing a connection that has not sent a whole request head within
+    ``timeout_s`` of opening or of its previous response. uvicorn itself only times out idle
+    keep-alive connections, and a byte now and then resets even that (slowloris)."""
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # before: a pipelined request's head may complete inside
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handling: the host owns SIGINT/SIGTERM and shuts us down."""
 
@@ -246,7 +305,16 @@ class AdminServer:
     ``port``); ``stop`` lets requests in progress finish for up to ``grace_s``.
     """
 
-    def __init__(self, app: FastAPI, host: str = "0.0.0.0", port: int = 8080, grace_s: int = 5):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        grace_s: int = 5,
+        *,
+        tls: AdminTls | None = None,
+        header_timeout_s: float = 10.0,
+    ):
         self._host = host
         self._requested_port = port
         self._grace_s = grace_s
@@ -254,11 +322,18 @@ class AdminServer:
             app,
             host=host,
             port=port,
+            http=_with_header_timeout(header_timeout_s),
             log_config=None,
             access_log=False,
             lifespan="off",
             server_header=False,
             timeout_graceful_shutdown=grace_s,
+            ssl_certfile=None if tls is None else tls.cert,
+            ssl_keyfile=None if tls is None else tls.key,
+            ssl_ca_certs=None if tls is None else tls.client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED
+            if tls is not None and tls.client_ca is not None
+            else ssl.CERT_NONE,
         )
         self._server = _EmbeddedServer(self._config)
         self._socket: socket.socket | None = None

@@ -106,9 +106,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if self._token is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        given = str(metadata.get("authorization", ""))
-        if not given.startswith("Bearer ") or not hmac.compare_digest(
-            given[7:].encode(), self._token
+        scheme, _, given = str(metadata.get("authorization", "")).partition(" ")
+        # the scheme in any case (RFC 9110 11.1), as on the admin port
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), self._token
         ):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
 

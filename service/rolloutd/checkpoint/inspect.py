@@ -30,6 +30,7 @@ from rolloutd.checkpoint.manifest import FileEntry, Manifest
 from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.checkpoint.store import SnapshotReader, SnapshotStore
 from rolloutd.checkpoint.tags import sequence_of
+from rolloutd.domain.printable import printable
 
 DEFAULT_DIR = "./.rolloutd/checkpoints"
 
@@ -81,6 +82,9 @@ def _created(created_at: float) -> str:
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
+    """Aligned columns; what a client named (a tag) is escaped, so that it cannot break a row
+    or send a terminal its escape sequences."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))

@@ -29,6 +29,7 @@ from rolloutd.domain.errors import (
     InvariantError,
     NotFound,
     Unavailable,
+    public_cause,
 )
 from rolloutd.domain.group import Group, Prompt
 from rolloutd.domain.mutation import MutationKind
@@ -121,7 +122,7 @@ class Delivery:
                             if lease.lease_id in core.buffer.leases:
                                 core.buffer.requeue(lease.lease_id)
                         await core.notify()
-                        raise Unavailable(f"the lease could not be made durable: {exc}") from exc
+                        raise _not_durable("the lease", exc) from exc
                     core.observer.groups_leased(
                         [now - (g.meta.committed_at or now) for g in groups],
                         [core.policy_version - g.policy_version for g in groups],
@@ -290,7 +291,7 @@ class Delivery:
         except OSError as exc:
             if self._acking.get(lease_id) is pending:
                 del self._acking[lease_id]
-            raise Unavailable(f"the ack could not be made durable: {exc}") from exc
+            raise _not_durable("the ack", exc) from exc
         async with self.core.barrier.mutation(MutationKind.ACK):
             self._apply_pending(pending)
 
@@ -373,7 +374,7 @@ class Delivery:
             try:
                 await core.journal.rewind(trainer_step)
             except OSError as exc:
-                raise Unavailable(f"the rewind could not be made durable: {exc}") from exc
+                raise _not_durable("the rewind", exc) from exc
             self.apply_durable_acks()
             result, evicted = self.apply_rewind(trainer_step)
         if evicted:
@@ -447,7 +448,13 @@ class Delivery:
                 try:
                     await core.journal.submit(fresh)
                 except OSError as exc:
-                    raise Unavailable(f"the prompts could not be made durable: {exc}") from exc
+                    raise _not_durable("the prompts", exc) from exc
             accepted, duplicates = core.sampler.submit(prompts)
         await core.notify()
         return accepted, duplicates
+
+
+def _not_durable(what: str, exc: OSError) -> Unavailable:
+    """The client hears that the journal failed and why, the log also where (a server path)."""
+    log.warning("%s could not be made durable: %s", what, exc)
+    return Unavailable(f"{what} could not be made durable: {public_cause(exc)}")

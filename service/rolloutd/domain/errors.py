@@ -31,6 +31,15 @@ class FailedPrecondition(RolloutError):
     """The request conflicts with the service's state (e.g. a rewind past the window)."""
 
 
+def public_cause(exc: BaseException) -> str:
+    """An error as a client may be told it: an ``OSError`` without the file it names (a path on
+    the server is not the client's business, and tells an attacker the layout), anything else
+    as it reads. The whole error goes to the service's log."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
 class InvariantError(RuntimeError):
     """An internal invariant does not hold. Never caught: it must fail loudly."""
 

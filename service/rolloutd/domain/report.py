@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from rolloutd.domain.errors import public_cause
+
 
 class CheckpointPhase(enum.Enum):
     BARRIER_WAIT = "barrier_wait"
@@ -159,7 +161,7 @@ class CheckpointReport:
         """What the caller should know beyond the outcome: the error of a failed attempt, or
         that its tag moved to this snapshot."""
         if self.error is not None:
-            return str(self.error)
+            return public_cause(self.error)
         if self.retagged is not None:
             return (
                 f"tag {self.tag!r} now names snapshot {self.sequence}; snapshot {self.retagged}, "

@@ -151,7 +151,7 @@ class StagingArea:
         free = shutil.disk_usage(self._incoming).free
         if total_bytes > free:
             raise ResourceExhausted(
-                f"weights: {total_bytes} bytes do not fit in {free} free bytes under {self.root}"
+                f"weights: {total_bytes} bytes do not fit in {free} free bytes of weights.staging_dir"
             )
         return Path(tempfile.mkdtemp(prefix="w-", dir=self._incoming))
 
