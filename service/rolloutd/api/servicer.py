@@ -80,8 +80,12 @@ def rpc(
                     raise Unavailable(f"the service is {state.value}; retry later")
                 return await handler(self, request, context)
             except MAPPED as exc:
-                await context.abort(status_of(exc), str(exc))
-                raise AssertionError("unreachable") from None
+                # Set, not abort: an abort's exception keeps this call's frames, and with them
+                # its request, in a cycle through gRPC's call state that the collector cannot
+                # break, so each refused request (up to grpc.max_message_mb) stayed in memory.
+                context.set_code(status_of(exc))
+                context.set_details(str(exc))
+                return None  # type: ignore[return-value]  # gRPC sends no message with an error
 
         return wrapper
 
