@@ -174,6 +174,17 @@ class Sampler:
         else:
             self.readmit(admission)
 
+    def resolve(self, prompt_id: str, position: Position | None) -> Admission:
+        """The admission a journal record names by reference: the dataset prompt at
+        ``position``, or the submitted prompt ``prompt_id`` (every one ever accepted is kept)."""
+        if position is None:
+            prompt = self._submitted_ids.get(prompt_id)
+        else:
+            prompt = self.prompt_at(position) if position.offset < len(self._prompts) else None
+        if prompt is None or prompt.prompt_id != prompt_id:
+            raise KeyError(f"prompt {prompt_id!r} at {position} is not in the dataset or submitted")
+        return Admission(prompt, position)
+
     def readmit(self, admission: Admission) -> None:
         """Admit this prompt again first (its group was lost, evicted or rewound past durability)."""
         self._readmit.append(admission)
