@@ -8,6 +8,7 @@ re-admit (their groups were lost or rewound) go first.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,16 @@ def fleet_share(prompts: Sequence[Prompt], replica: int, replicas: int) -> Seque
     if not 0 <= replica < replicas:
         raise ValueError(f"replica {replica} is not within a fleet of {replicas}")
     return prompts[replica::replicas]
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def prompt_bytes(prompt: Prompt) -> int:
+    """What a prompt weighs against the submission budgets: its text, its messages' contents and
+    its metadata as JSON, in UTF-8 bytes."""
+    size = len(prompt.text.encode()) + sum(len(m["content"].encode()) for m in prompt.messages)
+    return size if prompt.metadata is None else size + len(_JSON(prompt.metadata).encode())
 
 
 @dataclass(frozen=True)
@@ -43,12 +54,16 @@ class Sampler:
         shuffle: bool = True,
         epochs: int | None = None,
         max_pending: int = 100_000,
+        max_pending_bytes: int = 256 << 20,
     ) -> None:
         self._prompts = prompts
         self._seed = seed
         self._shuffle = shuffle
         self._epochs = epochs
         self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        """:func:`prompt_bytes` of the submitted prompts not admitted yet."""
         self._cursor = Position(0, 0)
         self._order_epoch = -1
         self._order: list[int] = []
@@ -98,6 +113,7 @@ class Sampler:
         while self._submitted_head < len(self._submitted):
             self._submitted_head += 1
             prompt = self._submitted[self._submitted_head - 1]
+            self._pending_bytes -= prompt_bytes(prompt)
             if prompt.prompt_id in self._skip_ids:
                 self._skip_ids.discard(prompt.prompt_id)
                 continue
@@ -125,6 +141,12 @@ class Sampler:
                 f"{self.pending} prompts are waiting for admission; accepting {len(fresh)} more "
                 f"would exceed limits.max_pending_prompts={self._max_pending}"
             )
+        size = sum(map(prompt_bytes, fresh))
+        if self._pending_bytes + size > self._max_pending_bytes:
+            raise ResourceExhausted(
+                f"{self._pending_bytes} bytes of prompts are waiting for admission; accepting "
+                f"{size} more would exceed limits.max_pending_bytes={self._max_pending_bytes}"
+            )
         return fresh
 
     def submit(self, prompts: Iterable[Prompt], *, bounded: bool = True) -> tuple[int, int]:
@@ -133,6 +155,7 @@ class Sampler:
         given = list(prompts)
         fresh = self.fresh(given) if bounded else self._check(given)
         self._submitted.extend(fresh)  # append-only: captured prefixes stay valid
+        self._pending_bytes += sum(map(prompt_bytes, fresh))
         self._submitted_ids.update((p.prompt_id, p) for p in fresh)
         return len(fresh), len(given) - len(fresh)
 
@@ -210,6 +233,7 @@ class Sampler:
         self._submitted = list(state.submitted_prompts)
         self._submitted_head = state.submitted_head
         self._submitted_ids = {p.prompt_id: p for p in self._submitted}
+        self._pending_bytes = sum(map(prompt_bytes, self._submitted[self._submitted_head :]))
         self._readmit = deque(state.readmit)
         self._skip = set(state.skip)
         self._skip_ids = set(state.skip_ids)
