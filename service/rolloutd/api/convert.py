@@ -10,7 +10,7 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from rolloutd.domain.controller import ControllerStatus
-from rolloutd.domain.delivery import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
+from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
 from rolloutd.domain.lifecycle import ServingState

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import BufferCounts, Lease, RolloutBuffer, RowSealer
 from rolloutd.domain.core import ControllerConfig, Core
-from rolloutd.domain.delivery import AckResult, Delivery, E, GroupEncoder, RewindResult
+from rolloutd.domain.delivery import AckResult, Delivery, RewindResult
+from rolloutd.domain.encoder import E, GroupEncoder
 from rolloutd.domain.engine import GenerationEngine
 from rolloutd.domain.finishing import FinishingStage
 from rolloutd.domain.generation import ID_BITS, ID_BLOCK, Generation, local_id

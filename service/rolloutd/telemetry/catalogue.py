@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rolloutd.domain.delivery import LEASE_EXPIRIES, UNDELIVERABLE
+from rolloutd.domain.delivery import LEASE_EXPIRIES
+from rolloutd.domain.encoder import UNDELIVERABLE
 from rolloutd.domain.generation import ENGINE_ERROR, STAGE_FAILED
 from rolloutd.domain.group import BUFFERED, SampleScore
 from rolloutd.domain.mutation import MutationKind
