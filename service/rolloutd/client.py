@@ -90,10 +90,14 @@ class RolloutClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         interceptors: Iterable[grpc.UnaryUnaryClientInterceptor] | None = None,
+        max_message_mb: int = 64,
     ) -> None:
         """``secure``: TLS, trusting the system's CA roots. ``tls_ca``: a PEM CA bundle to trust
         instead (implies TLS; for a private CA). ``tls_cert``/``tls_key``: a PEM client
-        certificate and key, for a server that requires them (``grpc.tls_client_ca``)."""
+        certificate and key, for a server that requires them (``grpc.tls_client_ca``).
+        ``max_message_mb``: the largest message sent or received, the service's
+        ``grpc.max_message_mb`` (gRPC's own default, 4 MiB, would refuse a fetch of groups
+        with large metadata that the service sends)."""
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise ValueError("at least one endpoint is required")
@@ -113,11 +117,16 @@ class RolloutClient:
         self._stubs: dict[str, pb_grpc.RolloutServiceStub] = {}
         self._push_calls: dict[str, grpc.StreamUnaryMultiCallable] = {}
         credentials = _channel_credentials(secure, tls_ca, tls_cert, tls_key)
+        size = max_message_mb << 20
+        options = [
+            ("grpc.max_receive_message_length", size),
+            ("grpc.max_send_message_length", size),
+        ]
         for ep in self.endpoints:
             channel = (
-                grpc.insecure_channel(ep)
+                grpc.insecure_channel(ep, options)
                 if credentials is None
-                else grpc.secure_channel(ep, credentials)
+                else grpc.secure_channel(ep, credentials, options)
             )
             channel = grpc.intercept_channel(channel, *interceptors)
             self._channels[ep] = channel

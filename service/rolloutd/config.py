@@ -202,6 +202,14 @@ class LimitsConfig(_Section):
     """Most submitted prompts waiting for admission; more get RESOURCE_EXHAUSTED."""
     max_group_size: int = Field(1024, gt=0)
     """Largest ``group_size`` a prompt, a source or the service may ask for."""
+    max_pending_bytes: int = Field(256 << 20, gt=0)
+    """Most bytes of submitted prompts (text, messages and metadata as JSON) waiting for
+    admission; more get RESOURCE_EXHAUSTED."""
+    max_metadata_bytes: int = owned(ControllerConfig, "max_metadata_bytes", gt=0)
+    max_submit_bytes: int = owned(ControllerConfig, "max_submit_bytes", gt=0)
+    max_lease_expiries: int = owned(ControllerConfig, "max_lease_expiries", gt=0)
+    max_version_step: int = owned(ControllerConfig, "max_version_step", gt=0)
+    max_step_ahead: int = owned(ControllerConfig, "max_step_ahead", gt=0)
 
 
 class CheckpointConfig(_Section):
@@ -405,6 +413,12 @@ class Config(_Section):
             raise ValueError(
                 "limits.max_in_flight must not exceed limits.buffer_capacity "
                 f"({self.limits.max_in_flight} > {self.limits.buffer_capacity})"
+            )
+        if 2 * self.limits.max_metadata_bytes >= self.grpc.max_message_mb << 20:
+            raise ValueError(
+                "limits.max_metadata_bytes must be below half of grpc.max_message_mb (a group "
+                "carries its metadata twice, as a Struct and as JSON): "
+                f"{self.limits.max_metadata_bytes} >= {(self.grpc.max_message_mb << 20) // 2}"
             )
         if (self.grpc.tls_cert is None) != (self.grpc.tls_key is None):
             raise ValueError("grpc.tls_cert and grpc.tls_key must be set together")

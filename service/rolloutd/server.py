@@ -189,6 +189,7 @@ class RolloutService:
                 shuffle=config.dataset.shuffle,
                 epochs=config.dataset.epochs,
                 max_pending=config.limits.max_pending_prompts,
+                max_pending_bytes=config.limits.max_pending_bytes,
             ),
             observer=self.observer,
             journal=self.store.journal,

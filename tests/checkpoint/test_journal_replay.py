@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -298,3 +299,58 @@ async def test_a_lease_whose_sync_fails_comes_back_also_from_a_snapshot_taken_me
 
     # the snapshot's grant, which nobody received, expires like any unacked lease
     await _restored_after_one_expiry(nodes)
+
+
+def _journal_bytes(node) -> int:
+    journal = Path(node.store.backend.root) / "journal"
+    return sum(p.stat().st_size for p in journal.glob("*.jsonl"))
+
+
+async def test_leases_and_acks_name_prompts_by_reference_and_replay_resolves_them(nodes):  # noqa: F811
+    """A lease or ack record names each group's prompt by id and position, so a prompt's
+    metadata is journaled once (with its submission), not with every lease and ack; replay
+    finds the prompts again, also for groups no snapshot held."""
+    big = {"reference": "x" * 200_000}
+    a = nodes(lease_timeout_s=1.0)
+    prompts = [Admission(Prompt(f"s{i}", f"submitted {i}", big), None) for i in range(2)]
+    assert await a.controller.submit(prompts) == (2, 0)
+    submitted = _journal_bytes(a)
+    assert submitted > 400_000
+    a.controller.start()
+    leases = []
+    for _ in range(2):  # submitted prompts go first: one lease each
+        lease, [group] = await a.controller.fetch(1, 2000, "t")
+        assert group.meta.prompt.metadata == big
+        leases.append(lease)
+    await a.controller.ack(leases[0].lease_id, 1)
+    assert _journal_bytes(a) - submitted < 4_000  # two lease records and an ack
+    await a.controller.stop()
+
+    b = nodes(lease_timeout_s=1.0)
+    await b.restore()  # no snapshot: both groups are lost, known from the journal only
+    assert (await b.controller.ack(leases[0].lease_id, 1)).already_acked
+    b.controller.start()
+    # the unacked lease expires: its prompt, found again by reference, is admitted again whole
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=5)
+    again = []
+    while not again:
+        lease, groups = await b.controller.fetch(4, 2000, "t")
+        again = [g.meta.prompt for g in groups if g.meta.prompt.prompt_id == "s1"]
+        await b.controller.ack(lease.lease_id, 2)
+    assert again[0].metadata == big
+
+
+def test_lease_and_ack_records_written_before_references_are_still_read():
+    from rolloutd.checkpoint import journal_records
+    from rolloutd.checkpoint.sidecar import to_json
+    from rolloutd.domain.buffer import AckRecord, Lease
+    from rolloutd.domain.group import Position
+
+    admission = Admission(Prompt("p3", "question 3", {"a": 1}), Position(0, 3))
+    whole = [{"group_id": 7, **to_json(admission)}]
+    lease = Lease("l", (7,), "t", 1.0, 2.0)
+    old_lease = {"kind": "lease", **to_json(lease), "groups": whole}
+    old_ack = {**to_json(AckRecord("l", (7,), 4, 1.5)), "groups": whole}  # before `kind`, too
+    for record in (old_lease, old_ack):
+        event = journal_records.decode(record)
+        assert event.admissions == {7: admission} and not event.refs

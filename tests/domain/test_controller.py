@@ -345,3 +345,55 @@ async def test_an_evicted_group_ends_its_generation_as_abandoned():
         await c.stop()
     assert sorted(gid for gid, _ in observer.abandoned) == [1, 2]
     assert all("evicted" in why for _, why in observer.abandoned)
+
+
+class _Drops(NullObserver):
+    def __init__(self) -> None:
+        self.drops: list[tuple[int, str]] = []
+
+    def group_dropped(self, event) -> None:
+        self.drops.append((event.group_id, event.reason))
+
+
+async def test_a_group_whose_leases_keep_expiring_is_dropped_with_a_reason():
+    """A group no trainer can take (it fails every fetch) must not cycle through lease, expiry
+    and requeue for good: after ``max_lease_expiries`` it is dropped, counted by reason."""
+    observer = _Drops()
+    c = Controller(
+        ControllerConfig(
+            group_size=2,
+            max_in_flight=1,
+            buffer_capacity=1,
+            reap_interval_s=0.02,
+            lease_timeout_s=0.05,
+            max_lease_expiries=3,
+        ),
+        GatedEngine(auto=True),
+        Sampler(PROMPTS[:1], seed=0, epochs=1),
+        observer=observer,
+    )
+    c.start()
+    try:
+        for _ in range(3):  # never acked: each lease expires and the group comes back
+            assert await c.fetch(1, 2000, "t") is not None
+        await settle(lambda: c.counters.dropped_by_reason == {"lease_expiries": 1})
+        assert await c.fetch(1, 0, "t") is None
+        assert [reason for _, reason in observer.drops] == ["lease_expiries"]
+        assert c.counters.expired_leases == 3 and c.counters.requeued_groups == 2
+        assert not c.buffer.groups
+    finally:
+        await c.stop()
+
+
+async def test_absurd_trainer_steps_are_refused_and_rewind_still_works(running):
+    c = running(GatedEngine(auto=True), max_step_ahead=100, rewind_window=1000)
+    lease, _ = await c.fetch(1, 2000, "t")
+    with pytest.raises(InvalidArgument, match="max_step_ahead=100"):
+        await c.ack(lease.lease_id, 1_000_000_000)
+    await c.ack(lease.lease_id, 100)  # the lease was not consumed by the refused ack
+    lease, _ = await c.fetch(1, 2000, "t")
+    await c.ack(lease.lease_id, 200)  # 100 ahead of step 100
+    with pytest.raises(InvalidArgument, match="trainer_step"):
+        c.check_step(301)
+    c.check_step(300)
+    await c.rewind(2)  # not blocked by a step far ahead

@@ -232,9 +232,9 @@ def create_admin_app(
         request = body or CheckpointRequest()
         try:
             validation.checkpoint_request(request.tag, request.trainer_step)
+            report = await state.checkpoint(request.tag, request.trainer_step)
         except InvalidArgument as exc:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
-        report = await state.checkpoint(request.tag, request.trainer_step)
         return CheckpointResult.from_report(report)
 
     return app

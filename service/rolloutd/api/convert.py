@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
 from rolloutd.domain.controller import ControllerStatus
+from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
 from rolloutd.domain.lifecycle import ServingState
@@ -136,7 +138,41 @@ def group_to_proto(g: Group, source: str, params: SamplingParams) -> pb.Group:
     return group
 
 
-def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
+class GroupEncoder:
+    """Encodes the groups of a ``FetchGroups`` response before their lease is granted
+    (``domain.delivery.GroupEncoder``): a group no trainer could decode (metadata nested too
+    deep for protobuf's parsers) or that alone is larger than a message is refused, and a
+    response holds no more groups than one message does."""
+
+    RESERVE = 4096
+    """Bytes of a response kept for its other fields and each group's framing."""
+
+    def __init__(
+        self, max_message_bytes: int, settings: Callable[[Group], tuple[str, SamplingParams]]
+    ) -> None:
+        """``settings``: a group's source name and sampling settings (``Controller.settings_of``)."""
+        self.max_bytes = max_message_bytes - self.RESERVE
+        self._settings = settings
+
+    def encode(self, group: Group) -> tuple[pb.Group, int]:
+        metadata = group.meta.prompt.metadata
+        if metadata is not None and metadata_too_deep(metadata):
+            raise Undeliverable(
+                f"its metadata is nested deeper than {MAX_METADATA_DEPTH} levels, more than "
+                "protobuf parses"
+            )
+        message = group_to_proto(group, *self._settings(group))
+        size = message.ByteSize() + 16  # the field's tag and length
+        if size > self.max_bytes:
+            raise Undeliverable(
+                f"{size} bytes encoded, more than one gRPC message holds (grpc.max_message_mb)"
+            )
+        return message, size
+
+
+def prompt_from_proto(p: pb.Prompt, i: int, max_metadata_bytes: float = math.inf) -> Prompt:
+    """The domain's prompt; ``metadata_json`` longer than ``max_metadata_bytes`` is refused
+    before it is parsed (the domain checks the parsed metadata's size and depth again)."""
     field = f"prompts[{i}]"
     if not p.prompt_id:
         raise InvalidArgument(f"{field}.prompt_id", "must not be empty")
@@ -160,18 +196,25 @@ def prompt_from_proto(p: pb.Prompt, i: int) -> Prompt:
     text = p.text if p.text.strip() else "\n".join(m["content"] for m in messages)
     if len(text) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"{field}.text", f"must be at most {MAX_PROMPT_CHARS} characters")
+    metadata = _metadata(p, field, max_metadata_bytes)
     return Prompt(
         prompt_id=p.prompt_id,
         text=text,
-        metadata=_metadata(p, field),
+        metadata=metadata,
         messages=messages,
         generation=spec_from_proto(p.generation) if p.HasField("generation") else GenerationSpec(),
     )
 
 
-def _metadata(p: pb.Prompt, field: str) -> Any:
+def _metadata(p: pb.Prompt, field: str, max_bytes: float) -> Any:
     """``metadata_json`` exactly as given (any JSON value), else the Struct, else None."""
     if p.metadata_json:
+        if len(p.metadata_json) > max_bytes:  # characters: at most the bytes of UTF-8
+            raise InvalidArgument(
+                f"{field}.metadata_json",
+                f"of prompt {p.prompt_id!r}: {len(p.metadata_json)} characters, more than "
+                f"limits.max_metadata_bytes={int(max_bytes)}",
+            )
         if p.HasField("metadata"):
             raise InvalidArgument(
                 f"{field}.metadata_json", "give metadata_json or metadata, not both"
@@ -180,6 +223,11 @@ def _metadata(p: pb.Prompt, field: str) -> Any:
             return json.loads(p.metadata_json)
         except json.JSONDecodeError as exc:
             raise InvalidArgument(f"{field}.metadata_json", f"not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument(
+                f"{field}.metadata_json",
+                f"of prompt {p.prompt_id!r}: nested deeper than {MAX_METADATA_DEPTH} levels",
+            ) from None
     return json_format.MessageToDict(p.metadata) if p.HasField("metadata") else None
 
 

@@ -62,7 +62,9 @@ class GrpcServer:
             ],
             interceptors=interceptors,
         )
-        servicer = RolloutServicer(controller, host, auth_token, weights=weights)
+        servicer = RolloutServicer(
+            controller, host, auth_token, weights=weights, max_message_bytes=size
+        )
         pb_grpc.add_RolloutServiceServicer_to_server(servicer, self._server)
         # PushWeights again, with a deserializer that keeps chunk bytes uncopied (registered
         # handlers are looked up by method; the later registration of a method wins).

@@ -30,7 +30,7 @@ from rolloutd.domain.report import CheckpointReport
 from rolloutd.domain.sampler import Admission
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
-from rolloutd.weights.receive import PushChunk
+from rolloutd.weights.receive import PushChunk, PushHeader
 from rolloutd.weights.updater import WeightsUpdater
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,12 @@ def rpc(
                     raise Unavailable(f"the service is {state.value}; retry later")
                 return await handler(self, request, context)
             except MAPPED as exc:
-                await context.abort(status_of(exc), str(exc))
-                raise AssertionError("unreachable") from None
+                # Set, not abort: an abort's exception keeps this call's frames, and with them
+                # its request, in a cycle through gRPC's call state that the collector cannot
+                # break, so each refused request (up to grpc.max_message_mb) stayed in memory.
+                context.set_code(status_of(exc))
+                context.set_details(str(exc))
+                return None  # type: ignore[return-value]  # gRPC sends no message with an error
 
         return wrapper
 
@@ -96,8 +100,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         auth_token: str | None = None,
         *,
         weights: WeightsUpdater,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         self._controller = controller
+        self._encoder = convert.GroupEncoder(max_message_bytes, controller.settings_of)
         self._host = host
         self._weights = weights
         self._token = auth_token.encode() if auth_token else None
@@ -117,14 +123,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def FetchGroups(
         self, request: pb.FetchGroupsRequest, context: grpc.aio.ServicerContext
     ) -> pb.FetchGroupsResponse:
-        leased = await self._controller.fetch(request.max_groups, request.wait_ms, request.consumer)
+        leased = await self._controller.fetch_encoded(
+            request.max_groups, request.wait_ms, request.consumer, self._encoder
+        )
         if leased is None:
             return pb.FetchGroupsResponse()
         lease, groups = leased
         return pb.FetchGroupsResponse(
-            lease_id=lease.lease_id,
-            groups=[convert.group_to_proto(g, *self._controller.settings_of(g)) for g in groups],
-            lease_expires_at=lease.expires_at,
+            lease_id=lease.lease_id, groups=groups, lease_expires_at=lease.expires_at
         )
 
     @rpc(mutating=True, new_work=False)
@@ -144,8 +150,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise InvalidArgument("prompts", "must not be empty")
         if len(request.prompts) > MAX_PROMPTS_PER_SUBMIT:
             raise InvalidArgument("prompts", f"at most {MAX_PROMPTS_PER_SUBMIT} per call")
+        max_metadata = self._controller.config.max_metadata_bytes
         admissions = [
-            Admission(convert.prompt_from_proto(p, i), None) for i, p in enumerate(request.prompts)
+            Admission(convert.prompt_from_proto(p, i, max_metadata), None)
+            for i, p in enumerate(request.prompts)
         ]
         accepted, duplicates = await self._controller.submit(admissions)
         return pb.SubmitPromptsResponse(accepted=accepted, duplicates=duplicates)
@@ -156,6 +164,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.UpdateWeightsResponse:
         started = time.perf_counter()
         base = request.base_version if request.HasField("base_version") else None
+        self._controller.check_version(request.version)
         result = await self._weights.update(request.version, request.weights_path, base)
         return pb.UpdateWeightsResponse(
             **convert.weights_update_fields(result, time.perf_counter() - started)
@@ -168,10 +177,19 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> pb.PushWeightsResponse:
         started = time.perf_counter()
-        result = await self._weights.push(convert.push_messages(request_iterator))
+        result = await self._weights.push(self._checked(convert.push_messages(request_iterator)))
         return pb.PushWeightsResponse(
             **convert.weights_update_fields(result, time.perf_counter() - started)
         )
+
+    async def _checked(
+        self, messages: AsyncIterator[PushHeader | PushChunk]
+    ) -> AsyncIterator[PushHeader | PushChunk]:
+        """A push's messages, its header's version checked before any chunk is taken."""
+        async for message in messages:
+            if isinstance(message, PushHeader):
+                self._controller.check_version(message.version)
+            yield message
 
     @rpc(mutating=True, new_work=False)
     async def Checkpoint(

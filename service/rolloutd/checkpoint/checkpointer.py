@@ -222,7 +222,10 @@ class Checkpointer:
         """One attempt; never raises for I/O trouble or timeouts (they are its outcome).
 
         A periodic attempt that finds another one running is skipped; any other waits for it and
-        then runs, so ``trainer_step`` is always finalized. An invariant violation is raised."""
+        then runs, so ``trainer_step`` is always finalized. An invariant violation is raised,
+        and a ``trainer_step`` the controller refuses (``InvalidArgument``) before anything."""
+        if trainer_step is not None:
+            self.controller.check_step(trainer_step)
         started = time.time_ns()
         skip = self._skip_reason(trigger)
         if skip is not None:

@@ -1,5 +1,9 @@
 """The journal's records: each domain event (``DeliveryJournal``'s calls) as a JSON object with a
-``kind``, and back. Records from before ``kind`` existed are acks."""
+``kind``, and back. Records from before ``kind`` existed are acks.
+
+Lease and ack records name each group's prompt by reference (``prompt_id`` and ``position``),
+so a lease does not write a prompt's metadata again; records written before carry the whole
+admission (``prompt``) and are still read."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from rolloutd.domain.state import (
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
+    PromptRef,
 )
 
 
@@ -28,22 +33,33 @@ class UnknownRecord(ValueError):
 ACK, LEASE, SUBMIT, REWIND, IDS, DROP = "ack", "lease", "submit", "rewind", "ids", "drop"
 
 
-def _admissions(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
-    return [{"group_id": gid, **to_json(a)} for gid, a in admissions.items()]
+def _refs(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
+    return [
+        {"group_id": gid, **to_json(PromptRef(a.prompt.prompt_id, a.position))}
+        for gid, a in admissions.items()
+    ]
 
 
-def _decode_admissions(d: Mapping[str, Any]) -> dict[int, Admission]:
-    return {int(g["group_id"]): from_json(Admission, g) for g in d["groups"]}
+def _decode_groups(d: Mapping[str, Any]) -> tuple[dict[int, Admission], dict[int, PromptRef]]:
+    """Whole admissions (records of earlier versions) and references (``_refs``)."""
+    whole: dict[int, Admission] = {}
+    refs: dict[int, PromptRef] = {}
+    for g in d["groups"]:
+        if "prompt" in g:
+            whole[int(g["group_id"])] = from_json(Admission, g)
+        else:
+            refs[int(g["group_id"])] = from_json(PromptRef, g)
+    return whole, refs
 
 
 def ack(record: AckRecord, admissions: Mapping[int, Admission]) -> dict[str, Any]:
-    """An ack, with the admission of each of its groups."""
-    return {"kind": ACK, **to_json(record), "groups": _admissions(admissions)}
+    """An ack, with a reference to each of its groups' prompts."""
+    return {"kind": ACK, **to_json(record), "groups": _refs(admissions)}
 
 
 def lease(lease: Lease, admissions: Mapping[int, Admission]) -> dict[str, Any]:
-    """A lease grant, with the admission of each of its groups."""
-    return {"kind": LEASE, **to_json(lease), "groups": _admissions(admissions)}
+    """A lease grant, with a reference to each of its groups' prompts."""
+    return {"kind": LEASE, **to_json(lease), "groups": _refs(admissions)}
 
 
 def submission(prompts: Sequence[Prompt]) -> dict[str, Any]:
@@ -68,7 +84,7 @@ def decode(d: Mapping[str, Any]) -> Journaled:
     if kind == ACK:
         return decode_ack(d)
     if kind == LEASE:
-        return JournaledLease(from_json(Lease, d), _decode_admissions(d))
+        return JournaledLease(from_json(Lease, d), *_decode_groups(d))
     if kind == SUBMIT:
         return JournaledSubmission(tuple(from_json(tuple[Prompt, ...], d["prompts"])))
     if kind == REWIND:
@@ -81,4 +97,4 @@ def decode(d: Mapping[str, Any]) -> Journaled:
 
 
 def decode_ack(d: Mapping[str, Any]) -> JournaledAck:
-    return JournaledAck(from_json(AckRecord, d), _decode_admissions(d))
+    return JournaledAck(from_json(AckRecord, d), *_decode_groups(d))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
@@ -304,6 +304,11 @@ class RolloutBuffer:
             g.samples = views[g.group_id]
         if uncaptured:
             self._sealed_new.append(sealed)
+
+    def ready_ids(self) -> Iterator[int]:
+        """The committed groups in the order they are leased (do not change the buffer while
+        iterating)."""
+        return iter(self._ready)
 
     def lease(
         self, lease_id: str, max_groups: int, consumer: str, now: float, timeout_s: float

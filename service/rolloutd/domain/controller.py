@@ -27,6 +27,7 @@ from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import BufferCounts, Lease, RolloutBuffer, RowSealer
 from rolloutd.domain.core import ControllerConfig, Core
 from rolloutd.domain.delivery import AckResult, Delivery, RewindResult
+from rolloutd.domain.encoder import E, GroupEncoder
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.finishing import FinishingStage
 from rolloutd.domain.generation import ID_BITS, ID_BLOCK, Generation, local_id
@@ -198,8 +199,17 @@ class Controller:
     ) -> tuple[Lease, list[Group]] | None:
         return await self.delivery.fetch(max_groups, wait_ms, consumer)
 
+    async def fetch_encoded(
+        self, max_groups: int, wait_ms: int, consumer: str, encoder: GroupEncoder[E]
+    ) -> tuple[Lease, list[E]] | None:
+        return await self.delivery.fetch_encoded(max_groups, wait_ms, consumer, encoder)
+
     async def ack(self, lease_id: str, trainer_step: int) -> AckResult:
         return await self.delivery.ack(lease_id, trainer_step)
+
+    def check_step(self, trainer_step: int) -> None:
+        """Raises ``InvalidArgument`` for a trainer step the service refuses (``Checkpoint``)."""
+        self.delivery.check_step(trainer_step)
 
     async def finalize(self, through_step: int) -> int:
         return await self.delivery.finalize(through_step)
@@ -221,6 +231,10 @@ class Controller:
         return await self.generation.update_weights(
             version, weights_path, timeline=timeline, only=only
         )
+
+    def check_version(self, version: int) -> None:
+        """Raises ``InvalidArgument`` for a policy version a trainer may not ask for."""
+        self.generation.check_version(version)
 
     async def evict_stale(self) -> int:
         return await self.generation.evict_stale()

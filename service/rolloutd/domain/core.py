@@ -74,6 +74,23 @@ class ControllerConfig:
     capture_partials: bool = True
     """Stream each sibling's tokens into a staging area that checkpoints capture, so a restart
     continues unfinished siblings from their tokens (``recovery.granularity: token``)."""
+    max_metadata_bytes: int = 8 << 20
+    """Largest prompt ``metadata``, as JSON in UTF-8, that ``SubmitPrompts`` accepts (it is
+    delivered with every group of the prompt, so it must fit a gRPC message twice over)."""
+    max_submit_bytes: int = 32 << 20
+    """Most bytes of prompts (text, messages and metadata as JSON) one ``SubmitPrompts`` may
+    carry; a larger call is refused whole."""
+    max_lease_expiries: int = 8
+    """A group whose leases expired this many times unacknowledged is dropped
+    (``lease_expiries``) instead of being leased again: a group no trainer can take must not
+    cycle for good. Counted since the service started."""
+    max_version_step: int = 1_000_000
+    """How far one ``UpdateWeights`` may move the policy version ahead of the current one: a
+    version beyond it is refused, so one wrong value cannot block every later update."""
+    max_step_ahead: int = 1_000_000
+    """How far the trainer step of one ``AckGroups`` or ``Checkpoint`` may be ahead of the
+    highest step the service has seen (acked or finalized): one wrong value would otherwise
+    finalize everything before it and refuse every ``Rewind`` below it."""
 
 
 class Core:

@@ -22,6 +22,14 @@ from dataclasses import dataclass
 
 from rolloutd.domain.buffer import AckRecord, Lease, check_same_step
 from rolloutd.domain.core import Core
+from rolloutd.domain.encoder import (
+    AS_IS,
+    UNDELIVERABLE,
+    E,
+    GroupEncoder,
+    Undeliverable,
+    metadata_problem,
+)
 from rolloutd.domain.engine import EngineError, PromptMeter
 from rolloutd.domain.errors import (
     FailedPrecondition,
@@ -31,13 +39,17 @@ from rolloutd.domain.errors import (
     Unavailable,
     public_cause,
 )
-from rolloutd.domain.group import Group, Prompt
+from rolloutd.domain.group import Group, GroupState, Prompt
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.sampler import Admission
+from rolloutd.domain.observer import GroupDropped
+from rolloutd.domain.sampler import Admission, prompt_bytes
 from rolloutd.domain.spec import SpecError, check, check_prompt_length
-from rolloutd.domain.state import JournaledAck, LostAck
+from rolloutd.domain.state import JournaledAck, JournaledDrop, LostAck
 
 log = logging.getLogger(__name__)
+
+LEASE_EXPIRIES = "lease_expiries"
+"""Drop reason: its leases expired ``max_lease_expiries`` times unacknowledged."""
 
 
 @dataclass(eq=False)
@@ -73,13 +85,28 @@ class Delivery:
         self._submitting = asyncio.Lock()
         """Serialises submissions: check, journal, accept, with no other in between."""
         self._told_step_went_back = False
+        self._expiries: dict[int, int] = {}
+        """Leases of each committed or leased group that expired unacknowledged, since start."""
 
     # --- leases ----------------------------------------------------------------------------
 
     async def fetch(
         self, max_groups: int, wait_ms: int, consumer: str
     ) -> tuple[Lease, list[Group]] | None:
-        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``.
+        """:meth:`fetch_encoded` of the groups as they are (a caller in the same process)."""
+        return await self.fetch_encoded(max_groups, wait_ms, consumer, AS_IS)
+
+    async def fetch_encoded(
+        self, max_groups: int, wait_ms: int, consumer: str, encoder: GroupEncoder[E]
+    ) -> tuple[Lease, list[E]] | None:
+        """Leases up to ``max_groups`` training-ready groups, waiting up to ``wait_ms``, and
+        returns them encoded by ``encoder``.
+
+        Each group is encoded before the lease is granted, under the LEASE mutation, and no
+        more of them than ``encoder.max_bytes`` holds (at least one): a group the encoder refuses
+        is dropped (``undeliverable``) and never leased, so it cannot expire and come back for
+        good. The encoding is synchronous, so it holds the barrier no longer than encoding the
+        groups after the fetch did.
 
         The grant is journaled before it is returned, but the LEASE mutation only queues the
         record: a checkpoint may capture the grant while it syncs. Replay grants it again when
@@ -104,16 +131,19 @@ class Delivery:
         deadline = time.monotonic() + wait_ms / 1000
         while True:
             if core.buffer.ready_count:
+                lease: Lease | None = None
                 async with core.barrier.mutation(MutationKind.LEASE):
                     now = core.clock()
-                    lease = core.buffer.lease(
-                        uuid.uuid4().hex, max_groups, consumer, now, cfg.lease_timeout_s
-                    )
-                    groups = (
-                        [] if lease is None else [core.buffer.groups[g] for g in lease.group_ids]
-                    )
-                    if lease is not None:
+                    kept, encoded, drops = self._encode_ready(encoder, max_groups)
+                    if kept:
+                        lease = core.buffer.lease(
+                            uuid.uuid4().hex, len(kept), consumer, now, cfg.lease_timeout_s
+                        )
+                        if lease is None or lease.group_ids != tuple(g.group_id for g in kept):
+                            raise InvariantError(f"lease of {kept} took {lease}")
                         durable = core.journal.lease(lease, self.admissions(lease.group_ids))
+                if drops:
+                    await self._journal_drops(drops)
                 if lease is not None:
                     try:
                         await durable
@@ -124,10 +154,12 @@ class Delivery:
                         await core.notify()
                         raise _not_durable("the lease", exc) from exc
                     core.observer.groups_leased(
-                        [now - (g.meta.committed_at or now) for g in groups],
-                        [core.policy_version - g.policy_version for g in groups],
+                        [now - (g.meta.committed_at or now) for g in kept],
+                        [core.policy_version - g.policy_version for g in kept],
                     )
-                    return lease, groups
+                    return lease, encoded
+                if drops:
+                    continue  # others may be ready behind the dropped ones
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -140,6 +172,68 @@ class Delivery:
                 except TimeoutError:
                     return None
             core.check_serving()
+
+    def _encode_ready(
+        self, encoder: GroupEncoder[E], max_groups: int
+    ) -> tuple[list[Group], list[E], list[JournaledDrop]]:
+        """The ready groups a lease takes, encoded, from the front of the queue; those the encoder
+        refuses are dropped on the way, so the kept ones end up first in the queue (inside the
+        LEASE mutation)."""
+        buffer = self.core.buffer
+        kept: list[Group] = []
+        encoded: list[E] = []
+        refused: list[tuple[Group, str]] = []
+        used = 0
+        for gid in buffer.ready_ids():
+            if len(kept) == max_groups:
+                break
+            group = buffer.groups[gid]
+            try:
+                value, size = encoder.encode(group)
+            except Undeliverable as exc:
+                refused.append((group, str(exc)))
+                continue
+            if kept and used + size > encoder.max_bytes:
+                break
+            kept.append(group)
+            encoded.append(value)
+            used += size
+        return kept, encoded, [self._drop(g, UNDELIVERABLE, why) for g, why in refused]
+
+    def _drop(self, group: Group, reason: str, detail: str) -> JournaledDrop:
+        """Drops a committed group that delivery gave up on (inside a mutation); its prompt
+        position counts as consumed. Returns the record to journal after the mutation: a
+        restart before it is durable finds the group committed in its snapshot (and gives up on
+        it again) or not at all (its position consumed)."""
+        core = self.core
+        tokens = group.generated_tokens
+        core.buffer.remove(group.group_id, GroupState.DROPPED)
+        self._expiries.pop(group.group_id, None)
+        core.counters.dropped(reason, tokens)
+        core.observer.group_dropped(GroupDropped(group.group_id, reason, tokens))
+        log.warning(
+            "group %d (prompt %s) dropped: %s: %s",
+            group.group_id,
+            group.meta.prompt.prompt_id,
+            reason,
+            detail,
+        )
+        return JournaledDrop(
+            group.group_id, Admission(group.meta.prompt, group.meta.position), reason, tokens
+        )
+
+    async def _journal_drops(self, drops: list[JournaledDrop]) -> None:
+        for drop in drops:
+            try:
+                await self.core.journal.drop(drop)
+            except OSError as exc:
+                log.error(
+                    "the drop of group %d could not be journaled (%s): until the next "
+                    "checkpoint, a restart may generate its prompt again",
+                    drop.group_id,
+                    exc,
+                )
+        await self.core.notify()
 
     def admissions(self, group_ids: Iterable[int]) -> dict[int, Admission]:
         """What a journal record keeps of each group: enough to never admit it again."""
@@ -175,24 +269,51 @@ class Delivery:
             if not expired:
                 continue
             evicted = 0
+            drops: list[JournaledDrop] = []
             async with core.barrier.mutation(MutationKind.REQUEUE):
                 for lease in core.buffer.expired_leases(core.clock(), core.pauses.since):
                     requeued = self.requeue(lease.lease_id)
                     stale = self.evict_stale(requeued)
                     evicted += stale
-                    core.counters.requeued_groups += len(requeued) - stale
+                    given_up = self._count_expiries(requeued)
+                    drops += given_up
+                    available = len(requeued) - stale - len(given_up)
+                    core.counters.requeued_groups += available
                     core.counters.expired_leases += 1
                     log.info(
                         "lease %s of %s expired; %d groups available again, %d evicted as too "
-                        "stale",
+                        "stale, %d dropped after %d expiries",
                         lease.lease_id,
                         lease.consumer or "?",
-                        len(requeued) - stale,
+                        available,
                         stale,
+                        len(given_up),
+                        core.config.max_lease_expiries,
                     )
             if evicted:
                 core.observer.groups_evicted(evicted)
+            if drops:
+                await self._journal_drops(drops)
             await core.notify()
+
+    def _count_expiries(self, requeued: Iterable[int]) -> list[JournaledDrop]:
+        """Counts an expiry for each group of an expired lease still in the buffer, and drops
+        those whose leases expired ``max_lease_expiries`` times (inside the REQUEUE mutation):
+        a group that every trainer fails to take must not cycle through leases for good."""
+        groups = self.core.buffer.groups
+        limit = self.core.config.max_lease_expiries
+        drops = []
+        for gid in requeued:
+            if gid not in groups:
+                continue  # evicted as too stale
+            self._expiries[gid] = count = self._expiries.get(gid, 0) + 1
+            if count >= limit:
+                drops.append(
+                    self._drop(groups[gid], LEASE_EXPIRIES, f"its leases expired {count} times")
+                )
+        if len(self._expiries) > 2 * len(groups):  # forget groups acked or removed since
+            self._expiries = {g: n for g, n in self._expiries.items() if g in groups}
+        return drops
 
     def requeue(self, lease_id: str) -> list[int]:
         """An expired lease's groups become available again, and the prompts of its groups that
@@ -230,8 +351,7 @@ class Delivery:
         core = self.core
         if not lease_id:
             raise InvalidArgument("lease_id", "must not be empty")
-        if trainer_step < 0:
-            raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
+        self.check_step(trainer_step)
         async with core.barrier.mutation(MutationKind.ACK):
             known = core.buffer.acks.get(lease_id)
             if known is not None:
@@ -343,6 +463,23 @@ class Delivery:
         admission = (ack.admissions or {}).get(group_id)
         return self.core.source_name(None if admission is None else admission.position)
 
+    def check_step(self, trainer_step: int) -> None:
+        """Refuses a trainer step below 0, or more than ``max_step_ahead`` ahead of the highest
+        step seen (acked or finalized): one absurd step would finalize every ack before it and
+        refuse every ``Rewind`` below it (docs/operations.md, "Resetting a policy version or
+        trainer step")."""
+        if trainer_step < 0:
+            raise InvalidArgument("trainer_step", f"must be >= 0, got {trainer_step}")
+        core = self.core
+        seen = max(core.max_acked_step, core.finalized_through, 0)
+        ahead = core.config.max_step_ahead
+        if trainer_step > seen + ahead:
+            raise InvalidArgument(
+                "trainer_step",
+                f"{trainer_step} is more than limits.max_step_ahead={ahead} ahead of the highest "
+                f"trainer step seen ({seen})",
+            )
+
     # --- the trainer's checkpoints ---------------------------------------------------------
 
     async def finalize(self, through_step: int) -> int:
@@ -441,6 +578,7 @@ class Delivery:
         core = self.core
         core.check_serving()
         prompts = [a.prompt for a in admissions]
+        self._check_submission(prompts)
         await self._check_specs(prompts)
         async with self._submitting, core.barrier.mutation(MutationKind.ADMIT):
             fresh = core.sampler.fresh(prompts)
@@ -452,6 +590,27 @@ class Delivery:
             accepted, duplicates = core.sampler.submit(prompts)
         await core.notify()
         return accepted, duplicates
+
+    def _check_submission(self, prompts: list[Prompt]) -> None:
+        """Refuses, before anything is accepted, a submission that could not be delivered or
+        would weigh too much: metadata too deep or too large (naming the prompt), or more
+        bytes in all than ``max_submit_bytes``."""
+        cfg = self.core.config
+        total = 0
+        for i, prompt in enumerate(prompts):
+            if prompt.metadata is not None:
+                problem = metadata_problem(prompt.metadata, cfg.max_metadata_bytes)
+                if problem is not None:
+                    raise InvalidArgument(
+                        f"prompts[{i}].metadata", f"of prompt {prompt.prompt_id!r}: {problem}"
+                    )
+            total += prompt_bytes(prompt)
+        if total > cfg.max_submit_bytes:
+            raise InvalidArgument(
+                "prompts",
+                f"{total} bytes in {len(prompts)} prompts, more than "
+                f"limits.max_submit_bytes={cfg.max_submit_bytes}: submit them in smaller calls",
+            )
 
 
 def _not_durable(what: str, exc: OSError) -> Unavailable:

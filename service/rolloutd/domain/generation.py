@@ -448,6 +448,20 @@ class Generation:
         core.policy_version, core.weights_path = version, weights_path
         return await self.evict_stale()
 
+    def check_version(self, version: int) -> None:
+        """Refuses a version a trainer asks for (``UpdateWeights``, ``PushWeights``) more than
+        ``max_version_step`` ahead of the served one: one absurd version would refuse every
+        later update (docs/operations.md, "Resetting a policy version or trainer step"). A
+        catch-up from the weights store is not asked for, so it is not bounded."""
+        core = self.core
+        step = core.config.max_version_step
+        if version > core.policy_version + step:
+            raise InvalidArgument(
+                "version",
+                f"{version} is more than limits.max_version_step={step} ahead of the current "
+                f"policy version {core.policy_version}",
+            )
+
     async def evict_stale(self) -> int:
         """Evicts every group too stale to deliver that is not the trainer's (generating,
         finishing or committed); a leased or acked group is looked at again when it becomes

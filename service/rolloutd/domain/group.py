@@ -161,8 +161,8 @@ class GroupState(enum.Enum):
     """Every sibling is staged (durable with the next snapshot); the finishing stage decides
     whether the group is committed or dropped. Runs again after a restore."""
     DROPPED = "dropped"
-    """Terminal: the finishing stage or an engine error dropped it; its prompt position counts as
-    consumed."""
+    """Terminal: the finishing stage or an engine error dropped it, or delivery did (it cannot be
+    sent, or its leases expired too often); its prompt position counts as consumed."""
     EVICTED = "evicted"
     """Terminal: too stale (policy versions behind); its prompt is admitted again."""
     FINALIZED = "finalized"
@@ -191,6 +191,7 @@ TRANSITIONS: frozenset[tuple[GroupState, GroupState]] = frozenset(
             GroupState.LEASED,
             GroupState.ACKED,  # journal replay: leased and acked after the snapshot
             GroupState.EVICTED,
+            GroupState.DROPPED,  # undeliverable, or its leases expired too often
         ),
         GroupState.LEASED: (
             GroupState.ACKED,

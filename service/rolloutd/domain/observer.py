@@ -70,7 +70,8 @@ class GroupDropped:
 
     group_id: int
     reason: str
-    """``Verdict.drop_reason``, ``engine_error`` or ``stage_failed`` (as ``GetStatus`` counts)."""
+    """``Verdict.drop_reason``, ``engine_error``, ``stage_failed``, ``undeliverable`` or
+    ``lease_expiries`` (as ``GetStatus`` counts)."""
     tokens: int
     """Generated tokens of the group's staged siblings: the generation the drop wasted."""
 

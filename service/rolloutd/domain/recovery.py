@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from rolloutd.domain.buffer import RolloutBuffer, restored_groups
 from rolloutd.domain.core import Core
@@ -45,6 +46,7 @@ from rolloutd.domain.state import (
     ControllerState,
     IdReservation,
     Journaled,
+    JournaledAck,
     JournaledDrop,
     JournaledLease,
     JournaledRewind,
@@ -53,6 +55,9 @@ from rolloutd.domain.state import (
 )
 
 log = logging.getLogger(__name__)
+
+Named = TypeVar("Named", JournaledAck, JournaledLease)
+"""A journal record that may name its groups' prompts by reference."""
 
 
 class Granularity(enum.Enum):
@@ -247,12 +252,28 @@ class Recovery:
                 elif isinstance(event, JournaledLease):
                     self._bump_ids(event.lease.group_ids)
                     if event.lease.expires_at > now:
-                        self._regrant(event)
+                        self._regrant(self._resolved(event))
                 else:
                     self._bump_ids(event.record.group_ids)
                     core.lost_leased.pop(event.record.lease_id, None)
-                    self.delivery.apply_ack(event)
+                    self.delivery.apply_ack(self._resolved(event))
         return len(events)
+
+    def _resolved(self, event: Named) -> Named:
+        """``event`` with the prompts its record names by reference resolved, at its place in
+        the replay (after the submissions journaled before it). Only the groups no snapshot
+        held need them, but a record does not say which those are."""
+        if not event.refs:
+            return event
+        sampler = self.core.sampler
+        try:
+            found = {gid: sampler.resolve(r.prompt_id, r.position) for gid, r in event.refs.items()}
+        except KeyError as exc:
+            raise RestoreRefused(
+                f"the journal names a prompt that neither the dataset nor a submission holds "
+                f"({exc.args[0]}): was the dataset changed under the store?"
+            ) from None
+        return replace(event, admissions={**event.admissions, **found}, refs={})
 
     def _replay_drop(self, drop: JournaledDrop) -> None:
         """A drop journaled after the snapshot: the group leaves the buffer when the snapshot

@@ -11,6 +11,7 @@ submitted by trainers and prompts to re-admit (their groups were lost or rewound
 
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -28,6 +29,16 @@ def fleet_share(prompts: Sequence[Prompt], replica: int, replicas: int) -> Seque
     if not 0 <= replica < replicas:
         raise ValueError(f"replica {replica} is not within a fleet of {replicas}")
     return prompts[replica::replicas]
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def prompt_bytes(prompt: Prompt) -> int:
+    """What a prompt weighs against the submission budgets: its text, its messages' contents and
+    its metadata as JSON, in UTF-8 bytes."""
+    size = len(prompt.text.encode()) + sum(len(m["content"].encode()) for m in prompt.messages)
+    return size if prompt.metadata is None else size + len(_JSON(prompt.metadata).encode())
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class Sampler:
         shuffle: bool = True,
         epochs: int | None = None,
         max_pending: int = 100_000,
+        max_pending_bytes: int = 256 << 20,
     ) -> None:
         """``sources``: the dataset's sources, or the prompts of its only one."""
         given = list(sources)
@@ -86,6 +98,9 @@ class Sampler:
         self._shuffle = shuffle
         self._epochs = epochs
         self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        """:func:`prompt_bytes` of the submitted prompts not admitted yet."""
         self._cursors = [Position(0, 0, i) for i in range(len(self.sources))]
         self._draws = 0
         """Weighted draws of a source made so far (with more than one source to draw from)."""
@@ -177,6 +192,7 @@ class Sampler:
         while self._submitted_head < len(self._submitted):
             self._submitted_head += 1
             prompt = self._submitted[self._submitted_head - 1]
+            self._pending_bytes -= prompt_bytes(prompt)
             if prompt.prompt_id in self._skip_ids:
                 self._skip_ids.discard(prompt.prompt_id)
                 continue
@@ -204,6 +220,12 @@ class Sampler:
                 f"{self.pending} prompts are waiting for admission; accepting {len(fresh)} more "
                 f"would exceed limits.max_pending_prompts={self._max_pending}"
             )
+        size = sum(map(prompt_bytes, fresh))
+        if self._pending_bytes + size > self._max_pending_bytes:
+            raise ResourceExhausted(
+                f"{self._pending_bytes} bytes of prompts are waiting for admission; accepting "
+                f"{size} more would exceed limits.max_pending_bytes={self._max_pending_bytes}"
+            )
         return fresh
 
     def submit(self, prompts: Iterable[Prompt], *, bounded: bool = True) -> tuple[int, int]:
@@ -212,6 +234,7 @@ class Sampler:
         given = list(prompts)
         fresh = self.fresh(given) if bounded else self._check(given)
         self._submitted.extend(fresh)  # append-only: captured prefixes stay valid
+        self._pending_bytes += sum(map(prompt_bytes, fresh))
         self._submitted_ids.update((p.prompt_id, p) for p in fresh)
         return len(fresh), len(given) - len(fresh)
 
@@ -253,6 +276,20 @@ class Sampler:
         else:
             self.readmit(admission)
 
+    def resolve(self, prompt_id: str, position: Position | None) -> Admission:
+        """The admission a journal record names by reference: the dataset prompt at
+        ``position``, or the submitted prompt ``prompt_id`` (every one ever accepted is kept)."""
+        if position is None:
+            prompt = self._submitted_ids.get(prompt_id)
+        else:
+            known = position.source < len(self.sources) and position.offset < len(
+                self.sources[position.source].prompts
+            )
+            prompt = self.prompt_at(position) if known else None
+        if prompt is None or prompt.prompt_id != prompt_id:
+            raise KeyError(f"prompt {prompt_id!r} at {position} is not in the dataset or submitted")
+        return Admission(prompt, position)
+
     def readmit(self, admission: Admission) -> None:
         """Admit this prompt again first (its group was lost, evicted or rewound past durability)."""
         self._readmit.append(admission)
@@ -284,6 +321,7 @@ class Sampler:
         self._submitted = list(state.submitted_prompts)
         self._submitted_head = state.submitted_head
         self._submitted_ids = {p.prompt_id: p for p in self._submitted}
+        self._pending_bytes = sum(map(prompt_bytes, self._submitted[self._submitted_head :]))
         self._readmit = deque(state.readmit)
         self._skip = set(state.skip)
         self._skip_ids = set(state.skip_ids)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
-from rolloutd.domain.group import Prompt
+from rolloutd.domain.group import Position, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
 
@@ -41,7 +41,7 @@ class Counters:
     expired_leases: int = 0
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
     """``dropped_groups`` by reason (``Verdict.drop_reason``, or ``engine_error``,
-    ``stage_failed``)."""
+    ``stage_failed``, ``undeliverable``, ``lease_expiries``)."""
     dropped_tokens: int = 0
     """Generated tokens of the dropped groups' staged siblings."""
     committed_by_source: dict[str, int] = field(default_factory=dict)
@@ -122,12 +122,26 @@ class ControllerState:
 
 
 @dataclass(frozen=True)
+class PromptRef:
+    """A group's prompt as a lease or ack record names it: by id and dataset position (None:
+    submitted), never with its text or metadata, which the dataset or an earlier submission
+    holds (``Sampler.resolve``). Journaling the whole prompt would write its metadata again with
+    every lease and ack."""
+
+    prompt_id: str
+    position: Position | None
+
+
+@dataclass(frozen=True)
 class JournaledAck:
     """An ack read back from the journal: its record and the admission of each of its groups
     (so that a group no snapshot held can be kept from being admitted again)."""
 
     record: AckRecord
     admissions: Mapping[int, Admission] = field(default_factory=dict)
+    refs: Mapping[int, PromptRef] = field(default_factory=dict)
+    """Groups named by reference (records written since leases and acks stopped carrying whole
+    prompts); replay resolves them into ``admissions``."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,8 @@ class JournaledLease:
 
     lease: Lease
     admissions: Mapping[int, Admission] = field(default_factory=dict)
+    refs: Mapping[int, PromptRef] = field(default_factory=dict)
+    """As :attr:`JournaledAck.refs`."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from rolloutd.domain.delivery import LEASE_EXPIRIES
+from rolloutd.domain.encoder import UNDELIVERABLE
 from rolloutd.domain.generation import ENGINE_ERROR, STAGE_FAILED
 from rolloutd.domain.group import BUFFERED, SampleScore
 from rolloutd.domain.mutation import MutationKind
@@ -357,8 +359,16 @@ PROMPTS_PENDING = Instrument(
 )  # fmt: skip
 
 OTHER = "other"
-DROP_REASONS: tuple[str, ...] = (*_values(DropReason), ENGINE_ERROR, STAGE_FAILED, OTHER)
-"""Drop reasons as a series label: the scoring stage's, the controller's, and ``other`` for
+DROP_REASONS: tuple[str, ...] = (
+    *_values(DropReason),
+    ENGINE_ERROR,
+    STAGE_FAILED,
+    UNDELIVERABLE,
+    LEASE_EXPIRIES,
+    OTHER,
+)
+"""Drop reasons as a series label: the scoring stage's, the controller's (generation's and
+delivery's), and ``other`` for
 whatever a custom finishing stage names (a stage's reasons are free text; a series is not)."""
 FAILURE_KINDS: tuple[str, ...] = _values(ScoreFailure, OTHER)
 """Kinds of failed scores as a series label; ``other`` for a custom stage's failed scores."""
@@ -396,8 +406,9 @@ SCORING_FAILURES = Instrument(
 )  # fmt: skip
 DROPPED_GROUPS = Instrument(
     "rolloutd.dropped.groups", Kind.COUNTER, "{group}",
-    "Groups dropped before they became training-ready, by reason (their prompt positions "
-    "count as consumed).", Area.REWARDS, attributes={"reason": DROP_REASONS},
+    "Groups dropped before delivery, by reason: before they became training-ready, or when "
+    "delivery gave up on them (undeliverable, lease_expiries); their prompt positions count as "
+    "consumed.", Area.REWARDS, attributes={"reason": DROP_REASONS},
 )  # fmt: skip
 DROPPED_TOKENS = Instrument(
     "rolloutd.dropped.tokens", Kind.COUNTER, "{token}",
