@@ -112,7 +112,7 @@ class GatedEngine:
         self._version = version
 
 
-async def settle(predicate, within_s: float = 2.0) -> None:
+async def settle(predicate, within_s: float = 30.0) -> None:
     """Yields to the loop until ``predicate()`` holds."""
     deadline = time.monotonic() + within_s
     while not predicate():

@@ -36,7 +36,7 @@ async def _restored_after_one_expiry(nodes):  # noqa: F811
     b = nodes(lease_timeout_s=0.5)
     await b.restore()
     b.controller.start()
-    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=3)
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=60)
     delivered = await drain(b.controller, 1)
     assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40
     return delivered
@@ -331,7 +331,7 @@ async def test_leases_and_acks_name_prompts_by_reference_and_replay_resolves_the
     assert (await b.controller.ack(leases[0].lease_id, 1)).already_acked
     b.controller.start()
     # the unacked lease expires: its prompt, found again by reference, is admitted again whole
-    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=5)
+    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=60)
     again = []
     while not again:
         lease, groups = await b.controller.fetch(4, 2000, "t")
