@@ -457,8 +457,9 @@ class VLLMEngine:
         """Load the safetensors files under ``path`` into the running engine.
 
         With ``only`` (the tensors a delta changed) the workers read those tensors, completed to
-        whole layers, before generation pauses (:mod:`rolloutd.engines.vllm_worker`), and the
-        pause loads just them.
+        whole layers, and build those layers' new weights in the engine's format before
+        generation pauses (:mod:`rolloutd.engines.vllm_worker`); the pause only copies them into
+        place.
 
         Generation is paused around the load (``vllm.weight_update_mode`` says what happens to
         requests in flight). Once begun, an update runs to the end even if the caller is
@@ -482,6 +483,7 @@ class VLLMEngine:
         only: tuple[str, ...] | None,
     ) -> None:
         async with self._weights_lock:
+            began = time.monotonic()
             if only:
                 try:
                     await llm.collective_rpc(
@@ -489,7 +491,7 @@ class VLLMEngine:
                     )
                 # Nothing was loaded yet: the request fails, the engine serves on.
                 except Exception as exc:
-                    raise EngineError(f"reading the changed tensors from {path}: {exc}") from exc
+                    raise EngineError(f"preparing the changed layers from {path}: {exc}") from exc
             started = time.monotonic()
             try:
                 with timeline.phase(WeightsPhase.PAUSE):
@@ -514,9 +516,11 @@ class VLLMEngine:
             with timeline.phase(WeightsPhase.RESUME):
                 await llm.resume_generation()
         logger.info(
-            "weights v%d loaded from %s: drained in %.3f s, loaded in %.3f s",
+            "weights v%d loaded from %s: prepared in %.3f s (generation running), drained in "
+            "%.3f s, loaded in %.3f s",
             version,
             path,
+            started - began,
             paused - started,
             time.monotonic() - paused,
         )
