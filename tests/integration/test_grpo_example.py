@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.process]
+pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CRASH_AT, CHECKPOINT_EVERY = 8, 5, 2
