@@ -31,6 +31,10 @@ class FailedPrecondition(RolloutError):
     """The request conflicts with the service's state (e.g. a rewind past the window)."""
 
 
+class DeadlineExceeded(RolloutError):
+    """Work the request started took longer than its configured bound and was abandoned."""
+
+
 class InvariantError(RuntimeError):
     """An internal invariant does not hold. Never caught: it must fail loudly."""
 
