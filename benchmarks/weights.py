@@ -130,6 +130,7 @@ class Service(common.Serve):
             "ROLLOUTD_ENGINE__MAX_TOKENS": "32",
             "ROLLOUTD_WEIGHTS__STAGING_DIR": str(work / "staging"),
             "ROLLOUTD_WEIGHTS__STORAGE_OPTIONS": json.dumps(s3),
+            "ROLLOUTD_WEIGHTS__ALLOWED_URLS": json.dumps([f"s3://{BUCKET}/"]),
             "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
             "ROLLOUTD_LIMITS__BUFFER_CAPACITY": "64",
             **(env or {}),

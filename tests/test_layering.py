@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     # verifiers behind the finishing stage port: worker processes, HTTP reward models
     "scoring": {"domain", "entrypoints", "httpx"},
     # new weights: staged, checked against the served model, then loaded through the controller
-    "weights": {"domain", "fsspec", "botocore", "numpy", "zstandard", "torch"},
+    "weights": {"domain", "fsspec", "botocore", "aiohttp", "numpy", "zstandard", "torch"},
     "v1": {"google", "grpc"},
     "api": {
         "domain",

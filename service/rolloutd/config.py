@@ -254,6 +254,30 @@ class WeightsConfig(_Section):
     """Directory or fsspec URL of the weights store the trainer publishes to (the newest full
     version and the deltas after it, see docs/operations.md): at start-up, after restoring, the
     service catches up to its newest version before admitting work. Unset: no catching up."""
+    allowed_urls: tuple[str, ...] = ()
+    """Prefixes (a scheme and a bucket or directory: ``s3://bucket/weights/``) that UpdateWeights
+    may name as a URL; any other URL is refused before the service connects anywhere. Empty: no
+    URLs, only local directories under weights.local_root."""
+    local_root: str | None = None
+    """Directory under which UpdateWeights may name local weights (symlinks resolved); other
+    paths are refused. Unset: any local directory the service can read."""
+    transfer_timeout_s: float = Field(1800.0, gt=0)
+    """Longest one transfer may take (listing and copying from a URL, or a whole push); past it
+    the update fails with DEADLINE_EXCEEDED and its staged files are removed."""
+    push_idle_timeout_s: float = Field(60.0, gt=0)
+    """Longest a PushWeights stream may go without a message before it is ended."""
+
+    @field_validator("allowed_urls")
+    @classmethod
+    def _prefixes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for prefix in value:
+            scheme, sep, rest = prefix.partition("://")
+            if not sep or not scheme or not rest.strip("/") or "::" in prefix:
+                raise ValueError(
+                    f"{prefix!r} is not a URL prefix: give a scheme and a bucket or directory "
+                    "(s3://bucket/weights/)"
+                )
+        return value
 
 
 class RecoveryConfig(_Section):

@@ -67,6 +67,7 @@ from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot, status_snapshot
 from rolloutd.telemetry.vllm_metrics import VLLMFamilies
 from rolloutd.weights.layout import served_layout
+from rolloutd.weights.policy import SourcePolicy
 from rolloutd.weights.staging import StagingArea
 from rolloutd.weights.store import WeightsStore
 from rolloutd.weights.updater import WeightsUpdater
@@ -211,6 +212,9 @@ class RolloutService:
             concurrency=weights.fetch_concurrency,
             observer=self.observer,
             served_dir=None if layout is None else model_dir,
+            policy=SourcePolicy(weights.allowed_urls, weights.local_root),
+            transfer_timeout_s=weights.transfer_timeout_s,
+            push_idle_timeout_s=weights.push_idle_timeout_s,
             store=None
             if weights.store is None
             else WeightsStore(
@@ -435,6 +439,7 @@ class RolloutService:
         if self.scoring is not None:
             await self.scoring.aclose()
         await self.engine.stop()
+        self.weights.close()
         if self._admin is not None:
             await asyncio.to_thread(self.history.sample)  # the final checkpoint on the dashboard
             await self._admin.stop()

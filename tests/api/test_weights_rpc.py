@@ -53,7 +53,11 @@ def model(tmp_path: Path) -> Path:
 @pytest.fixture
 async def weights_service(serve, model: Path, tmp_path: Path):
     service, stub = await serve(
-        **{"engine.model": str(model), "weights.staging_dir": str(tmp_path / "staging")}
+        **{
+            "engine.model": str(model),
+            "weights.staging_dir": str(tmp_path / "staging"),
+            "weights.allowed_urls": [tmp_path.as_uri()],
+        }
     )
     return service, stub, EngineSpy(service)
 
@@ -253,10 +257,15 @@ async def test_a_local_directory_is_checked_then_loaded_in_place(weights_service
 
 @pytest.mark.parametrize(
     ("url", "message"),
-    [("nope://bucket/w", "Protocol not known: nope"), ("file:///no/such/dir", "does not exist")],
+    [
+        ("nope://bucket/w", "under no prefix of weights.allowed_urls"),
+        ("file:///no/such/dir", "under no prefix of weights.allowed_urls"),
+        ("{tmp}/no/such/dir", "does not exist"),
+    ],
 )
-async def test_a_url_that_cannot_be_read_is_refused(weights_service, url, message):
+async def test_a_url_that_cannot_be_read_is_refused(weights_service, tmp_path, url, message):
     _, stub, spy = weights_service
+    url = url.format(tmp=tmp_path.as_uri())
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.UpdateWeights(pb.UpdateWeightsRequest(version=1, weights_path=url))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -287,6 +296,7 @@ async def test_weights_from_s3_are_copied_verified_and_loaded(
             "engine.model": str(model),
             "weights.staging_dir": str(tmp_path / "staging"),
             "checkpoint.storage_options": s3_options,  # weights default to the checkpoint's
+            "weights.allowed_urls": [f"s3://{BUCKET}/"],
         }
     )
     spy = EngineSpy(service)

@@ -94,6 +94,7 @@ async def running(
             "restore": "none",
             "weights.staging_dir": str(work / "staging"),
             "weights.storage_options": s3_options,
+            "weights.allowed_urls": [f"s3://{BUCKET}/"],
         },
         environ={},
     )

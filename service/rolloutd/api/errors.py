@@ -16,6 +16,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     # The engine refused the request and lives on: e.g. UpdateWeights with a path that holds no
     # weights. What was asked cannot be done as given.
     EngineError: grpc.StatusCode.INVALID_ARGUMENT,

@@ -40,6 +40,10 @@ def public_cause(exc: BaseException) -> str:
     return str(exc)
 
 
+class DeadlineExceeded(RolloutError):
+    """Work the request started took longer than its configured bound and was abandoned."""
+
+
 class InvariantError(RuntimeError):
     """An internal invariant does not hold. Never caught: it must fail loudly."""
 

@@ -10,6 +10,11 @@ The source lists its ``*.safetensors`` files. Optional companions make the copy 
 Files are copied as byte ranges on a pool of threads (several ranges of one large file at once,
 which is what makes object storage fast), each range written at its offset. Sizes are checked
 against the listing afterwards; checksums in :func:`rolloutd.weights.staging.verify_files`.
+
+Errors tell the caller what failed (listing, reading a file, copying), never what the remote end
+answered: that would let a caller probe what the service can reach (open ports, hosts, buckets).
+The service's log has the details. :meth:`Source.abandon` makes a copy stop at its next range
+(one a stalled connection holds ends when the connection does).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +33,8 @@ import fsspec
 
 from rolloutd.domain.errors import Unavailable
 from rolloutd.weights.layout import WeightsRejected
-from rolloutd.weights.staging import FileSpec, check_specs
+from rolloutd.weights.policy import is_url
+from rolloutd.weights.staging import FileSpec, check_specs, disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +45,32 @@ SUMS_FILE = "SHA256SUMS"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def is_url(path: str) -> bool:
-    return "://" in path
+__all__ = ["Source", "is_url", "remote_errors", "remote_failure"]
 
 
-def _client_errors() -> tuple[type[BaseException], ...]:
-    """Object-store client errors that are not ``OSError`` (botocore's, when installed)."""
+def remote_failure(what: str, url: str, exc: BaseException) -> Unavailable:
+    """``UNAVAILABLE`` saying ``what`` failed; the remote end's answer goes to the log only."""
+    logger.warning("weights from %s: %s failed: %r", url, what, exc)
+    return Unavailable(f"weights_path: {what} failed (the service log has the details)")
+
+
+def remote_errors() -> tuple[type[BaseException], ...]:
+    """Remote-side errors that are not ``OSError``: botocore's (s3) and aiohttp's (http), when
+    installed."""
+    found: list[type[BaseException]] = []
     try:
         from botocore.exceptions import BotoCoreError, ClientError
+
+        found += [BotoCoreError, ClientError]
     except ImportError:
-        return ()
-    return (BotoCoreError, ClientError)
+        pass
+    try:
+        from aiohttp import ClientError as HttpClientError
+
+        found.append(HttpClientError)
+    except ImportError:
+        pass
+    return tuple(found)
 
 
 class Source:
@@ -60,9 +82,15 @@ class Source:
             self._fs, root = fsspec.core.url_to_fs(url, **storage_options)
         # fsspec's answers to an unknown scheme, and to one whose package is not installed.
         except (ValueError, ImportError) as exc:
-            raise WeightsRejected("weights_path", f"{url}: {exc}") from None
+            logger.warning("weights from %s: %r", url, exc)
+            raise WeightsRejected("weights_path", "its protocol cannot be read") from None
         self._root = root.rstrip("/")
-        self._errors: tuple[type[BaseException], ...] = (OSError, *_client_errors())
+        self._errors: tuple[type[BaseException], ...] = (OSError, *remote_errors())
+        self._abandoned = threading.Event()
+
+    def abandon(self) -> None:
+        """Stops a copy in progress at its next range."""
+        self._abandoned.set()
 
     def _path(self, name: str) -> str:
         return f"{self._root}/{name}"
@@ -73,9 +101,9 @@ class Source:
             self._fs.invalidate_cache(self._root)
             entries = self._fs.ls(self._root, detail=True)
         except FileNotFoundError:
-            raise WeightsRejected("weights_path", f"{self.url} does not exist") from None
+            raise WeightsRejected("weights_path", "does not exist") from None
         except self._errors as exc:
-            raise Unavailable(f"weights_path: listing {self.url} failed: {exc}") from exc
+            raise remote_failure("listing the URL", self.url, exc) from None
         sizes = {
             e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"])
             for e in entries
@@ -84,17 +112,17 @@ class Source:
         sums = self._sums() if SUMS_FILE in sizes else {}
         expected = set(sums) | (self._indexed() if INDEX_FILE in sizes else set())
         for name in sorted(expected - set(sizes)):
-            raise WeightsRejected(name, f"is listed in {self.url} but missing from it")
+            raise WeightsRejected(name, "is listed in the URL's index but missing from it")
         names = sorted(n for n in sizes if n.endswith(".safetensors"))
         if not names:
-            raise WeightsRejected("weights_path", f"{self.url} holds no *.safetensors files")
+            raise WeightsRejected("weights_path", "holds no *.safetensors files")
         return check_specs((FileSpec(n, sizes[n], sums.get(n)) for n in names), need_sha256=False)
 
     def _read_text(self, name: str) -> str:
         try:
             return bytes(self._fs.cat_file(self._path(name))).decode()
         except self._errors as exc:
-            raise Unavailable(f"weights_path: reading {self.url}/{name} failed: {exc}") from exc
+            raise remote_failure(f"reading {name}", self.url, exc) from None
 
     def _sums(self) -> dict[str, str]:
         sums: dict[str, str] = {}
@@ -132,6 +160,8 @@ class Source:
 
         def copy_part(part: tuple[str, int, int]) -> int:
             name, start, end = part
+            if self._abandoned.is_set():
+                raise TimeoutError("the copy was abandoned")
             data = self._fs.cat_file(self._path(name), start=start, end=end)
             if len(data) != end - start:
                 raise WeightsRejected(
@@ -154,12 +184,14 @@ class Source:
                             total / 1e6,
                         )
                         next_report += total / 4
-        except FileNotFoundError as exc:
-            raise WeightsRejected(
-                "weights_path", f"a file vanished from {self.url}: {exc}"
-            ) from None
+        except FileNotFoundError:
+            raise WeightsRejected("weights_path", "a file vanished from the URL") from None
+        except OSError as exc:
+            if (full := disk_full(exc)) is not None:
+                raise full from exc
+            raise remote_failure("copying from the URL", self.url, exc) from None
         except self._errors as exc:
-            raise Unavailable(f"weights_path: copying from {self.url} failed: {exc}") from exc
+            raise remote_failure("copying from the URL", self.url, exc) from None
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -5,6 +5,13 @@ every tensor with its dtype, shape and byte range; the data follows, back to bac
 headers is enough to refuse, without loading a byte of data, new weights that would leave the
 model half-replaced: an unknown tensor, a missing one, one with another shape or dtype, or a file
 whose data is shorter or longer than its header says.
+
+The JSON header is parsed whole, so its size bounds the memory and time a check takes: new
+weights may have a header at most ``HEADER_MARGIN`` times the served model's (all its files
+together), or ``HEADER_FLOOR``, whichever is larger. A file that is not a safetensors file (too
+short, a header length that does not fit, a header that is not JSON, a symlink leaving its
+directory, not a regular file) is refused with just that: the message says nothing of what the
+file holds, which could be any file the service can read.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +31,12 @@ from rolloutd.domain.errors import InvalidArgument
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 100 * 2**20
-"""The safetensors format's own limit on the JSON header."""
+"""The safetensors format's own limit on the JSON header: the cap without a served model."""
+HEADER_MARGIN = 2
+"""New weights' headers may be this many times the served model's (other metadata, key order)."""
+HEADER_FLOOR = 2**20
+"""Headers up to this size pass whatever the served model's: parsing them costs little."""
+NOT_SAFETENSORS = "not a safetensors file"
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
@@ -46,25 +60,32 @@ class TensorSpec:
         return f"{self.dtype}{list(self.shape)}"
 
 
-def read_header(path: Path, name: str | None = None) -> dict[str, TensorSpec]:
-    """The tensors of one safetensors file, after checking that its header is well-formed and that
-    the data it describes fills the file exactly (a truncated or padded file is refused)."""
+def read_header(
+    path: Path, name: str | None = None, *, max_header: int = MAX_HEADER_BYTES
+) -> dict[str, TensorSpec]:
+    """The tensors of one safetensors file, after checking that its header is well-formed, at
+    most ``max_header`` bytes, and that the data it describes fills the file exactly (a truncated
+    or padded file is refused)."""
     label = name or path.name
     size = path.stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise WeightsRejected(label, f"{size} bytes is too short for a safetensors file")
+            raise WeightsRejected(label, NOT_SAFETENSORS)
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise WeightsRejected(label, NOT_SAFETENSORS)
+        if length > max_header:
             raise WeightsRejected(
-                label, f"header length {length} does not fit a file of {size} bytes"
+                label,
+                f"its header of {length} bytes is larger than the served model needs (at most "
+                f"{max_header}: {HEADER_MARGIN} times the served model's headers)",
             )
         raw = f.read(length)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WeightsRejected(label, f"header is not valid JSON ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WeightsRejected(label, f"{NOT_SAFETENSORS} (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise WeightsRejected(label, "header is not a JSON object")
     tensors: dict[str, TensorSpec] = {}
@@ -113,6 +134,8 @@ class ModelLayout:
 
     tensors: Mapping[str, TensorSpec]
     source: str
+    header_bytes: int = 0
+    """The served files' JSON headers together: what the headers of new weights are capped by."""
 
     @classmethod
     def of_directory(cls, model_dir: Path) -> ModelLayout:
@@ -120,16 +143,23 @@ class ModelLayout:
         if not files:
             raise ValueError(f"{model_dir} holds no *.safetensors files")
         tensors: dict[str, TensorSpec] = {}
+        header_bytes = 0
         for path in files:
             tensors.update(read_header(path))
-        return cls(tensors, str(model_dir))
+            with path.open("rb") as f:
+                header_bytes += struct.unpack("<Q", f.read(8))[0]
+        return cls(tensors, str(model_dir), header_bytes)
+
+    @property
+    def max_header(self) -> int:
+        return min(MAX_HEADER_BYTES, max(HEADER_FLOOR, HEADER_MARGIN * self.header_bytes))
 
     def check(self, files: Mapping[str, Path]) -> None:
         """Refuses ``files`` (name -> staged path) unless together they hold every tensor of the
         served model exactly once, each with its shape and dtype."""
         seen: dict[str, str] = {}
         for name, path in sorted(files.items()):
-            for tensor, spec in read_header(path, name).items():
+            for tensor, spec in read_header(path, name, max_header=self.max_header).items():
                 served = self.tensors.get(tensor)
                 if served is None:
                     raise WeightsRejected(
@@ -152,6 +182,22 @@ class ModelLayout:
             raise WeightsRejected(
                 "weights", f"{len(missing)} tensors of the served model are missing: {shown}"
             )
+
+
+def weights_file(path: Path, directory: Path, what: str = NOT_SAFETENSORS) -> Path:
+    """``path`` (a file of ``directory``), refused unless it is a regular file that stays in
+    ``directory``: a symlink elsewhere (``/etc/passwd``), a FIFO or a device would have the
+    service read, or block on, a file nobody meant as weights."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(os.path.realpath(directory)):
+        raise WeightsRejected(path.name, what)
+    try:
+        mode = real.stat().st_mode
+    except FileNotFoundError:
+        raise WeightsRejected(path.name, what) from None
+    if not stat.S_ISREG(mode):
+        raise WeightsRejected(path.name, what)
+    return path
 
 
 def check_headers(files: Mapping[str, Path]) -> None:

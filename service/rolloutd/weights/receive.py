@@ -25,11 +25,12 @@ import asyncio
 import os
 import queue
 import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutd.weights.layout import WeightsRejected
-from rolloutd.weights.staging import FileSpec
+from rolloutd.weights.staging import FileSpec, disk_full
 
 MAX_PENDING = 32 * 2**20
 """Bytes of received chunks a push may have queued for writing before the loop waits."""
@@ -132,8 +133,16 @@ class PushReceiver:
     """
 
     def __init__(
-        self, files: tuple[FileSpec, ...], dest: Path, *, max_pending: int = MAX_PENDING
+        self,
+        files: tuple[FileSpec, ...],
+        dest: Path,
+        *,
+        max_pending: int = MAX_PENDING,
+        executor: Executor | None = None,
     ) -> None:
+        """``executor``: where :meth:`close` waits for the writer (not the loop's default one,
+        which the data plane uses, when given)."""
+        self._executor = executor
         self._specs = {f.name: f for f in files}
         self._received = dict.fromkeys(self._specs, 0)
         self._dest = dest
@@ -179,11 +188,16 @@ class PushReceiver:
 
     async def close(self) -> None:
         """Stops the writer (after its queue, or at once if it failed) and closes the files."""
-        await asyncio.to_thread(self._writer.stop)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._writer.stop)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
 
     def _raise_write_error(self) -> None:
-        if self._writer.error is not None:
-            raise self._writer.error
+        """A full disk is RESOURCE_EXHAUSTED; other write errors are the service's."""
+        error = self._writer.error
+        if error is None:
+            return
+        if (full := disk_full(error)) is not None:
+            raise full from error
+        raise error

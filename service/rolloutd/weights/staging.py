@@ -9,10 +9,17 @@ Layout under ``weights.staging_dir``::
 What must hold: the engine only ever reads a directory whose every file was verified; a refused
 or failed update leaves no directory behind; the served version's directory stays, and so does
 every version a published (or publishing) snapshot may record; the others are removed.
+
+Room on the disk is reserved: a new directory is refused unless its bytes fit in the free space
+less what the directories still being filled were promised and have not written yet, so updates
+that overlap (a delta's decode next to its download, a catch-up's chain) cannot all pass the
+check and then all run out. A write that still meets a full disk is ``RESOURCE_EXHAUSTED``
+(:func:`disk_full`), not an unknown error.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -131,12 +138,31 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: OSError) -> ResourceExhausted | None:
+    """The error to raise instead of ``exc`` when it says the staging disk is full."""
+    if exc.errno not in _FULL:
+        return None
+    return ResourceExhausted("weights: the disk of weights.staging_dir is full; retry later")
+
+
+def _written(directory: Path) -> int:
+    try:
+        return sum(p.stat().st_blocks * 512 for p in directory.iterdir())
+    except FileNotFoundError:
+        return 0
+
+
 class StagingArea:
     """The staging directory of one service; see the module docstring."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._incoming = self.root / "incoming"
+        self._reserved: dict[Path, int] = {}
+        """Directories being filled -> the bytes promised to them."""
 
     def prepare(self) -> None:
         """Creates the area and removes what an earlier process left half-done."""
@@ -148,20 +174,27 @@ class StagingArea:
     def new(self, total_bytes: int) -> Path:
         """A private directory for an update of ``total_bytes``; refused when the disk lacks room."""
         self._incoming.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self._incoming).free
+        promised = sum(max(0, n - _written(d)) for d, n in self._reserved.items())
+        free = shutil.disk_usage(self._incoming).free - promised
         if total_bytes > free:
             raise ResourceExhausted(
-                f"weights: {total_bytes} bytes do not fit in {free} free bytes of weights.staging_dir"
+                f"weights: {total_bytes} bytes do not fit in the {max(free, 0)} free bytes of "
+                f"weights.staging_dir ({promised} of its free bytes are reserved by other "
+                "updates)"
             )
-        return Path(tempfile.mkdtemp(prefix="w-", dir=self._incoming))
+        directory = Path(tempfile.mkdtemp(prefix="w-", dir=self._incoming))
+        self._reserved[directory] = total_bytes
+        return directory
 
     def discard(self, directory: Path) -> None:
+        self._reserved.pop(directory, None)
         shutil.rmtree(directory, ignore_errors=True)
 
     def promote(self, directory: Path, version: int) -> Path:
         """Moves verified files to ``v<version>`` (what the engine will load from), replacing
         what an earlier refused attempt at the same version may have left; the rename is made
         durable before the engine (and so any later snapshot) sees the new directory."""
+        self._reserved.pop(directory, None)
         target = self.root / f"v{version}"
         if target.exists():
             shutil.rmtree(target)
