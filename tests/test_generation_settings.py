@@ -253,3 +253,34 @@ def test_sources_are_checked_at_load_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="at least one source needs a weight"):
         zero = [{**s, "weight": 0} for s in sources]
         load_config(overrides={"dataset.sources": zero}, environ={})
+
+
+async def test_a_fleet_shares_each_source_apart(tmp_path):
+    """Two replicas over two sources: each prompt of each source is delivered once an epoch,
+    by one replica."""
+    delivered: list[tuple[str, str]] = []
+    for replica in range(2):
+        s = service(
+            tmp_path / f"r{replica}",
+            group_size=1,
+            **{
+                "dataset.sources": two_sources(tmp_path, (3, 1)),
+                "dataset.epochs": 1,
+                "fleet.replicas": 2,
+                "fleet.replica": replica,
+            },
+        )
+        addresses = await s.start()
+        try:
+            async with grpc.aio.insecure_channel(addresses.grpc) as channel:
+                stub = pb_grpc.RolloutServiceStub(channel)
+                groups = await fetch_all(stub, 40)  # half of 50 + 30 prompts
+                status = await stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        finally:
+            await s.shutdown()
+        assert status.dataset_exhausted
+        assert {src.name: src.prompts for src in status.sources} == {"math": 25, "chat": 15}
+        delivered += [(g.source_name, g.prompt_text) for g in groups]
+    assert sorted(delivered) == sorted(
+        [("math", f"math {i}") for i in range(50)] + [("chat", f"chat {i}") for i in range(30)]
+    )
