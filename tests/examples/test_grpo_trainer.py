@@ -40,7 +40,7 @@ def test_batch_puts_each_delivered_logprob_on_its_own_token() -> None:
         sample([0, 10, 11], [20, 21], [-0.5, -1.5]),
         sample([0, 12], [22, 23, 24], [-1, -2, -3]),
     ]
-    batch = build_batch(samples, [1.0, -1.0], PAD)
+    batch = build_batch(samples, [1.0, -1.0], PAD, [1.0, 1.0])
     targets = batch.input_ids[:, 1:]
     mask = batch.completion_mask.bool()
     assert targets[0][mask[0]].tolist() == [20, 21]
@@ -53,7 +53,7 @@ def test_batch_puts_each_delivered_logprob_on_its_own_token() -> None:
 
 def test_batch_refuses_a_sample_whose_logprobs_do_not_match_its_tokens() -> None:
     with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
-        build_batch([sample([0], [5, 6], [-1.0])], [0.0], PAD)
+        build_batch([sample([0], [5, 6], [-1.0])], [0.0], PAD, [1.0])
 
 
 class Unigram(torch.nn.Module):
@@ -67,14 +67,18 @@ class Unigram(torch.nn.Module):
         return type("Out", (), {"logits": self.table[input_ids]})()
 
 
-def test_recomputed_logprobs_follow_the_temperature_and_the_targets() -> None:
+def test_recomputed_logprobs_follow_each_rows_temperature_and_the_targets() -> None:
     model = Unigram(32)
-    batch = build_batch([sample([0, 3], [4, 5], [0.0, 0.0])], [0.0], PAD)
-    got = token_logprobs(model, batch, temperature=2.0)
-    expected = [
-        torch.log_softmax(model.table[prev] / 2.0, -1)[tok].item() for prev, tok in [(3, 4), (4, 5)]
-    ]
-    assert got[0][batch.completion_mask[0].bool()].tolist() == pytest.approx(expected, abs=1e-6)
+    rows = [sample([0, 3], [4, 5], [0.0, 0.0]), sample([0, 3], [4, 5], [0.0, 0.0])]
+    batch = build_batch(rows, [0.0, 0.0], PAD, [2.0, 0.5])
+    got = token_logprobs(model, batch)
+    for row, temperature in enumerate((2.0, 0.5)):
+        expected = [
+            torch.log_softmax(model.table[prev] / temperature, -1)[tok].item()
+            for prev, tok in [(3, 4), (4, 5)]
+        ]
+        mask = batch.completion_mask[row].bool()
+        assert got[row][mask].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 def test_advantages_are_normalised_within_the_group() -> None:
@@ -86,21 +90,19 @@ def test_advantages_are_normalised_within_the_group() -> None:
 def test_loss_raises_the_better_sample_and_clips_the_ratio() -> None:
     model = Unigram(16)
     samples = [sample([0, 1], [7], [0.0]), sample([0, 1], [8], [0.0])]
-    batch = build_batch(samples, [1.0, -1.0], PAD)
+    batch = build_batch(samples, [1.0, -1.0], PAD, [1.0, 1.0])
     with torch.no_grad():
-        batch.behaviour = token_logprobs(model, batch, 1.0) * batch.completion_mask
-    loss = grpo_loss(token_logprobs(model, batch, 1.0), batch, clip_eps=0.2)
+        batch.behaviour = token_logprobs(model, batch) * batch.completion_mask
+    loss = grpo_loss(token_logprobs(model, batch), batch, clip_eps=0.2)
     loss.backward()
     assert model.table.grad is not None
     # Gradient descent raises the logit of the rewarded token and lowers the other.
     assert model.table.grad[1, 7] < 0 < model.table.grad[1, 8]
     # Far from the behaviour policy the clipped term has no gradient (ratio 1.5 > 1 + eps, A > 0).
     model.zero_grad()
-    shifted = build_batch(samples[:1], [1.0], PAD)
-    shifted.behaviour = (
-        token_logprobs(model, shifted, 1.0).detach() - 0.405
-    ) * shifted.completion_mask
-    grpo_loss(token_logprobs(model, shifted, 1.0), shifted, clip_eps=0.2).backward()
+    shifted = build_batch(samples[:1], [1.0], PAD, [1.0])
+    shifted.behaviour = (token_logprobs(model, shifted).detach() - 0.405) * shifted.completion_mask
+    grpo_loss(token_logprobs(model, shifted), shifted, clip_eps=0.2).backward()
     assert model.table.grad is not None and model.table.grad.abs().sum() == 0
 
 
