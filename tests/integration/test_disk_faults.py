@@ -32,9 +32,10 @@ def tmpfs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
 
     def remount(options: str) -> None:
-        """A read-only remount fails (EBUSY) while a file on the disk is open to write; the
-        service opens its files there only briefly (a claim renewal, a line of dashboard
-        history), so it is tried again until that file is closed."""
+        """A read-only remount fails (EBUSY) while a file on the disk is open to write. Between
+        checkpoints only the journal's file stays open (a test closes it with a checkpoint);
+        others are open briefly (a claim renewal, a line of dashboard history), so the remount
+        is tried again until they are closed."""
         deadline = time.monotonic() + 30
         while True:
             r = subprocess.run(
