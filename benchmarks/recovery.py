@@ -30,19 +30,26 @@ with a ``max_tokens`` long enough that siblings are mid-way when the process is 
    service process and of vLLM's engine processes.
 
 ``--quick`` (meant to take about three minutes): siblings of at most 960 tokens (240 in the
-throughput runs) and three rounds over 8 s windows; the full run keeps 1920 tokens and runs
-three rounds over 45 s windows, and also measures streaming alone. The 2 cores are shared with
-other work: single windows vary by ±10-25% here, so every ratio is reported with its rounds and
-their spread (``*_noise`` in the JSON): a ratio whose distance from 1 is within its spread is
-noise, not a result.
+throughput runs) and three rounds over 8 s windows, with one service per setting for all rounds:
+both start side by side, and the one not being measured is frozen (SIGSTOP of its process group)
+so that it takes no CPU; each window has its warm-up after the thaw. That makes five vLLM starts
+in three steps (the crash run, the two restores side by side, the two throughput services side
+by side) instead of nine one after another. The full run keeps 1920 tokens, starts a fresh
+service for every 45 s window (three rounds) and also measures streaming alone. The 2 cores are
+shared with other work: single windows vary by ±10-25% here, so every ratio is reported with its
+rounds and their spread (``*_noise`` in the JSON): a ratio whose distance from 1 is within its
+spread is noise, not a result.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -221,20 +228,27 @@ def crash(work: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
     }
 
 
-def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Restores a copy with granularity token and compares resumed siblings with uninterrupted
-    ones (the same prompts submitted again)."""
-    store_dir = work / "token-store"
+def start_restore(
+    work: Path, crashed: dict[str, Any], granularity: str, max_tokens: int
+) -> Service:
+    """A service restoring a copy of the crash run's store with ``granularity``; not waited for,
+    so that two restores start side by side."""
+    store_dir = work / f"{granularity}-store"
     shutil.copytree(crashed["store"], store_dir)
-    service = Service(
+    return Service(
         work,
-        "restore-token",
+        f"restore-{granularity}",
         store_dir,
-        granularity="token",
+        granularity=granularity,
         interval_s=0,
         max_tokens=max_tokens,
         restore="latest",
     )
+
+
+def restore_token(service: Service, crashed: dict[str, Any]) -> dict[str, Any]:
+    """The token restore (see :func:`start_restore`): compares resumed siblings with
+    uninterrupted ones (the same prompts submitted again)."""
     service.wait_listening(600.0, poll_s=0.2)
     tokens = service.restored()
     common.progress(f"token restore: {tokens}; fetching resumed siblings and their twins")
@@ -279,18 +293,8 @@ def restore_token(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[
     return {"tokens": tokens, "identical": identical, "prefix_exact": prefix_exact}
 
 
-def restore_sibling(work: Path, crashed: dict[str, Any], max_tokens: int) -> dict[str, int]:
-    store_dir = work / "sibling-store"
-    shutil.copytree(crashed["store"], store_dir)
-    service = Service(
-        work,
-        "restore-sibling",
-        store_dir,
-        granularity="sibling",
-        interval_s=0,
-        max_tokens=max_tokens,
-        restore="latest",
-    )
+def restore_sibling(service: Service) -> dict[str, int]:
+    """The sibling restore (see :func:`start_restore`): only its restore line is needed."""
     service.wait_listening(600.0, poll_s=0.2)
     tokens = service.restored()
     service.stop(120.0)
@@ -298,45 +302,88 @@ def restore_sibling(work: Path, crashed: dict[str, Any], max_tokens: int) -> dic
     return tokens
 
 
-def throughput(
-    work: Path, label: str, granularity: str, interval_s: float, max_tokens: int, window_s: float
-) -> dict[str, float]:
-    """Committed tokens/s over ``window_s`` after a warm-up, with a trainer fetching and acking,
-    and the CPU seconds per 1,000 committed tokens of the service process and of vLLM's engine
-    processes over the same window (less sensitive to other work on the machine than the rate)."""
-    service = Service(
-        work,
-        label,
-        work / f"{label}-store",
-        granularity=granularity,
-        interval_s=interval_s,
-        max_tokens=max_tokens,
-    )
-    service.wait_listening(600.0, poll_s=0.2)
-    stop = threading.Event()
+class Generator:
+    """A throughput service with a trainer fetching and acking; :meth:`measure` reads one window.
 
-    def trainer() -> None:
-        with grpc.insecure_channel(service.address) as channel:
+    ``--quick`` keeps one generator per setting for all rounds and freezes (SIGSTOP, the whole
+    process group: the service and vLLM's engine processes) the one not being measured, so a
+    round costs no vLLM start; the full run starts a fresh one for every window."""
+
+    def __init__(
+        self, work: Path, label: str, granularity: str, interval_s: float, max_tokens: int
+    ) -> None:
+        self.label = label
+        self.service = Service(
+            work,
+            label,
+            work / f"{label}-store",
+            granularity=granularity,
+            interval_s=interval_s,
+            max_tokens=max_tokens,
+        )
+        self._active = threading.Event()
+        self._idle = threading.Event()
+        self._closed = threading.Event()
+        self._trainer = threading.Thread(target=self._train, daemon=True)
+        self._main: psutil.Process | None = None
+        self._engine: list[psutil.Process] = []
+
+    def start(self) -> None:
+        """Waits until the service listens; the trainer runs from then on."""
+        self.service.wait_listening(600.0, poll_s=0.2)
+        self._main = psutil.Process(self.service.proc.pid)
+        # vLLM's engine core and worker; the reaper only waits on its stdin.
+        self._engine = [
+            p
+            for p in self._main.children(recursive=True)
+            if "rolloutd.engines.reaper" not in p.cmdline()
+        ]
+        self._active.set()
+        self._trainer.start()
+
+    def _train(self) -> None:
+        with grpc.insecure_channel(self.service.address) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
-            while not stop.is_set():
+            while not self._closed.is_set():
+                if not self._active.is_set():
+                    self._idle.set()
+                    self._active.wait(0.1)
+                    continue
                 r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=16, wait_ms=500), timeout=30)
                 if r.lease_id:
                     stub.AckGroups(
                         pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30
                     )
 
-    consumer = threading.Thread(target=trainer, daemon=True)
-    consumer.start()
-    main_proc = psutil.Process(service.proc.pid)
-    try:
-        with grpc.insecure_channel(service.address) as channel:
+    def freeze(self) -> None:
+        """Stops the trainer between two calls, then the service's process group."""
+        self._idle.clear()
+        self._active.clear()
+        if self._trainer.is_alive() and not self._idle.wait(60):
+            common.fail(f"{self.label}: the trainer did not pause within 60 s")
+        os.killpg(self.service.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.service.proc.pid, signal.SIGCONT)
+        self._active.set()
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.service.proc.pid, signal.SIGCONT)
+        self._closed.set()
+        self._active.set()
+        if self._trainer.is_alive():
+            self._trainer.join()
+        self.service.stop(120.0)
+
+    def measure(self, label: str, window_s: float) -> dict[str, float]:
+        """Committed tokens/s over ``window_s`` after a warm-up, and the CPU seconds per 1,000
+        committed tokens of the service process and of vLLM's engine processes over the same
+        window (less sensitive to other work on the machine than the rate)."""
+        main_proc = self._main
+        assert main_proc is not None
+        with grpc.insecure_channel(self.service.address) as channel:
             stub = pb_grpc.RolloutServiceStub(channel)
-            # vLLM's engine core and worker; the reaper only waits on its stdin.
-            engine = [
-                p
-                for p in main_proc.children(recursive=True)
-                if "rolloutd.engines.reaper" not in p.cmdline()
-            ]
 
             def committed() -> tuple[float, int, int, float, float]:
                 status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
@@ -345,7 +392,7 @@ def throughput(
                     status.counters.committed_tokens,
                     status.counters.committed_groups,
                     _cpu_s(main_proc),
-                    sum(map(_cpu_s, engine)),
+                    sum(map(_cpu_s, self._engine)),
                 )
 
             def commit_after(
@@ -364,27 +411,64 @@ def throughput(
                         common.fail(f"{label}: {groups} groups not committed within 600 s")
                     before = now
 
-            time.sleep(window_s / 4)  # warm-up
+            time.sleep(window_s / 4)  # warm-up (after a start, or after a thaw)
             # Groups commit in waves (a group when its last sibling ends), so the window runs
             # from one commit to another: WAVES waves of the groups in flight, and window_s.
             t0, c0, g0, s0, e0 = commit_after(committed()[2] + 1, 0.0)
             t1, c1, _, s1, e1 = commit_after(g0 + WAVES * IN_FLIGHT, t0 + window_s)
+        tokens = c1 - c0
+        run = {
+            "tokens_per_s": tokens / (t1 - t0),
+            "service_cpu_s_per_ktok": 1000 * (s1 - s0) / tokens,
+            "engine_cpu_s_per_ktok": 1000 * (e1 - e0) / tokens,
+        }
+        common.progress(
+            f"{label}: {run['tokens_per_s']:.0f} committed tokens/s over {t1 - t0:.0f} s; CPU s "
+            f"per 1k tokens: service {run['service_cpu_s_per_ktok']:.3f}, "
+            f"engine {run['engine_cpu_s_per_ktok']:.3f}"
+        )
+        return run
+
+
+def throughput(
+    work: Path,
+    settings: list[tuple[str, str, float]],
+    rounds: int,
+    max_tokens: int,
+    window_s: float,
+    *,
+    shared: bool,
+) -> dict[str, list[dict[str, float]]]:
+    """``rounds`` rounds, each measuring every setting once in order; ``shared``: one generator
+    per setting, started side by side and frozen between its windows (see :class:`Generator`)."""
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in settings}
+    if not shared:
+        for r in range(rounds):
+            for label, granularity, interval in settings:
+                g = Generator(work, f"{label}-{r}", granularity, interval, max_tokens)
+                try:
+                    g.start()
+                    runs[label].append(g.measure(g.label, window_s))
+                finally:
+                    g.close()
+        return runs
+    generators = [
+        Generator(work, label, gran, interval, max_tokens) for label, gran, interval in settings
+    ]
+    try:
+        for g in generators:
+            g.start()
+            g.freeze()
+        common.progress(f"throughput: {len(generators)} services up, frozen until measured")
+        for r in range(rounds):
+            for g in generators:
+                g.thaw()
+                runs[g.label].append(g.measure(f"{g.label}-{r}", window_s))
+                g.freeze()
     finally:
-        stop.set()
-        consumer.join()
-        service.stop(120.0)
-    tokens = c1 - c0
-    run = {
-        "tokens_per_s": tokens / (t1 - t0),
-        "service_cpu_s_per_ktok": 1000 * (s1 - s0) / tokens,
-        "engine_cpu_s_per_ktok": 1000 * (e1 - e0) / tokens,
-    }
-    common.progress(
-        f"{label}: {run['tokens_per_s']:.0f} committed tokens/s over {t1 - t0:.0f} s; CPU s per "
-        f"1k tokens: service {run['service_cpu_s_per_ktok']:.3f}, "
-        f"engine {run['engine_cpu_s_per_ktok']:.3f}"
-    )
-    return run
+        for g in generators:
+            g.close()
+    return runs
 
 
 def _cpu_s(proc: psutil.Process) -> float:
@@ -408,19 +492,15 @@ def main() -> None:
         write_prompts(work / "prompts.jsonl", 256)
         ensure_tiny_model(work / "cache")
         crashed = crash(work, max_tokens, min_prefix)
-        token = restore_token(work, crashed, max_tokens)
-        sibling = restore_sibling(work, crashed, max_tokens)
+        # Both restores start at once: their vLLM starts overlap.
+        token_service = start_restore(work, crashed, "token", max_tokens)
+        sibling = restore_sibling(start_restore(work, crashed, "sibling", max_tokens))
+        token = restore_token(token_service, crashed)
         settings = [("off", "sibling", 0.0), ("on", "token", 2.0)]
         if not quick:
             settings.insert(1, ("streaming", "token", 0.0))
-        runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in settings}
-        for r in range(ROUNDS_QUICK if quick else ROUNDS_FULL):
-            for label, granularity, interval in settings:
-                runs[label].append(
-                    throughput(
-                        work, f"{label}-{r}", granularity, interval, throughput_tokens, window_s
-                    )
-                )
+        rounds = ROUNDS_QUICK if quick else ROUNDS_FULL
+        runs = throughput(work, settings, rounds, throughput_tokens, window_s, shared=quick)
     held = sum(map(len, crashed["held"]))
     lost = crashed["lost_after_snapshot"]
     reused = token["tokens"]["reused"]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -14,6 +15,25 @@ os.environ.setdefault("OTEL_SDK_DISABLED", "true")
 @pytest.fixture
 def tmp_checkpoints(tmp_path):
     return str(tmp_path / "checkpoints")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ``engine.cache_dir`` holding the tiny model, built once for the session (a build takes
+    6-7 CPU seconds, more than half a minute on two busy cores); tests only read it."""
+    from rolloutd.engines.tiny_model import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("tiny-model-cache")
+    ensure_tiny_model(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_cache: Path) -> Path:
+    """The session's tiny model (seed 0, the default spec)."""
+    from rolloutd.engines.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(tiny_model_cache)
 
 
 BUCKET = "rolloutd-test"

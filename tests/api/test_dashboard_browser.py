@@ -170,7 +170,6 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
                     and latest(first.http).get("checkpoint_seconds_count/total", 0) >= 2
                 ),
             )
-            time.sleep(3)
     finally:
         first.kill()  # SIGKILL: groups in flight are unfinished in the last snapshot
 
@@ -191,13 +190,19 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
                 ),
             )
             assert latest(http).get("recovery_groups/unfinished", 0) > 0
-            time.sleep(4)
 
             with sync_playwright() as pw:
                 browser, page = open_dashboard(pw, executable, http, console_errors)
-                state = page.evaluate("window.rolloutdDashboard")
                 # Backpressure draws only when a mutation waited for a checkpoint's hold, which
-                # a run this light may never see; it then says so instead.
+                # a run this light may never see; it then says so instead. The page redraws
+                # every interval: wait until every other area has points to draw.
+                page.wait_for_function(
+                    """areas => areas.every(a => a === "backpressure"
+                        || window.rolloutdDashboard.areas[a].plotted > 0)""",
+                    arg=list(AREAS),
+                    timeout=60_000,
+                )
+                state = page.evaluate("window.rolloutdDashboard")
                 empty = [a for a in AREAS if state["areas"][a]["plotted"] == 0]
                 assert set(empty) <= {"backpressure"}, f"areas without data: {state['areas']}"
                 for area in AREAS:

@@ -219,10 +219,19 @@ async def test_a_fetch_waiting_when_the_drain_begins_is_unavailable(serve):
     service, stub = await serve(**{"limits.max_in_flight": 1, "limits.buffer_capacity": 1})
     first = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=5000))
     assert first.lease_id  # the buffer is full now: the next fetch waits
+    fetchable = service.controller.core.fetchable
+    wait_for_ready = fetchable.wait_for
+    fetch_waits = asyncio.Event()
+
+    async def watched_wait_for(predicate):
+        fetch_waits.set()
+        return await wait_for_ready(predicate)
+
+    fetchable.wait_for = watched_wait_for  # type: ignore[method-assign]
     waiting = asyncio.ensure_future(
         stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=30_000))
     )
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(fetch_waits.wait(), 30)  # the fetch reached the server and waits
     assert not waiting.done()
     await service.controller.begin_drain()
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -15,6 +15,7 @@ from rolloutd.checkpoint.claim import Fenced, StoreHeld
 from rolloutd.checkpoint.faults import STALL_ENV
 from rolloutd.checkpoint.store import SnapshotStore
 from tests.checkpoint.helpers import Location, journal_write, make_rows, publish
+from tests.waiting import until
 
 
 def open_store(location: Location, timeout_s: float) -> SnapshotStore:
@@ -32,11 +33,19 @@ def test_a_live_holder_is_refused_with_its_name(location: Location):
     assert second.claim.acquire() is None  # released at shutdown: no wait
 
 
+def held_since(store: SnapshotStore) -> float:
+    """When the store's claim record was last renewed."""
+    holder = store.claim.current()
+    assert holder is not None
+    return holder.renewed_at
+
+
 def test_a_silent_holder_is_taken_over_and_fenced_when_it_comes_back(location: Location):
     old = open_store(location, 0.5)
     old.claim.acquire()
     journal_write(old.journal, {"n": 1})
-    time.sleep(0.7)  # stopped renewing for longer than the timeout (a SIGSTOP, a frozen VM)
+    # stops renewing for longer than the timeout (a SIGSTOP, a frozen VM)
+    until("the claim lapsed", lambda: time.time() - held_since(old) > 0.5, every_s=0.05)
     new = open_store(location, 0.5)
     taken = new.claim.acquire()
     assert taken is not None and taken.epoch == 0

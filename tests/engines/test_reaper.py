@@ -12,18 +12,21 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.waiting import until
+
 SERVICE = textwrap.dedent(
     """
     import subprocess, sys, time
-    mode = sys.argv[1]
+    mode, log = sys.argv[1], open(sys.argv[2], "w")
     reaper = subprocess.Popen(
         [sys.executable, "-m", "rolloutd.engines.reaper", str(__import__("os").getpid()),
-         "--grace=1"],
-        stdin=subprocess.PIPE, start_new_session=True)
+         "--grace=1", "--log-level=DEBUG"],
+        stdin=subprocess.PIPE, stderr=log, start_new_session=True)
     # The engine ignores SIGTERM when asked to, so only SIGKILL ends it; its child does not.
     engine = subprocess.Popen([sys.executable, "-c", '''
     import signal, subprocess, sys, time
@@ -32,7 +35,6 @@ SERVICE = textwrap.dedent(
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     time.sleep(600)
     ''', mode])
-    time.sleep(0.5)
     reaper.stdin.write(f"watch {engine.pid}\\n".encode())
     reaper.stdin.flush()
     if mode == "clean":
@@ -45,15 +47,20 @@ SERVICE = textwrap.dedent(
 )
 
 
-def _start(mode: str) -> tuple[subprocess.Popen[bytes], list[psutil.Process]]:
-    service = subprocess.Popen([sys.executable, "-c", SERVICE, mode], stdout=subprocess.PIPE)
+def _start(mode: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[psutil.Process]]:
+    log = tmp_path / "reaper.log"
+    service = subprocess.Popen(
+        [sys.executable, "-c", SERVICE, mode, str(log)], stdout=subprocess.PIPE
+    )
     assert service.stdout is not None
     reaper_pid, engine_pid = map(int, service.stdout.readline().split())
-    time.sleep(0.5)  # the reaper has polled the engine's tree at least once
     engine = psutil.Process(engine_pid)
+    until("the engine started its child", lambda: engine.children(recursive=True))
     procs = [engine, *engine.children(recursive=True)]
     assert len(procs) == 2
     if mode != "clean":
+        # the reaper has found the whole tree (the child may appear after the watch command)
+        until("the reaper watches both", lambda: "watching 2 processes" in log.read_text())
         procs.append(psutil.Process(reaper_pid))
     return service, procs
 
@@ -82,8 +89,8 @@ def _kill_all(procs: list[psutil.Process]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["polite", "stubborn"])
-def test_parent_sigkill_ends_the_watched_tree_and_the_reaper(mode: str) -> None:
-    service, procs = _start(mode)
+def test_parent_sigkill_ends_the_watched_tree_and_the_reaper(mode: str, tmp_path: Path) -> None:
+    service, procs = _start(mode, tmp_path)
     try:
         os.kill(service.pid, signal.SIGKILL)
         service.wait()
@@ -92,12 +99,13 @@ def test_parent_sigkill_ends_the_watched_tree_and_the_reaper(mode: str) -> None:
         _kill_all(procs)
 
 
-def test_exit_command_leaves_the_engine_alone() -> None:
-    service, procs = _start("clean")
+def test_exit_command_leaves_the_engine_alone(tmp_path: Path) -> None:
+    """The stand-in service waited for the reaper to exit before it printed the pids, so no wait
+    is needed to know that the reaper will end nothing."""
+    service, procs = _start("clean", tmp_path)
     try:
         os.kill(service.pid, signal.SIGKILL)
         service.wait()
-        time.sleep(1.0)
         assert sorted(_running(procs, timeout_s=0)) == sorted(p.pid for p in procs)
     finally:
         _kill_all(procs)

@@ -32,7 +32,22 @@ def tmpfs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
 
     def remount(options: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{options}", str(mount_point)], check=True)
+        """A read-only remount fails (EBUSY) while a file on the disk is open to write. Between
+        checkpoints only the journal's file stays open (a test closes it with a checkpoint);
+        others are open briefly (a claim renewal, a line of dashboard history), so the remount
+        is tried again until they are closed."""
+        deadline = time.monotonic() + 30
+        while True:
+            r = subprocess.run(
+                ["mount", "-o", f"remount,{options}", str(mount_point)],
+                capture_output=True,
+                text=True,
+            )
+            if r.returncode == 0:
+                return
+            busy = "busy" in r.stderr.lower()
+            assert busy and time.monotonic() < deadline, f"remount,{options}: {r.stderr.strip()}"
+            time.sleep(0.05)
 
     yield mount_point, remount
     subprocess.run(["umount", "-l", str(mount_point)], check=False)

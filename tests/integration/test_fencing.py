@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 
 import grpc
@@ -75,6 +76,18 @@ def completed(p: ServeProcess) -> int:
     return len(re.findall(r"checkpoint \d+ completed in", p.output))
 
 
+def periodic_attempts(p: ServeProcess) -> float:
+    """The periodic checkpoint attempts ``p`` has made, whatever their outcome (its /metrics)."""
+    assert p.http is not None
+    with urllib.request.urlopen(f"http://{p.http}/metrics", timeout=10) as response:
+        scrape = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in scrape.splitlines()
+        if line.startswith("rolloutd_checkpoint_attempts_total{") and 'trigger="periodic"' in line
+    )
+
+
 def wait_for(predicate, within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
     while not predicate():
@@ -110,7 +123,8 @@ def test_one_writer_per_store_and_a_returning_holder_is_fenced(tmp_path, store):
         os.kill(a.proc.pid, signal.SIGCONT)
         wait_for(lambda: status(a_address).state == pb.SERVING_STATE_NOT_READY)
         wait_for(lambda: "fenced: another process took over the store" in a.output)
-        time.sleep(1.0)  # several periodic attempts of the old holder come and go
+        fenced_at = periodic_attempts(a)
+        wait_for(lambda: periodic_attempts(a) >= fenced_at + 3)  # the old holder's come and go
         assert completed(a) == before, "a fenced holder published a snapshot"
         assert a.terminate() == 0
         assert "Traceback" not in a.output, a.output

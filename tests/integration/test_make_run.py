@@ -178,7 +178,14 @@ def test_a_missing_model_directory_is_one_line_naming_the_key(tmp_path: Path):
 
 
 @pytest.mark.vllm
-def test_a_kv_cache_that_does_not_fit_is_one_line_and_leaves_no_engine_process(tmp_path: Path):
+def test_a_kv_cache_that_does_not_fit_is_one_line_and_leaves_no_engine_process(
+    tmp_path: Path, tiny_model: Path
+):
+    # the session's tiny model where the default cache looks for it: the start fails at vLLM's
+    # KV cache, not after a build of the model
+    cache = tmp_path / ".rolloutd" / "cache"
+    cache.mkdir(parents=True)
+    (cache / tiny_model.name).symlink_to(tiny_model)
     mark = uuid.uuid4().hex
     env = newcomer_env(mark)
     too_big = 4 * psutil.virtual_memory().total / GIB

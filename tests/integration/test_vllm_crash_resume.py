@@ -14,7 +14,6 @@ import grpc
 import pytest
 
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.test_vllm_service import serve
@@ -50,10 +49,8 @@ def dataset(path, n):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("model-cache")
-    ensure_tiny_model(cache)
-    return cache
+def cache_dir(tiny_model_cache):
+    return tiny_model_cache
 
 
 def test_sigkill_mid_generation_resumes_each_sibling_from_its_snapshot_tokens(tmp_path, cache_dir):

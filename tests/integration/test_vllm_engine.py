@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rolloutd.domain.engine import EngineDeadError, EngineError, GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
-from rolloutd.engines.tiny_model import build_tiny_model, write_random_weights
+from rolloutd.engines.tiny_model import write_random_weights
 from rolloutd.engines.vllm_config import VLLMConfig
 
 if TYPE_CHECKING:
@@ -54,10 +54,9 @@ class Models:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Models:
     root = tmp_path_factory.mktemp("vllm-models")
-    base = build_tiny_model(root / "base", seed=0)
-    return Models(base=base, second=write_random_weights(base, root / "second", seed=1))
+    return Models(base=tiny_model, second=write_random_weights(tiny_model, root / "second", seed=1))
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -11,7 +11,6 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.telemetry.generation import GENERATE_SPAN, GenAIAttr, GroupAttr
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -44,9 +43,10 @@ def receiver() -> Iterator[OtlpReceiver]:
     r.stop()
 
 
-def test_vllm_metrics_beside_rolloutd_and_its_request_spans_under_the_group(tmp_path, receiver):
-    cache = tmp_path / "model-cache"
-    ensure_tiny_model(cache)
+def test_vllm_metrics_beside_rolloutd_and_its_request_spans_under_the_group(
+    tmp_path, receiver, tiny_model_cache
+):
+    cache = tiny_model_cache
     data = tmp_path / "prompts.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"What is {i} plus {i}?"}) + "\n" for i in range(4))

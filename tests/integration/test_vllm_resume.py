@@ -15,7 +15,6 @@ import pytest_asyncio
 from rolloutd.domain.engine import GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt, Sample, SamplePart
 from rolloutd.domain.partial import PartialSibling, TokenDelta
-from rolloutd.engines.tiny_model import build_tiny_model
 from rolloutd.engines.vllm_config import VLLMConfig
 
 if TYPE_CHECKING:
@@ -29,8 +28,8 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("resume-model") / "base", seed=0)
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.scoring import ScoringInput
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -34,10 +33,9 @@ def settled(status: pb.GetStatusResponse) -> bool:
 
 
 def test_zero_variance_groups_are_dropped_and_counted_and_delivered_rewards_are_the_verifiers(
-    tmp_path,
+    tmp_path, tiny_model_cache
 ):
-    cache = tmp_path / "model-cache"
-    ensure_tiny_model(cache)
+    cache = tiny_model_cache
     data = tmp_path / "prompts.jsonl"
     data.write_text(
         "".join(json.dumps({"id": f"q{i}", "prompt": f"What is {i} times {i + 3}?",

@@ -7,6 +7,8 @@ import json
 import re
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import psutil
@@ -28,11 +30,9 @@ RESTORED = re.compile(r"restored snapshot (\d+) in [\d.]+s: groups (\{.*?\}), si
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One tiny model for the module, built once, shared by every service started here."""
-    cache = tmp_path_factory.mktemp("model-cache")
-    ensure_tiny_model(cache)
-    return cache
+def cache_dir(tiny_model_cache):
+    """The session's tiny model, shared by every service started here."""
+    return tiny_model_cache
 
 
 def dataset(path, n):
@@ -70,7 +70,23 @@ SHAPED = {"s4": {"max_tokens": 4, "group_size": 2}, "s16": {"max_tokens": 16, "g
 """Rows with settings of their own: at most 4 and 16 tokens, groups of 2 and 8."""
 
 
-def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path, cache_dir):
+@dataclass
+class Epoch:
+    """A service that generated and delivered one epoch of seven prompts (two with settings of
+    their own) and is idle since."""
+
+    p: ServeProcess
+    groups: list[pb.Group]
+    status: pb.GetStatusResponse
+    """``GetStatus`` right after the last ack."""
+
+
+@pytest.fixture(scope="module")
+def epoch(tmp_path_factory, cache_dir) -> Iterator[Epoch]:
+    """One vLLM start for the tests that need an idle service after an epoch (a start costs half a
+    minute or more on two cores). They only read it, except the last one, which kills its engine:
+    they stay in this order, and each also runs alone."""
+    tmp_path = tmp_path_factory.mktemp("epoch")
     data = dataset(tmp_path / "prompts.jsonl", 5)
     with data.open("a") as f:
         for pid, spec in SHAPED.items():
@@ -90,7 +106,6 @@ def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path
         "--checkpoint-interval",
         "0",
     )
-    tokenizer = Tokenizer.from_file(str(ensure_tiny_model(cache_dir) / "tokenizer.json"))
     groups: list[pb.Group] = []
     try:
         with grpc.insecure_channel(p.grpc) as channel:
@@ -102,8 +117,15 @@ def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path
                 groups += r.groups
                 stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
             status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+        yield Epoch(p, groups, status)
     finally:
-        p.terminate()
+        if p.proc.poll() is None:
+            p.kill()
+
+
+def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(epoch, cache_dir):
+    groups, status = epoch.groups, epoch.status
+    tokenizer = Tokenizer.from_file(str(ensure_tiny_model(cache_dir) / "tokenizer.json"))
     assert sorted(g.prompt_id for g in groups) == sorted([f"q{i}" for i in range(5)] + [*SHAPED])
     for g in groups:
         shaped = SHAPED.get(g.prompt_id, {"group_size": 3, "max_tokens": 24})
@@ -123,6 +145,72 @@ def test_groups_decode_with_the_tokenizer_and_the_token_counter_adds_up(tmp_path
     returned = sum(len(s.token_ids) for g in groups for s in g.samples)
     assert status.counters.generation_tokens == returned  # nothing in flight: every token returned
     assert status.counters.committed_tokens == returned
+
+
+def test_bad_weights_are_invalid_argument_and_change_nothing(epoch, tmp_path):
+    bad = tmp_path / "bad-weights"
+    bad.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 5)}, str(bad / "w.safetensors"))
+    with grpc.insecure_channel(epoch.p.grpc) as channel:
+        stub = pb_grpc.RolloutServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.UpdateWeights(
+                pb.UpdateWeightsRequest(version=1, weights_path=str(tmp_path / "nowhere")),
+                timeout=60,
+            )
+        with pytest.raises(grpc.RpcError) as misshapen:
+            stub.UpdateWeights(
+                pb.UpdateWeightsRequest(version=1, weights_path=str(bad)), timeout=120
+            )
+        status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+    assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "weights_path: does not exist" in missing.value.details()
+    assert misshapen.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model.embed_tokens.weight" in misshapen.value.details()
+    assert status.state == pb.SERVING_STATE_SERVING and status.policy_version == 0
+
+
+def test_an_idle_service_whose_engine_dies_turns_not_ready_and_exits_1(epoch, cache_dir):
+    """An epoch was generated and delivered; the service is idle (nothing asks the engine for
+    anything) when its engine-core process is killed, as an out-of-memory kill would. It must not
+    go on reporting SERVING until the next engine call: it turns not-ready and exits 1 within
+    seconds, so that its orchestrator restarts it; a weight update meanwhile is UNAVAILABLE."""
+    p = epoch.p
+    with grpc.insecure_channel(p.grpc) as channel:
+        stub = pb_grpc.RolloutServiceStub(channel)
+        idle = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+        assert idle.dataset_exhausted and idle.inflight_samples == 0
+        assert idle.state == pb.SERVING_STATE_SERVING
+        (core,) = [
+            c
+            for c in psutil.Process(p.proc.pid).children()
+            if "EngineCore" in " ".join(c.cmdline())
+        ]
+        core.kill()
+        killed = time.monotonic()
+
+        def serving() -> bool:
+            try:
+                state = stub.GetStatus(pb.GetStatusRequest(), timeout=2).state
+            except grpc.RpcError:
+                return False  # gone already: not serving either
+            return state == pb.SERVING_STATE_SERVING
+
+        while serving():
+            assert time.monotonic() - killed < 10, "still SERVING 10 s after the engine died"
+            time.sleep(0.1)
+        not_ready_s = time.monotonic() - killed
+        with pytest.raises(grpc.RpcError) as dead:
+            stub.UpdateWeights(
+                pb.UpdateWeightsRequest(version=2, weights_path=str(ensure_tiny_model(cache_dir))),
+                timeout=120,
+            )
+    code = p.proc.wait(timeout=max(0.1, 10 - (time.monotonic() - killed)))
+    exited_s = time.monotonic() - killed
+    print(f"engine killed: not ready after {not_ready_s:.1f} s, exit {code} after {exited_s:.1f} s")
+    assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert code == 1, p.output
+    assert "EngineDeadError" in p.output, p.output
 
 
 @pytest.mark.timeout(900)  # two vLLM starts: each took over 3 minutes on 2 cores under load
@@ -216,114 +304,3 @@ def partly_staged(
         if any(0 < staged[gid] < 4 for gid in unfinished):
             return snapshot, staged, unfinished
     return None
-
-
-def test_bad_weights_are_invalid_argument_and_a_dead_engine_stops_the_process(tmp_path, cache_dir):
-    """Weights that are not there, or that do not fit the served model, are the caller's mistake
-    (INVALID_ARGUMENT naming what is wrong; the old weights keep serving). An engine that dies
-    (its engine-core process killed, as an out-of-memory kill would) cannot be recovered in
-    place: the process exits non-zero so that its orchestrator restarts it from the last
-    snapshot."""
-    p = serve(tmp_path, cache_dir, "--checkpoint-interval", "0", "--max-tokens", "8")
-    bad = tmp_path / "bad-weights"
-    bad.mkdir()
-    save_file({"model.embed_tokens.weight": torch.zeros(3, 5)}, str(bad / "w.safetensors"))
-    try:
-        with grpc.insecure_channel(p.grpc) as channel:
-            stub = pb_grpc.RolloutServiceStub(channel)
-            with pytest.raises(grpc.RpcError) as missing:
-                stub.UpdateWeights(
-                    pb.UpdateWeightsRequest(version=1, weights_path=str(tmp_path / "nowhere")),
-                    timeout=60,
-                )
-            with pytest.raises(grpc.RpcError) as misshapen:
-                stub.UpdateWeights(
-                    pb.UpdateWeightsRequest(version=1, weights_path=str(bad)), timeout=120
-                )
-            status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
-        (core,) = [
-            c
-            for c in psutil.Process(p.proc.pid).children()
-            if "EngineCore" in " ".join(c.cmdline())
-        ]
-        core.kill()
-        core.wait(30)
-        time.sleep(2)  # vLLM's output handler notices the dead core
-        with grpc.insecure_channel(p.grpc) as channel, pytest.raises(grpc.RpcError) as dead:
-            pb_grpc.RolloutServiceStub(channel).UpdateWeights(
-                pb.UpdateWeightsRequest(version=2, weights_path=str(ensure_tiny_model(cache_dir))),
-                timeout=120,
-            )
-        code = p.proc.wait(timeout=180)
-    finally:
-        if p.proc.poll() is None:
-            p.kill()
-    assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "nowhere" in missing.value.details()
-    assert misshapen.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "model.embed_tokens.weight" in misshapen.value.details()
-    assert status.state == pb.SERVING_STATE_SERVING and status.policy_version == 0
-    assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert code == 1, p.output
-
-
-def test_an_idle_service_whose_engine_dies_turns_not_ready_and_exits_1(tmp_path, cache_dir):
-    """An epoch of four prompts is generated and delivered; the service is idle (nothing asks
-    the engine for anything) when its engine-core process is killed, as an out-of-memory kill
-    would. It must not go on reporting SERVING until the next engine call: it turns not-ready
-    and exits 1 within seconds, so that its orchestrator restarts it."""
-    data = dataset(tmp_path / "prompts.jsonl", 4)
-    p = serve(
-        tmp_path,
-        cache_dir,
-        "--dataset",
-        str(data),
-        "--epochs",
-        "1",
-        "--group-size",
-        "2",
-        "--max-tokens",
-        "8",
-        "--checkpoint-interval",
-        "0",
-    )
-    try:
-        with grpc.insecure_channel(p.grpc) as channel:
-            stub = pb_grpc.RolloutServiceStub(channel)
-            delivered = 0
-            while delivered < 4:
-                r = stub.FetchGroups(
-                    pb.FetchGroupsRequest(max_groups=4, wait_ms=60_000), timeout=120
-                )
-                delivered += len(r.groups)
-                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
-            idle = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
-            assert idle.dataset_exhausted and idle.inflight_samples == 0
-            assert idle.state == pb.SERVING_STATE_SERVING
-            (core,) = [
-                c
-                for c in psutil.Process(p.proc.pid).children()
-                if "EngineCore" in " ".join(c.cmdline())
-            ]
-            core.kill()
-            killed = time.monotonic()
-
-            def serving() -> bool:
-                try:
-                    state = stub.GetStatus(pb.GetStatusRequest(), timeout=2).state
-                except grpc.RpcError:
-                    return False  # gone already: not serving either
-                return state == pb.SERVING_STATE_SERVING
-
-            while serving():
-                assert time.monotonic() - killed < 10, "still SERVING 10 s after the engine died"
-                time.sleep(0.1)
-            not_ready_s = time.monotonic() - killed
-        code = p.proc.wait(timeout=max(0.1, 10 - (time.monotonic() - killed)))
-        exited_s = time.monotonic() - killed
-    finally:
-        if p.proc.poll() is None:
-            p.kill()
-    print(f"engine killed: not ready after {not_ready_s:.1f} s, exit {code} after {exited_s:.1f} s")
-    assert code == 1, p.output
-    assert "EngineDeadError" in p.output, p.output

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from rolloutd.client import RolloutClient, weights_header
 from rolloutd.config import load_config
-from rolloutd.engines.tiny_model import build_tiny_model, write_random_weights
+from rolloutd.engines.tiny_model import write_random_weights
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
@@ -56,13 +56,12 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Models:
     root = tmp_path_factory.mktemp("weights-models")
-    base = build_tiny_model(root / "base", seed=0)
     return Models(
-        base=base,
-        pushed=write_random_weights(base, root / "pushed", seed=11),
-        from_s3=write_random_weights(base, root / "s3", seed=12),
+        base=tiny_model,
+        pushed=write_random_weights(tiny_model, root / "pushed", seed=11),
+        from_s3=write_random_weights(tiny_model, root / "s3", seed=12),
     )
 
 

@@ -70,6 +70,8 @@ class Reaper:
                     tree[child.pid] = child
             except psutil.NoSuchProcess:
                 continue
+        if tree.keys() != self._tree.keys():
+            logger.debug("reaper: watching %d processes: %s", len(tree), sorted(tree))
         self._tree = tree
 
     def reap(self) -> tuple[int, int]:
@@ -156,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parent_pid", type=int)
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between TERM and KILL")
+    parser.add_argument(
+        "--log-level", default="INFO", help="DEBUG also logs each change of the watched tree"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     return run(Reaper(args.parent_pid, args.grace), sys.stdin.fileno())
 
 

@@ -30,6 +30,8 @@ class ReaperClient:
                 "rolloutd.engines.reaper",
                 str(os.getpid()),
                 f"--grace={grace_s}",
+                # the service's debug logging shows what the reaper watches, too
+                *(["--log-level=DEBUG"] if logger.isEnabledFor(logging.DEBUG) else []),
             ],
             stdin=subprocess.PIPE,
             start_new_session=True,
