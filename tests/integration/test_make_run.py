@@ -134,7 +134,7 @@ def test_make_run_serves_the_tiny_model_on_a_busy_machine(tmp_path: Path, memory
     # vLLM's and Triton's own output (start, shutdown, nanobind's leak reports at exit) stays
     # out of the terminal: only rolloutd's lines at the default log level
     assert foreign_lines(service.output) == [], service.output
-    assert "ready: gRPC localhost:" in service.output
+    assert "ready: gRPC 127.0.0.1:" in service.output  # loopback unless told otherwise
 
 
 def run_unstartable(
