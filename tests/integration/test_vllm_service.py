@@ -164,7 +164,7 @@ def test_bad_weights_are_invalid_argument_and_change_nothing(epoch, tmp_path):
             )
         status = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
     assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "weights_path: does not exist" in missing.value.details()
+    assert missing.value.details().startswith("weights_path: ")  # no server path in it
     assert misshapen.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "model.embed_tokens.weight" in misshapen.value.details()
     assert status.state == pb.SERVING_STATE_SERVING and status.policy_version == 0
