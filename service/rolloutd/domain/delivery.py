@@ -28,9 +28,7 @@ from rolloutd.domain.encoder import (
     E,
     GroupEncoder,
     Undeliverable,
-    metadata_problem,
 )
-from rolloutd.domain.engine import EngineError, PromptMeter
 from rolloutd.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -39,11 +37,11 @@ from rolloutd.domain.errors import (
     Unavailable,
     public_cause,
 )
-from rolloutd.domain.group import Group, GroupState, Prompt
+from rolloutd.domain.group import Group, GroupState
+from rolloutd.domain.intake import check_settings, check_sizes
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupDropped
-from rolloutd.domain.sampler import Admission, prompt_bytes
-from rolloutd.domain.spec import SpecError, check, check_prompt_length
+from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import JournaledAck, JournaledDrop, LostAck
 
 log = logging.getLogger(__name__)
@@ -550,36 +548,15 @@ class Delivery:
 
     # --- submissions -----------------------------------------------------------------------
 
-    async def _check_specs(self, prompts: list[Prompt]) -> None:
-        """Raises :class:`InvalidArgument` naming the first prompt whose generation settings the
-        service or the engine cannot honour (also where the prompt and its ``max_tokens`` do not
-        fit the engine's context)."""
-        core = self.core
-        meter = core.engine if isinstance(core.engine, PromptMeter) else None
-        for i, prompt in enumerate(prompts):
-            spec = prompt.generation
-            try:
-                check(spec, core.config.spec_limits)
-                if meter is not None:
-                    max_tokens = spec.max_tokens or core.config.sampling.max_tokens
-                    tokens = await meter.prompt_tokens(prompt)
-                    check_prompt_length(max_tokens, tokens, meter.max_model_len)
-            except SpecError as exc:
-                raise InvalidArgument(
-                    f"prompts[{i}].generation.{exc.field}",
-                    f"{exc.problem} (prompt {prompt.prompt_id!r})",
-                ) from None
-            except EngineError as exc:
-                raise InvalidArgument(f"prompts[{i}]", str(exc)) from None
-
     async def submit(self, admissions: list[Admission]) -> tuple[int, int]:
         """Queues trainer-supplied prompts; the accepted ones are journaled (durable) before
         this returns, and a prompt id accepted before, also before a restart, is a duplicate."""
         core = self.core
         core.check_serving()
         prompts = [a.prompt for a in admissions]
-        self._check_submission(prompts)
-        await self._check_specs(prompts)
+        cfg = core.config
+        check_sizes(prompts, cfg.max_metadata_bytes, cfg.max_submit_bytes)
+        await check_settings(prompts, cfg.spec_limits, cfg.sampling.max_tokens, core.engine)
         async with self._submitting, core.barrier.mutation(MutationKind.ADMIT):
             fresh = core.sampler.fresh(prompts)
             if fresh:
@@ -590,27 +567,6 @@ class Delivery:
             accepted, duplicates = core.sampler.submit(prompts)
         await core.notify()
         return accepted, duplicates
-
-    def _check_submission(self, prompts: list[Prompt]) -> None:
-        """Refuses, before anything is accepted, a submission that could not be delivered or
-        would weigh too much: metadata too deep or too large (naming the prompt), or more
-        bytes in all than ``max_submit_bytes``."""
-        cfg = self.core.config
-        total = 0
-        for i, prompt in enumerate(prompts):
-            if prompt.metadata is not None:
-                problem = metadata_problem(prompt.metadata, cfg.max_metadata_bytes)
-                if problem is not None:
-                    raise InvalidArgument(
-                        f"prompts[{i}].metadata", f"of prompt {prompt.prompt_id!r}: {problem}"
-                    )
-            total += prompt_bytes(prompt)
-        if total > cfg.max_submit_bytes:
-            raise InvalidArgument(
-                "prompts",
-                f"{total} bytes in {len(prompts)} prompts, more than "
-                f"limits.max_submit_bytes={cfg.max_submit_bytes}: submit them in smaller calls",
-            )
 
 
 def _not_durable(what: str, exc: OSError) -> Unavailable:
