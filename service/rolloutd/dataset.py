@@ -29,7 +29,7 @@ class DatasetError(ValueError):
     """The prompt file cannot be used; the message names the file and row."""
 
 
-NO_LIMITS = SpecLimits(max_group_size=1024)
+NO_LIMITS = SpecLimits()
 
 
 def _prompt(row: Any, index: int, where: str, limits: SpecLimits) -> Prompt:

@@ -57,7 +57,7 @@ class ControllerConfig:
     """Root of every group's and sibling's seed."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """The service's sampling settings: a group's unless its prompt or source sets its own."""
-    spec_limits: SpecLimits = field(default_factory=lambda: SpecLimits(max_group_size=1024))
+    spec_limits: SpecLimits = field(default_factory=SpecLimits)
     """What a prompt's generation settings may ask for."""
     sibling_retries: int = 2
     """Attempts after a recoverable engine error before the group is dropped."""

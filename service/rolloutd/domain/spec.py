@@ -52,27 +52,24 @@ class GenerationSpec:
     """The group's seed: each sibling's seed derives from it and its index."""
     group_size: int | None = None
 
+    def set_fields(self) -> dict[str, Any]:
+        """The settings this spec sets, by name."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)
+            if (value := getattr(self, f.name)) is not None
+        }
+
     def over(self, base: GenerationSpec) -> GenerationSpec:
         """This spec where it sets a field, ``base`` elsewhere."""
-        return GenerationSpec(
-            **{
-                f.name: getattr(base, f.name) if getattr(self, f.name) is None else v
-                for f in dataclasses.fields(self)
-                for v in (getattr(self, f.name),)
-            }
-        )
+        return dataclasses.replace(base, **self.set_fields())
 
     def __bool__(self) -> bool:
-        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+        return bool(self.set_fields())
 
     def to_json(self) -> dict[str, Any]:
         """The fields set, as JSON values."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                out[f.name] = list(value) if f.name == "stop" else value
-        return out
+        return {k: list(v) if k == "stop" else v for k, v in self.set_fields().items()}
 
     @staticmethod
     def from_json(value: Any) -> GenerationSpec:
@@ -138,7 +135,8 @@ def _typed(name: str, raw: Any) -> Any:
 class SpecLimits:
     """What an engine and the service accept."""
 
-    max_group_size: int
+    max_group_size: int = 1024
+    """``limits.max_group_size``."""
     max_model_len: int | None = None
     """The engine's context length (None: unbounded, the synthetic engine)."""
 
@@ -196,12 +194,8 @@ class Resolved:
 
 def resolve(spec: GenerationSpec, defaults: SamplingParams, group_size: int) -> Resolved:
     """``spec`` (a prompt's over its source's) over the service's ``defaults``."""
+    sampling = {f.name for f in dataclasses.fields(SamplingParams)}
     params = dataclasses.replace(
-        defaults,
-        **{
-            name: getattr(spec, name)
-            for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop")
-            if getattr(spec, name) is not None
-        },
+        defaults, **{k: v for k, v in spec.set_fields().items() if k in sampling}
     )
     return Resolved(params, spec.group_size or group_size, spec.seed)
