@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
+from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
 from rolloutd.domain.spec import GenerationSpec, SpecError, SpecLimits, check
@@ -191,7 +192,13 @@ class DatasetConfig(_Section):
 
 
 class LimitsConfig(_Section):
-    max_in_flight: int = owned(ControllerConfig, "max_in_flight", gt=0)
+    max_in_flight: int | Literal["auto"] = Field(ControllerConfig.max_in_flight)
+    """Most groups generating or finishing at once; ``auto``: as many as the engine's KV cache
+    holds without preempting, found from its KV-cache usage and preemptions, up to
+    ``limits.max_in_flight_ceiling``."""
+    max_in_flight_ceiling: int = owned(ConcurrencyConfig, "ceiling", gt=0)
+    kv_cache_soft_limit: float = owned(ConcurrencyConfig, "kv_cache_soft_limit", gt=0, le=1)
+    staleness_gating: bool = owned(ControllerConfig, "staleness_gating")
     buffer_capacity: int = owned(ControllerConfig, "buffer_capacity", gt=0)
     max_staleness: int = owned(ControllerConfig, "max_staleness", ge=0)
     lease_timeout_s: float = owned(ControllerConfig, "lease_timeout_s", gt=0)
@@ -210,6 +217,18 @@ class LimitsConfig(_Section):
     max_lease_expiries: int = owned(ControllerConfig, "max_lease_expiries", gt=0)
     max_version_step: int = owned(ControllerConfig, "max_version_step", gt=0)
     max_step_ahead: int = owned(ControllerConfig, "max_step_ahead", gt=0)
+
+    @field_validator("max_in_flight", mode="before")
+    @classmethod
+    def _positive_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and value > 0):
+            return value
+        raise ValueError(f"must be a positive int or auto, got {value!r}")
+
+    @property
+    def in_flight_cap(self) -> int:
+        """The most groups ever in flight: the fixed limit, or the adaptive one's ceiling."""
+        return self.max_in_flight_ceiling if self.max_in_flight == "auto" else self.max_in_flight
 
 
 class CheckpointConfig(_Section):
@@ -433,10 +452,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.limits.max_in_flight > self.limits.buffer_capacity:
+        if self.limits.in_flight_cap > self.limits.buffer_capacity:
+            key = "max_in_flight" + ("_ceiling" if self.limits.max_in_flight == "auto" else "")
             raise ValueError(
-                "limits.max_in_flight must not exceed limits.buffer_capacity "
-                f"({self.limits.max_in_flight} > {self.limits.buffer_capacity})"
+                f"limits.{key} must not exceed limits.buffer_capacity "
+                f"({self.limits.in_flight_cap} > {self.limits.buffer_capacity})"
             )
         if 2 * self.limits.max_metadata_bytes >= self.grpc.max_message_mb << 20:
             raise ValueError(
@@ -516,15 +536,21 @@ class Config(_Section):
     def controller(self) -> ControllerConfig:
         """The controller's config: its keys from ``limits``, ``group_size``, ``dataset.seed``
         and the sampling keys of ``engine``."""
-        in_flight = self.limits.max_in_flight
+        in_flight = self.limits.in_flight_cap
         if self.filter.zero_variance:
             in_flight = min(
                 int(in_flight * (1 + self.filter.max_oversample_ratio)), self.limits.buffer_capacity
             )
+        adaptive = self.limits.max_in_flight == "auto"
         return _compose(
             ControllerConfig,
             self.limits,
             max_in_flight=in_flight,
+            concurrency=ConcurrencyConfig(
+                ceiling=in_flight, kv_cache_soft_limit=self.limits.kv_cache_soft_limit
+            )
+            if adaptive
+            else None,
             group_size=self.group_size,
             seed=self.dataset.seed,
             sampling=_compose(SamplingParams, self.engine),

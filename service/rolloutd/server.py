@@ -165,7 +165,7 @@ class RolloutService:
         if engine is None:
             built = build_engine(
                 config.engine_factory(),
-                max_sequences=config.limits.max_in_flight * config.group_size,
+                max_sequences=config.limits.in_flight_cap * config.group_size,
             )
             engine, model_id, model_dir = built.engine, built.model_id, built.model_dir
         else:

@@ -12,7 +12,8 @@ The layout (format 1)::
     {"format": 1, "sampler": {cursor, submitted_len, submitted_head, readmit, skip, skip_ids,
                               cursors, draws},
      "controller": {next_group_id, policy_version, weights_path,
-     max_acked_step, finalized_through, counters, next_row_id}, "leases": [...], "acks": [...],
+     max_acked_step, finalized_through, counters, next_row_id, gate, concurrency},
+     "leases": [...], "acks": [...],
      "lost_acks": [...], "lost_leases": [...]}
 
 Group metadata is not in the sidecar: each group goes into the group segment of the snapshot
@@ -35,7 +36,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
+from rolloutd.domain.admission import GateState
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
+from rolloutd.domain.concurrency import ConcurrencyState
 from rolloutd.domain.group import GroupMeta, GroupTable, Position, Prompt
 from rolloutd.domain.sampler import Admission, SamplerState
 from rolloutd.domain.spec import GenerationSpec
@@ -229,6 +232,8 @@ def head(state: ControllerState) -> dict[str, Any]:
             "finalized_through": state.finalized_through,
             "counters": to_json(state.counters),
             "next_row_id": b.next_row_id,
+            "gate": to_json(state.gate),
+            "concurrency": to_json(state.concurrency),
         },
         "leases": to_json(list(b.leases.values())),
         "acks": to_json(list(b.acks.values())),
@@ -277,4 +282,6 @@ def decode(d: Mapping[str, Any], groups: GroupTable | Sequence[GroupMeta] = ()) 
         lost_acks=from_json(tuple[LostAck, ...], d["lost_acks"]),
         # absent from the sidecars of earlier versions
         lost_leases=from_json(tuple[LostLease, ...], d.get("lost_leases", [])),
+        gate=from_json(GateState, c.get("gate", {})),
+        concurrency=from_json(ConcurrencyState, c.get("concurrency", {})),
     )

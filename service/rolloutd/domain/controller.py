@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import BufferCounts, Lease, RolloutBuffer, RowSealer
+from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.core import ControllerConfig, Core
 from rolloutd.domain.delivery import AckResult, Delivery, RewindResult
 from rolloutd.domain.encoder import E, GroupEncoder
@@ -44,6 +45,7 @@ __all__ = [
     "ID_BITS",
     "ID_BLOCK",
     "AckResult",
+    "AdmissionStatus",
     "Controller",
     "ControllerConfig",
     "ControllerStatus",
@@ -53,12 +55,31 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class AdmissionStatus:
+    """The limits admission works under right now."""
+
+    in_flight_limit: int
+    """Groups that may be generating or finishing at once now."""
+    in_flight_reason: InFlightReason
+    in_flight_ceiling: int
+    """``limits.max_in_flight``, or ``limits.max_in_flight_ceiling`` with ``auto``."""
+    adaptive: bool
+    staleness_gating: bool
+    consumed_per_version: float | None
+    """Groups trainers consumed per policy version (smoothed); None before a version change."""
+    staleness_room: int
+    """Groups the staleness gate would still admit now (whether or not gating is on)."""
+
+
+@dataclass(frozen=True)
 class ControllerStatus:
     policy_version: int
     group_size: int
     buffer: BufferCounts
     capacity: int
     max_in_flight: int
+    admission: AdmissionStatus
+    """What holds admission back: the in-flight limit and the staleness gate."""
     inflight_samples: int
     pending_prompts: int
     cursor_epoch: int
@@ -164,6 +185,14 @@ class Controller:
                 )
             ),
         ]
+        if self.generation.limit.adaptive:
+            self._loops.append(
+                core.watched(
+                    asyncio.create_task(
+                        self.generation.concurrency_loop(), name="rolloutd-concurrency"
+                    )
+                )
+            )
 
     async def set_admitting(self, admitting: bool) -> None:
         """Pauses or resumes admission (the service is not ready, or ready again)."""
@@ -281,6 +310,7 @@ class Controller:
             buffer=core.buffer.counts(),
             capacity=core.config.buffer_capacity,
             max_in_flight=core.config.max_in_flight,
+            admission=self.admission_status(),
             inflight_samples=self.inflight_samples,
             pending_prompts=core.sampler.pending,
             cursor_epoch=cursor.epoch,
@@ -291,4 +321,16 @@ class Controller:
             replicas=core.config.replicas,
             sources=tuple(core.sampler.status()),
             trainer_step=core.max_acked_step,
+        )
+
+    def admission_status(self) -> AdmissionStatus:
+        core, limit = self.core, self.generation.limit
+        return AdmissionStatus(
+            in_flight_limit=limit.value,
+            in_flight_reason=limit.reason,
+            in_flight_ceiling=limit.ceiling,
+            adaptive=limit.adaptive,
+            staleness_gating=core.config.staleness_gating,
+            consumed_per_version=core.gate.per_version,
+            staleness_room=self.generation.staleness_room(),
         )

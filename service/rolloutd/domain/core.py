@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rolloutd.domain.admission import StalenessGate
 from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import RolloutBuffer, RowSealer
+from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.errors import Unavailable
 from rolloutd.domain.group import GroupMeta, GroupState, Position
@@ -37,13 +39,22 @@ class ControllerConfig:
     group_size: int = 4
     """Siblings per prompt (N in GRPO)."""
     max_in_flight: int = 16
-    """Most groups generating or finishing at once."""
+    """Most groups generating or finishing at once (with ``concurrency``: the most its adaptive
+    limit may reach)."""
+    concurrency: ConcurrencyConfig | None = None
+    """The adaptive limit on groups in flight (``limits.max_in_flight: auto``,
+    domain/concurrency.py); None: ``max_in_flight`` is fixed."""
     buffer_capacity: int = 256
     """Most groups generating, finishing, ready or leased. Acked groups waiting for finalization
     are not counted (else a trainer could stall admission for good); ``rewind_window`` bounds
     them."""
     max_staleness: int = 4
     """Groups more than this many policy versions old are evicted."""
+    staleness_gating: bool = True
+    """Admit only as many groups as trainers can still consume within ``max_staleness`` policy
+    versions, at the pace they were seen to consume per version (domain/admission.py), so that
+    eviction is left for what no pace foresees (a trainer that stops). Off: admission fills the
+    buffer, and what falls too far behind is evicted."""
     lease_timeout_s: float = 300.0
     """An unacknowledged lease expires after this long and its groups become available again.
     Time the service did not run (frozen, a paused VM) does not count."""
@@ -119,6 +130,10 @@ class Core:
         self.buffer = RolloutBuffer(sealer)
         self.counters = Counters()
         self.policy_version = engine.policy_version
+        self.gate = StalenessGate(
+            config.max_staleness, config.max_in_flight, version=self.policy_version
+        )
+        """Trainers' pace per policy version, and the admissions it allows (admission.py)."""
         self.weights_path: str | None = None
         self.next_group_id = 1
         """The replica-local counter of the next group id (see ``generation.ID_BITS``)."""
@@ -156,12 +171,19 @@ class Core:
         (docs/design.md, "The life of a group")."""
         return policy_version < self.policy_version - self.config.max_staleness
 
-    def evict(self, group_id: int) -> None:
+    def evict(self, group_id: int, partial_tokens: int = 0) -> None:
         """Removes a too-stale group whose generation has ended (inside a mutation); its prompt
-        is admitted again."""
+        is admitted again. Its staged siblings' tokens and ``partial_tokens`` (those its
+        unfinished siblings had streamed) count as evicted."""
         g = self.buffer.remove(group_id, GroupState.EVICTED)
         self.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
         self.counters.evicted_groups += 1
+        self.counters.evicted_tokens += g.generated_tokens + partial_tokens
+
+    async def wake_admission(self) -> None:
+        """Wakes admission alone (a fetch began to wait: the staleness gate may admit more)."""
+        async with self.changed:
+            self.changed.notify_all()
 
     def watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         """A task of the controller whose unexpected error ends the controller (never silently:

@@ -140,6 +140,7 @@ class Delivery:
                         if lease is None or lease.group_ids != tuple(g.group_id for g in kept):
                             raise InvariantError(f"lease of {kept} took {lease}")
                         durable = core.journal.lease(lease, self.admissions(lease.group_ids))
+                        core.gate.leased(len(kept))
                 if drops:
                     await self._journal_drops(drops)
                 if lease is not None:
@@ -161,14 +162,20 @@ class Delivery:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            async with core.fetchable:
-                try:
-                    await asyncio.wait_for(
-                        core.fetchable.wait_for(self._fetch_may_proceed),
-                        remaining,
-                    )
-                except TimeoutError:
-                    return None
+            # a trainer waiting for groups consumes them now: the staleness gate makes room
+            core.gate.wait_started(max_groups)
+            try:
+                await core.wake_admission()
+                async with core.fetchable:
+                    try:
+                        await asyncio.wait_for(
+                            core.fetchable.wait_for(self._fetch_may_proceed),
+                            remaining,
+                        )
+                    except TimeoutError:
+                        return None
+            finally:
+                core.gate.wait_ended(max_groups)
             core.check_serving()
 
     def _encode_ready(

@@ -49,13 +49,17 @@ DeltaSink = Callable[[TokenDelta], None]
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """Cumulative since engine start (tokens) or instantaneous (requests, KV-cache usage)."""
+    """Cumulative since engine start (tokens, preemptions) or instantaneous (requests, KV-cache
+    usage)."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_running: int = 0
     requests_waiting: int = 0
     kv_cache_usage: float = 0.0
+    preemptions: int = 0
+    """Requests the engine preempted (took their KV cache back, to compute them again later)
+    because the cache was full."""
 
 
 class EngineError(RuntimeError):

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+from rolloutd.domain.concurrency import EngineReading, InFlightLimit
 from rolloutd.domain.core import Core
 from rolloutd.domain.engine import (
     EngineDeadError,
@@ -88,6 +89,10 @@ class Generation:
         """Groups whose finishing stage runs -> the task that runs it."""
         self._trace_headers: dict[int, Mapping[str, str]] = {}
         """Trace context of each group whose generation the observer was told about."""
+        self.limit = InFlightLimit(core.config.max_in_flight, core.config.concurrency)
+        """How many groups may be in flight: fixed, or following the engine."""
+        self.departed = 0
+        """Groups that left flight (committed, dropped, evicted) since the controller started."""
         self.staging: dict[tuple[int, int], list[TokenDelta]] = {}
         """(group id, index) -> the deltas of a generating sibling so far, its restored prefix
         first. Append-only while the sibling generates; removed in the mutation that stages the
@@ -100,10 +105,36 @@ class Generation:
         buffer = core.buffer
         return (
             core.admitting
-            and len(self.siblings) < core.config.max_in_flight
+            and len(self.siblings) < self.limit.value
             and len(buffer.groups) - buffer.acked_groups < core.config.buffer_capacity
+            and (not core.config.staleness_gating or self.staleness_room() > 0)
             and core.sampler.has_next()
         )
+
+    def staleness_room(self) -> int:
+        """Groups the staleness gate would still admit, behind those generating, finishing or
+        ready (admission.py)."""
+        return self.core.gate.room(len(self.siblings) + self.core.buffer.ready_count)
+
+    async def concurrency_loop(self) -> None:
+        """Feeds the adaptive in-flight limit a reading of the engine every ``interval_s``
+        (concurrency.py); wakes admission when the limit changes."""
+        core = self.core
+        assert core.config.concurrency is not None
+        interval = core.config.concurrency.interval_s
+        while True:
+            engine = core.engine.counters()
+            in_flight = len(self.siblings)
+            reading = EngineReading(
+                engine.kv_cache_usage,
+                engine.preemptions,
+                in_flight,
+                self.departed,
+            )
+            if self.limit.observe(reading):
+                log.debug("groups in flight: at most %d (%s)", self.limit.value, self.limit.reason)
+                await core.notify()
+            await asyncio.sleep(interval)
 
     async def admission_loop(self) -> None:
         core = self.core
@@ -313,7 +344,7 @@ class Generation:
             tokens = group.generated_tokens
             prompt_tokens = len(group.samples[0].prompt_token_ids)
             core.buffer.commit(group.group_id, now, scores)
-            self.siblings.pop(group.group_id, None)
+            self._leave(group.group_id)
             source = core.source_of(group.meta)
             core.counters.committed(source, tokens)
         self._trace_headers.pop(group.group_id, None)
@@ -377,7 +408,7 @@ class Generation:
     async def cancel(self, group_id: int) -> None:
         """Aborts a group's running siblings and its finishing stage (inside a mutation)."""
         current = asyncio.current_task()
-        tasks = self.siblings.pop(group_id, {})
+        tasks = self._leave(group_id)
         for index in tasks:
             self.staging.pop((group_id, index), None)
         await self.core.engine.abort([request_id(group_id, i) for i in tasks])
@@ -385,6 +416,14 @@ class Generation:
         for task in [*tasks.values(), *([finishing] if finishing else [])]:
             if task is not current:
                 task.cancel()
+
+    def _leave(self, group_id: int) -> dict[int, asyncio.Task[None]]:
+        """Takes a group out of flight; returns its siblings still running."""
+        tasks = self.siblings.pop(group_id, None)
+        if tasks is None:
+            return {}
+        self.departed += 1
+        return tasks
 
     def _abandoned(self, group_id: int, reason: str) -> None:
         if self._trace_headers.pop(group_id, None) is not None:
@@ -408,6 +447,16 @@ class Generation:
             PartialSibling(gid, index, chunks, len(chunks))
             for (gid, index), chunks in self.staging.items()
             if chunks
+        )
+
+    def partial_tokens(self, group_id: int) -> int:
+        """Tokens the unfinished siblings of a group have streamed so far (with
+        ``capture_partials``; else none are seen)."""
+        staging = self.staging
+        return sum(
+            len(delta.token_ids)
+            for index in self.siblings.get(group_id, {})
+            for delta in staging.get((group_id, index), ())
         )
 
     @property
@@ -446,6 +495,7 @@ class Generation:
         except EngineError as exc:  # refused before anything was loaded (a wrong path)
             raise InvalidArgument("weights_path", str(exc)) from exc
         core.policy_version, core.weights_path = version, weights_path
+        core.gate.version_changed(version)
         return await self.evict_stale()
 
     def check_version(self, version: int) -> None:
@@ -477,8 +527,9 @@ class Generation:
             ]
             for g in stale:
                 self._abandoned(g.group_id, "evicted: too stale")
+                partial = self.partial_tokens(g.group_id)
                 await self.cancel(g.group_id)
-                core.evict(g.group_id)
+                core.evict(g.group_id, partial)
         if stale:
             core.observer.groups_evicted(len(stale))
             await core.notify()

@@ -151,6 +151,8 @@ class Recovery:
                 for lease_id, lost in core.lost_leased.items()
             ),
             partials=self.generation.partials(),
+            gate=core.gate.state(),
+            concurrency=self.generation.limit.state(),
         )
 
     def capture_failed(self, state: ControllerState) -> None:
@@ -230,6 +232,8 @@ class Recovery:
         if state.weights_path and state.policy_version > core.engine.policy_version:
             await core.engine.update_weights(state.weights_path, state.policy_version)
         core.policy_version, core.weights_path = state.policy_version, state.weights_path
+        core.gate.restore(state.gate, core.policy_version)
+        self.generation.limit.restore(state.concurrency)
         self._partials = {(p.group_id, p.index): p for p in state.partials}
 
     async def _replay(self, journal: Callable[[], Sequence[Journaled]]) -> int:

@@ -19,7 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from rolloutd.domain.admission import GateState
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
+from rolloutd.domain.concurrency import ConcurrencyState
 from rolloutd.domain.group import Position, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
@@ -34,6 +36,9 @@ class Counters:
     acked_groups: int = 0
     finalized_groups: int = 0
     evicted_groups: int = 0
+    evicted_tokens: int = 0
+    """Generated tokens of the evicted groups: staged siblings, and the tokens their unfinished
+    siblings had streamed (known only with ``recovery.granularity: token``)."""
     requeued_groups: int = 0
     dropped_groups: int = 0
     """Groups dropped: by a finishing stage's verdict, an engine error, or a failed stage."""
@@ -119,6 +124,10 @@ class ControllerState:
     partials: tuple[PartialSibling, ...] = ()
     """Tokens of generating siblings so far (``ControllerConfig.capture_partials``). Written in
     a snapshot file of their own (``checkpoint/partials.py``), not in rows or the sidecar."""
+    gate: GateState = field(default_factory=GateState)
+    """The trainers' pace the staleness gate measured."""
+    concurrency: ConcurrencyState = field(default_factory=ConcurrencyState)
+    """The adaptive limit on groups in flight."""
 
 
 @dataclass(frozen=True)

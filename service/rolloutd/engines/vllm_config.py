@@ -32,8 +32,9 @@ class VLLMConfig:
     kv_cache_memory_gib: float | None = None
     """KV-cache size in GiB; when set it wins over gpu_memory_utilization. Unset: on GPU vLLM sizes
     it from gpu_memory_utilization; on CPU rolloutd reserves room for every sibling that may
-    generate at once (limits.max_in_flight x group_size sequences of max_model_len tokens, at most
-    4 GiB). vLLM's own VLLM_CPU_KVCACHE_SPACE variable, if set, overrides both."""
+    generate at once (limits.max_in_flight, or limits.max_in_flight_ceiling with auto, x
+    group_size sequences of max_model_len tokens, at most 4 GiB). vLLM's own
+    VLLM_CPU_KVCACHE_SPACE variable, if set, overrides both."""
     cpu_threads_bind: str | None = None
     """CPU only: how vLLM binds its worker's OpenMP threads (its VLLM_CPU_OMP_THREADS_BIND:
     auto, nobind, or CPU lists such as 0-3). Unset: that variable if the environment sets it;

@@ -38,6 +38,7 @@ class Tally:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    preemptions: int = 0
     schedulers: dict[int, SchedulerSnapshot] = field(default_factory=dict)
 
     def counters(self) -> EngineCounters:
@@ -48,6 +49,7 @@ class Tally:
             requests_running=sum(s.running for s in snaps),
             requests_waiting=sum(s.waiting for s in snaps),
             kv_cache_usage=sum(s.kv_cache_usage for s in snaps) / len(snaps) if snaps else 0.0,
+            preemptions=self.preemptions,
         )
 
     def stat_logger_factory(self) -> Callable[[VllmConfig, int], StatLoggerBase]:
@@ -73,6 +75,7 @@ class TallyStatLogger(StatLoggerBase):
         if iteration_stats is not None:
             self._tally.prompt_tokens += iteration_stats.num_prompt_tokens
             self._tally.generation_tokens += iteration_stats.num_generation_tokens
+            self._tally.preemptions += iteration_stats.num_preempted_reqs
         if scheduler_stats is not None:
             self._tally.schedulers[engine_idx] = SchedulerSnapshot(
                 running=scheduler_stats.num_running_reqs,

@@ -1,0 +1,188 @@
+"""How many groups may generate at once: a fixed number, or one that follows the engine.
+
+A static ``limits.max_in_flight`` is either too low (the engine idles) or too high: past the KV
+cache's capacity vLLM preempts running requests and computes them again, and generation slows
+down several times over. With ``limits.max_in_flight: auto`` the limit follows the engine's own
+signals (``EngineCounters.kv_cache_usage`` and the cumulative ``preemptions``):
+
+- **Back off on preemption.** Any preemption since the last reading multiplies the limit by
+  ``backoff`` (at least one group).
+- **Grow while there is room.** Once the groups in flight at the last change have turned over
+  (as many groups left flight since as there were in it), the limit is known to be safe or not:
+  if the highest KV-cache usage seen meanwhile is under ``kv_cache_soft_limit``, the limit was
+  binding (groups were in flight up to it) and nothing was preempted, it grows, by at most
+  ``growth`` times and no further than usage projected in proportion stays under the soft
+  limit. Waiting for a turnover matters: a sequence's KV cache grows while it decodes, so usage
+  read right after an increase says little about where it will peak.
+- **Never above** ``limits.max_in_flight_ceiling``.
+
+The reason for the current value is an enum (:class:`InFlightReason`), reported beside it. The
+value is part of every snapshot (:class:`ConcurrencyState`), so a restart continues from what
+the engine was found to hold, not from ``initial``.
+
+Pure: :mod:`rolloutd.domain.generation` feeds it a reading every ``interval_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class InFlightReason(enum.Enum):
+    """Why the limit on groups in flight is what it is."""
+
+    FIXED = "fixed"
+    """``limits.max_in_flight`` is a number."""
+    STARTING = "starting"
+    """Adaptive, at its initial (or restored) value, no decision made yet."""
+    GROWING = "growing"
+    """It grew: usage stayed under the soft limit through a turnover, with no preemption."""
+    KV_CACHE_HIGH = "kv_cache_high"
+    """Held: KV-cache usage reached the soft limit during the last turnover."""
+    PREEMPTED = "preempted"
+    """Backed off: the engine preempted requests."""
+    CEILING = "ceiling"
+    """Held at ``limits.max_in_flight_ceiling``."""
+    NOT_LIMITING = "not_limiting"
+    """Held: fewer groups were in flight than it allows (the buffer, staleness gating or the
+    dataset held admission back), so growing would prove nothing."""
+
+
+@dataclass(frozen=True)
+class ConcurrencyConfig:
+    """The adaptive limit's settings; ``config.py`` exposes ``ceiling`` and ``kv_cache_soft_limit``
+    as ``limits.max_in_flight_ceiling`` and ``limits.kv_cache_soft_limit``."""
+
+    ceiling: int = 64
+    """The most groups in flight ``limits.max_in_flight: auto`` may reach."""
+    kv_cache_soft_limit: float = 0.9
+    """With ``limits.max_in_flight: auto``: the limit grows only while the engine's KV-cache
+    usage stays under this fraction (vLLM preempts when it is full)."""
+    initial: int = 4
+    """Groups in flight before the engine has been read (capped by ``ceiling``)."""
+    backoff: float = 0.5
+    """Factor applied to the limit when the engine preempted requests."""
+    growth: float = 2.0
+    """Most the limit grows by in one step."""
+    interval_s: float = 0.25
+    """How often the engine's signals are read."""
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """One reading of what the limit follows."""
+
+    kv_cache_usage: float
+    """Fraction of the KV cache in use now."""
+    preemptions: int
+    """Requests the engine preempted since it started (cumulative)."""
+    in_flight: int
+    """Groups generating or finishing now."""
+    departed: int
+    """Groups that left flight so far (cumulative; any origin, only differences count)."""
+
+
+@dataclass(frozen=True)
+class ConcurrencyState:
+    """What a snapshot keeps of the adaptive limit."""
+
+    value: int | None = None
+    """The limit when the snapshot was taken; None: fixed, or a snapshot from before it."""
+
+
+class InFlightLimit:
+    """The limit on groups in flight: fixed (``config`` None) or adaptive; see the module
+    docstring."""
+
+    def __init__(self, fixed: int, config: ConcurrencyConfig | None = None) -> None:
+        self.config = config
+        if config is None:
+            self.value, self.reason = fixed, InFlightReason.FIXED
+            self.ceiling = fixed
+            return
+        self.ceiling = config.ceiling
+        self.value = max(1, min(config.initial, config.ceiling))
+        self.reason = InFlightReason.STARTING
+        self._preemptions: int | None = None
+        """The engine's count at the previous reading (None: not read yet)."""
+        self._window: tuple[int, int] | None = None
+        """(departed, in flight) when the current window began: it ends at a turnover."""
+        self._peak = 0.0
+        """Highest KV-cache usage read in the current window."""
+        self._busiest = 0
+        """Most groups in flight read in the current window."""
+        self._cooling = False
+        """Backed off in the current window: its readings judge the groups in flight before."""
+
+    @property
+    def adaptive(self) -> bool:
+        return self.config is not None
+
+    def observe(self, reading: EngineReading) -> bool:
+        """Takes one reading; returns whether the value changed. A fixed limit never does."""
+        cfg = self.config
+        if cfg is None:
+            return False
+        preempted = self._preemptions is not None and reading.preemptions > self._preemptions
+        self._preemptions = reading.preemptions  # a restarted engine counts from 0 again
+        if self._window is None:
+            self._new_window(reading)
+        if preempted and not self._cooling:
+            # the groups in flight when it backs off go on overflowing until they finish: one
+            # back-off per turnover, not one per reading
+            self._cooling = True
+            value = max(1, math.floor(self.value * cfg.backoff))
+            return self._set(value, reading, InFlightReason.PREEMPTED)
+        self._peak = max(self._peak, reading.kv_cache_usage)
+        self._busiest = max(self._busiest, reading.in_flight)
+        assert self._window is not None
+        departed, in_flight = self._window
+        if reading.departed - departed < max(in_flight, 1):
+            return False  # not turned over yet
+        if self._cooling:
+            self._cooling = False
+            return self._hold(reading, InFlightReason.PREEMPTED)
+        if self._peak >= cfg.kv_cache_soft_limit:
+            return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
+        if self.value >= self.ceiling:
+            return self._hold(reading, InFlightReason.CEILING)
+        if self._busiest < self.value:
+            return self._hold(reading, InFlightReason.NOT_LIMITING)
+        grown = math.floor(self.value * cfg.growth)
+        if self._peak > 0:
+            # usage grows about in proportion to the groups in flight
+            grown = min(grown, math.floor(self.value * cfg.kv_cache_soft_limit / self._peak))
+        grown = min(grown, self.ceiling)
+        if grown <= self.value:
+            return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
+        return self._set(grown, reading, InFlightReason.GROWING)
+
+    def _new_window(self, reading: EngineReading) -> None:
+        self._window = (reading.departed, reading.in_flight)
+        self._peak = reading.kv_cache_usage
+        self._busiest = reading.in_flight
+
+    def _hold(self, reading: EngineReading, reason: InFlightReason) -> bool:
+        self.reason = reason
+        self._new_window(reading)
+        return False
+
+    def _set(self, value: int, reading: EngineReading, reason: InFlightReason) -> bool:
+        changed = value != self.value
+        self.value, self.reason = value, reason
+        self._new_window(reading)
+        return changed
+
+    def state(self) -> ConcurrencyState:
+        return ConcurrencyState(self.value if self.adaptive else None)
+
+    def restore(self, state: ConcurrencyState) -> None:
+        """Continues from a snapshot's value (within the ceiling); a fixed limit keeps its own."""
+        if self.config is None or state.value is None:
+            return
+        self.value = max(1, min(state.value, self.ceiling))
+        self.reason = InFlightReason.STARTING
+        self._window = None
+        self._cooling = False

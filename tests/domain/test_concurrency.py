@@ -1,0 +1,205 @@
+"""The limit on groups in flight: fixed, or following the engine's KV cache and preemptions."""
+
+import asyncio
+from dataclasses import replace
+
+from rolloutd.domain.concurrency import (
+    ConcurrencyConfig,
+    ConcurrencyState,
+    EngineReading,
+    InFlightLimit,
+    InFlightReason,
+)
+from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.group import Prompt
+from rolloutd.domain.sampler import Sampler
+from tests.fakes import GatedEngine, settle
+
+CONFIG = ConcurrencyConfig(ceiling=64, kv_cache_soft_limit=0.9, initial=4)
+
+
+class Engine:
+    """What the limit reads, moved by the test: a reading at a time."""
+
+    def __init__(self, limit: InFlightLimit) -> None:
+        self.limit = limit
+        self.usage = 0.0
+        self.preemptions = 0
+        self.departed = 0
+
+    def read(self, in_flight: int | None = None) -> bool:
+        busy = self.limit.value if in_flight is None else in_flight
+        return self.limit.observe(EngineReading(self.usage, self.preemptions, busy, self.departed))
+
+    def turn_over(self, in_flight: int | None = None) -> bool:
+        """Every group in flight finishes and is replaced; returns whether the limit changed."""
+        self.read(in_flight)
+        self.departed += self.limit.value if in_flight is None else in_flight
+        return self.read(in_flight)
+
+
+def test_a_fixed_limit_never_moves():
+    limit = InFlightLimit(16)
+    engine = Engine(limit)
+    engine.preemptions = 9
+    assert not engine.turn_over() and not engine.turn_over()
+    assert (limit.value, limit.reason, limit.adaptive) == (16, InFlightReason.FIXED, False)
+    assert limit.state() == ConcurrencyState(None)
+
+
+def test_it_grows_only_once_the_groups_in_flight_have_turned_over():
+    limit = InFlightLimit(64, CONFIG)
+    engine = Engine(limit)
+    assert (limit.value, limit.reason) == (4, InFlightReason.STARTING)
+    engine.read()
+    engine.departed += 3  # not yet all 4
+    assert not engine.read()
+    engine.departed += 1
+    assert engine.read()
+    assert (limit.value, limit.reason) == (8, InFlightReason.GROWING)
+
+
+def test_growth_stops_where_usage_in_proportion_reaches_the_soft_limit():
+    limit = InFlightLimit(64, CONFIG)
+    engine = Engine(limit)
+    engine.usage = 0.3  # at 4 groups: 12 groups would use 0.9
+    engine.turn_over()
+    assert limit.value == 8  # at most doubled
+    engine.usage = 0.6
+    engine.turn_over()
+    assert limit.value == 12  # 8 x 0.9 / 0.6
+    engine.usage = 0.85
+    assert not engine.turn_over()
+    assert (limit.value, limit.reason) == (12, InFlightReason.KV_CACHE_HIGH)  # 12.7 rounds down
+
+
+def test_usage_at_the_soft_limit_anywhere_in_the_turnover_holds_it():
+    limit = InFlightLimit(64, CONFIG)
+    engine = Engine(limit)
+    engine.read()
+    engine.usage = 0.95  # a peak between two readings
+    engine.read()
+    engine.usage = 0.1
+    engine.departed += 4
+    assert not engine.read()
+    assert (limit.value, limit.reason) == (4, InFlightReason.KV_CACHE_HIGH)
+
+
+def test_a_preemption_backs_off_once_per_turnover():
+    limit = InFlightLimit(64, replace(CONFIG, initial=32))
+    engine = Engine(limit)
+    engine.preemptions = 7  # before its first reading: not its doing
+    engine.read()
+    assert limit.value == 32
+    engine.preemptions += 3
+    assert engine.read()
+    assert (limit.value, limit.reason) == (16, InFlightReason.PREEMPTED)
+    engine.preemptions += 5  # the 32 groups still in flight go on overflowing
+    assert not engine.read(in_flight=32)
+    assert limit.value == 16
+    engine.departed += 32  # they have all left: the cooling window ends, growth is judged anew
+    assert not engine.read(in_flight=16)
+    assert (limit.value, limit.reason) == (16, InFlightReason.PREEMPTED)
+    engine.preemptions += 1
+    assert engine.read(in_flight=16)
+    assert limit.value == 8
+
+
+def test_an_engine_that_restarted_counts_from_zero_without_a_back_off():
+    limit = InFlightLimit(64, CONFIG)
+    engine = Engine(limit)
+    engine.preemptions = 50
+    engine.read()
+    engine.preemptions = 0
+    engine.read()
+    engine.preemptions = 0
+    assert not engine.read()
+    assert limit.reason is InFlightReason.STARTING
+
+
+def test_it_never_goes_above_the_ceiling_nor_below_one():
+    limit = InFlightLimit(64, replace(CONFIG, ceiling=6))
+    engine = Engine(limit)
+    engine.turn_over()
+    assert limit.value == 6
+    assert not engine.turn_over()
+    assert limit.reason is InFlightReason.CEILING
+    for _ in range(5):
+        engine.preemptions += 1
+        engine.read()
+        engine.departed += 6
+        engine.read()
+    assert limit.value == 1
+
+
+def test_a_limit_nothing_reaches_does_not_grow():
+    limit = InFlightLimit(64, CONFIG)
+    engine = Engine(limit)
+    assert not engine.turn_over(in_flight=2)
+    assert (limit.value, limit.reason) == (4, InFlightReason.NOT_LIMITING)
+
+
+def test_its_value_is_restored_within_the_ceiling():
+    limit = InFlightLimit(64, replace(CONFIG, ceiling=20))
+    limit.restore(ConcurrencyState(13))
+    assert (limit.value, limit.reason) == (13, InFlightReason.STARTING)
+    limit.restore(ConcurrencyState(90))
+    assert limit.value == 20
+    limit.restore(ConcurrencyState(None))  # a snapshot from before it: the value stays
+    assert limit.value == 20
+    fixed = InFlightLimit(16)
+    fixed.restore(ConcurrencyState(13))
+    assert fixed.value == 16
+
+
+# --- in the controller ----------------------------------------------------------------------
+
+
+class KVEngine(GatedEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.usage = 0.0
+        self.preempted = 0
+
+    def counters(self):
+        return replace(super().counters(), kv_cache_usage=self.usage, preemptions=self.preempted)
+
+
+async def test_admission_follows_the_limit_the_engine_signals_set():
+    engine = KVEngine()
+    cfg = ControllerConfig(
+        group_size=2,
+        max_in_flight=6,
+        buffer_capacity=200,
+        staleness_gating=False,
+        concurrency=ConcurrencyConfig(ceiling=6, initial=2, interval_s=0.005),
+    )
+    prompts = [Prompt(f"p{i}", f"question {i}") for i in range(500)]
+    c = Controller(cfg, engine, Sampler(prompts, seed=0))
+    c.start()
+    seen: list[tuple[int, int]] = []
+
+    async def generate() -> None:  # the engine finishes whatever is in flight, over and over
+        while True:
+            seen.append((len(c.generation.siblings), c.generation.limit.value))
+            engine.release()
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(generate())
+    try:
+        await settle(lambda: c.admission_status().in_flight_reason is InFlightReason.CEILING)
+        assert c.admission_status().in_flight_limit == 6
+        growing = list(seen)
+        engine.preempted, engine.usage = 4, 0.95  # and the cache stays full: no growing back
+        await settle(lambda: c.admission_status().in_flight_reason is InFlightReason.PREEMPTED)
+        status = c.status().admission
+        assert (status.in_flight_limit, status.adaptive, status.in_flight_ceiling) == (3, True, 6)
+        mark = len(seen) + 2  # the groups in flight at the back-off finish within two rounds
+        await settle(lambda: len(seen) > mark + 10)
+        assert c.admission_status().in_flight_reason is InFlightReason.KV_CACHE_HIGH
+    finally:
+        task.cancel()
+        await c.stop()
+    assert all(in_flight <= limit for in_flight, limit in growing)
+    assert max(in_flight for in_flight, _ in growing) == 6
+    assert all(in_flight <= 3 for in_flight, _ in seen[mark:])
