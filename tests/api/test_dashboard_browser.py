@@ -40,6 +40,7 @@ AREAS = (
     "restore",
     "recovery",
     "snapshot-size",
+    "admission",
 )
 CHROMIUM_FLAGS = [
     "--headless",

@@ -29,6 +29,7 @@ PRIMARY_ROWS = (
     ("Recovery efficiency", {Area.RECOVERY}),
     ("Snapshot size", {Area.SNAPSHOT_SIZE}),
     ("Rewards", {Area.REWARDS}),
+    ("Admission", {Area.ADMISSION}),
 )
 """The primary dashboard, in order, and the catalogue areas each row shows in full."""
 

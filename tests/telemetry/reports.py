@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.engine import EngineCounters
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.finishing import SampleScore, Verdict
@@ -176,6 +177,10 @@ STATUS = StatusSnapshot(
     policy_version=3,
     acked_groups=5,
     trainer_step=7,
+    in_flight_limit=12,
+    in_flight_reason=InFlightReason.KV_CACHE_HIGH,
+    consumed_per_version=6.5,
+    staleness_room=3,
 )
 CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
 

@@ -178,6 +178,11 @@ def test_scripted_run_values(metric_reader):
     assert value(m["rolloutd.checkpoint.interval"]) == 60.0
     assert value(m["rolloutd.checkpoint.since_success"]) == 12.5
     assert value(m["rolloutd.checkpoint.consecutive_failures"]) == 1
+    limit = m["rolloutd.admission.in_flight.limit"]
+    assert value(limit, reason="kv_cache_high") == 12
+    assert len(points(limit)) == 1  # only the current reason's series
+    assert value(m["rolloutd.admission.consumed_per_version"]) == 6.5
+    assert value(m["rolloutd.admission.staleness.room"]) == 3
 
 
 def test_observable_instruments_report_nothing_until_sources_are_registered(metric_reader):

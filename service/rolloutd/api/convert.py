@@ -9,7 +9,8 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from rolloutd.domain.controller import ControllerStatus
+from rolloutd.domain.concurrency import InFlightReason
+from rolloutd.domain.controller import AdmissionStatus, ControllerStatus
 from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
@@ -37,6 +38,9 @@ REASONS: dict[Reason, Any] = {
 }
 SERVING_STATES: dict[ServingState, Any] = {
     s: pb.ServingState.Value(f"SERVING_STATE_{s.name}") for s in ServingState
+}
+IN_FLIGHT_REASONS: dict[InFlightReason, Any] = {
+    r: pb.InFlightReason.Value(f"IN_FLIGHT_REASON_{r.name}") for r in InFlightReason
 }
 
 
@@ -299,6 +303,7 @@ def status_to_proto(
             dropped_groups=c.dropped_groups,
             dropped_by_reason=c.dropped_by_reason,
             dropped_tokens=c.dropped_tokens,
+            evicted_tokens=c.evicted_tokens,
         ),
         last_checkpoint=last_checkpoint,
         replica=s.replica,
@@ -319,6 +324,19 @@ def status_to_proto(
         ],
         submitted_committed_groups=c.committed_by_source.get(SUBMITTED, 0),
         submitted_delivered_groups=c.acked_by_source.get(SUBMITTED, 0),
+        admission=admission_to_proto(s.admission),
+    )
+
+
+def admission_to_proto(a: AdmissionStatus) -> pb.AdmissionStatus:
+    return pb.AdmissionStatus(
+        in_flight_limit=a.in_flight_limit,
+        in_flight_reason=IN_FLIGHT_REASONS[a.in_flight_reason],
+        in_flight_ceiling=a.in_flight_ceiling,
+        adaptive=a.adaptive,
+        staleness_gating=a.staleness_gating,
+        consumed_per_version=a.consumed_per_version,
+        staleness_room=a.staleness_room,
     )
 
 

@@ -52,9 +52,10 @@ class ControllerConfig:
     """Groups more than this many policy versions old are evicted."""
     staleness_gating: bool = True
     """Admit only as many groups as trainers can still consume within ``max_staleness`` policy
-    versions, at the pace they were seen to consume per version (domain/admission.py), so that
-    eviction is left for what no pace foresees (a trainer that stops). Off: admission fills the
-    buffer, and what falls too far behind is evicted."""
+    versions, at the pace they were seen to consume per version (until a version change shows
+    it: ``max_in_flight`` groups a version), so that eviction is left for what no pace foresees
+    (a trainer that stops). Off: admission fills the buffer, and what falls too far behind is
+    evicted."""
     lease_timeout_s: float = 300.0
     """An unacknowledged lease expires after this long and its groups become available again.
     Time the service did not run (frozen, a paused VM) does not count."""

@@ -107,19 +107,31 @@ class SyntheticEngine:
         if cfg.tokens_per_s > 0:
             delay += new / cfg.tokens_per_s
         self._prompt_tokens += len(prompt_ids) + done
+        streamed = 0
+
+        def counted(delta: TokenDelta) -> None:
+            # tokens count as generated when handed over, as an aborted request's do in vLLM
+            nonlocal streamed
+            streamed += len(delta.token_ids)
+            self._generation_tokens += len(delta.token_ids)
+            assert on_delta is not None
+            on_delta(delta)
+
         if delay > 0:
             task = asyncio.current_task()
             assert task is not None
             try:
                 self._running[request.request_id] = task  # type: ignore[assignment]
-                await self._emit(token_ids, logprobs, version, delay, on_delta)
+                await self._emit(
+                    token_ids, logprobs, version, delay, None if on_delta is None else counted
+                )
             finally:
                 self._running.pop(request.request_id, None)
         elif on_delta is not None and token_ids:
             # nothing to wait for, so nothing to abort and no time to spread deltas over: the
             # tokens go in one delta, with no await until the sample is returned
-            on_delta(TokenDelta(token_ids, logprobs, version))
-        self._generation_tokens += new
+            counted(TokenDelta(token_ids, logprobs, version))
+        self._generation_tokens += new - streamed
         finish = "length" if max(length, done) >= max_tokens else "stop"
         if prefix is None:
             return Sample(

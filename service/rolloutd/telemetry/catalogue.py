@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.delivery import LEASE_EXPIRIES
 from rolloutd.domain.encoder import UNDELIVERABLE
 from rolloutd.domain.generation import ENGINE_ERROR, STAGE_FAILED
@@ -87,6 +88,7 @@ class Area(enum.Enum):
     DELIVERY = "delivery"
     RPC = "rpc"
     REWARDS = "rewards"
+    ADMISSION = "admission"
 
 
 VERSION_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -356,6 +358,26 @@ DELIVERED_STALENESS = Instrument(
 PROMPTS_PENDING = Instrument(
     "rolloutd.prompts.pending", Kind.OBSERVABLE_GAUGE, "{prompt}",
     "Submitted prompts (SubmitPrompts) waiting for admission.", Area.DELIVERY,
+)  # fmt: skip
+
+ADMISSION_IN_FLIGHT_LIMIT = Instrument(
+    "rolloutd.admission.in_flight.limit", Kind.OBSERVABLE_GAUGE, "{group}",
+    "Groups that may be generating or finishing at once, under the reason for the value: fixed "
+    "(limits.max_in_flight is a number), or with auto starting, growing, kv_cache_high, "
+    "preempted, ceiling or not_limiting. Only the current reason's series has a value.",
+    Area.ADMISSION, attributes={"reason": _values(InFlightReason)},
+)  # fmt: skip
+ADMISSION_CONSUMED_PER_VERSION = Instrument(
+    "rolloutd.admission.consumed_per_version", Kind.OBSERVABLE_GAUGE, "{group}",
+    "Groups trainers consumed (leased) per policy version, smoothed over versions: the pace "
+    "staleness gating admits for. Absent until a version change after a group was leased.",
+    Area.ADMISSION,
+)  # fmt: skip
+ADMISSION_STALENESS_ROOM = Instrument(
+    "rolloutd.admission.staleness.room", Kind.OBSERVABLE_GAUGE, "{group}",
+    "Groups the staleness gate would still admit: what trainers can consume within "
+    "limits.max_staleness versions, less the groups generating, finishing or ready (reported "
+    "also when limits.staleness_gating is off).", Area.ADMISSION,
 )  # fmt: skip
 
 OTHER = "other"

@@ -137,6 +137,11 @@ SERIES: tuple[Series, ...] = (
     Series("scoring_failures", cat.SCORING_FAILURES, split_by=("failure.kind",)),
     Series("dropped_groups", cat.DROPPED_GROUPS, split_by=("reason",)),
     Series("dropped_tokens", cat.DROPPED_TOKENS, split_by=("reason",)),
+    Series("in_flight_limit", cat.ADMISSION_IN_FLIGHT_LIMIT, split_by=("reason",)),
+    Series("consumed_per_version", cat.ADMISSION_CONSUMED_PER_VERSION),
+    Series("staleness_room", cat.ADMISSION_STALENESS_ROOM),
+    Series("kv_cache_usage", cat.ENGINE_KV_CACHE_USAGE),
+    Series("evicted_groups", cat.EVICTED_GROUPS),
 )
 """What the dashboard draws; its JavaScript names these keys."""
 

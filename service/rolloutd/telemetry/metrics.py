@@ -159,6 +159,9 @@ class MetricsObserver:
         self._observable(cat.PROMPTS_PENDING, self._observe_prompts_pending)
         self._observable(cat.ACKED_GROUPS, self._observe_acked_groups)
         self._observable(cat.TRAINER_STEP, self._observe_trainer_step)
+        self._observable(cat.ADMISSION_IN_FLIGHT_LIMIT, self._observe_in_flight_limit)
+        self._observable(cat.ADMISSION_CONSUMED_PER_VERSION, self._observe_consumed_per_version)
+        self._observable(cat.ADMISSION_STALENESS_ROOM, self._observe_staleness_room)
 
         self._estimated = _Series(cat.COMMITTED_TOKENS)
         self._mutation_kind = _Series(cat.MUTATION_BLOCKED)
@@ -180,6 +183,7 @@ class MetricsObserver:
         self._group_outcome = _Series(cat.SAMPLE_REWARD)
         self._failure_kind = _Series(cat.SCORING_FAILURES)
         self._drop_reason = _Series(cat.DROPPED_GROUPS)
+        self._in_flight_reason = _Series(cat.ADMISSION_IN_FLIGHT_LIMIT)
 
         self._start_counters_at_zero()
 
@@ -448,6 +452,23 @@ class MetricsObserver:
         if (status := self._status()) is None or status.trainer_step < 0:
             return []  # no trainer has acked yet: no value, rather than a step that never was
         return [Observation(status.trainer_step)]
+
+    def _observe_in_flight_limit(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [
+            Observation(status.in_flight_limit, self._in_flight_reason(status.in_flight_reason))
+        ]
+
+    def _observe_consumed_per_version(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None or status.consumed_per_version is None:
+            return []  # not measured yet: no value, rather than a pace of zero
+        return [Observation(status.consumed_per_version)]
+
+    def _observe_staleness_room(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        return [Observation(status.staleness_room)]
 
     def _checkpoint_state(self) -> CheckpointState | None:
         sources = self._sources

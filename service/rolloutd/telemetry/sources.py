@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.group import GroupState
 
@@ -34,6 +35,13 @@ class StatusSnapshot:
     """Groups acked by trainers, since the store began (cumulative)."""
     trainer_step: int = -1
     """The highest trainer step acked; -1 before the first ack."""
+    in_flight_limit: int = 0
+    """Groups that may be generating or finishing at once now."""
+    in_flight_reason: InFlightReason = InFlightReason.FIXED
+    consumed_per_version: float | None = None
+    """Trainers' pace per policy version, as the staleness gate measured it; None: not yet."""
+    staleness_room: int = 0
+    """Groups the staleness gate would still admit."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,7 @@ class CheckpointState:
 
 def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
     """The controller's status as the gauges read it."""
-    b = status.buffer
+    b, a = status.buffer, status.admission
     return StatusSnapshot(
         groups={
             GroupState.GENERATING: b.generating,
@@ -66,4 +74,8 @@ def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
         requeued_groups=status.counters.requeued_groups,
         acked_groups=status.counters.acked_groups,
         trainer_step=status.trainer_step,
+        in_flight_limit=a.in_flight_limit,
+        in_flight_reason=a.in_flight_reason,
+        consumed_per_version=a.consumed_per_version,
+        staleness_room=a.staleness_room,
     )

@@ -47,6 +47,17 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_SERVING: _ClassVar[ServingState]
     SERVING_STATE_NOT_READY: _ClassVar[ServingState]
     SERVING_STATE_DRAINING: _ClassVar[ServingState]
+
+class InFlightReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IN_FLIGHT_REASON_UNSPECIFIED: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_FIXED: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_STARTING: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_GROWING: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_KV_CACHE_HIGH: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_PREEMPTED: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_CEILING: _ClassVar[InFlightReason]
+    IN_FLIGHT_REASON_NOT_LIMITING: _ClassVar[InFlightReason]
 PROMPT_SOURCE_UNSPECIFIED: PromptSource
 PROMPT_SOURCE_DATASET: PromptSource
 PROMPT_SOURCE_SUBMITTED: PromptSource
@@ -72,6 +83,14 @@ SERVING_STATE_RESTORING: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_NOT_READY: ServingState
 SERVING_STATE_DRAINING: ServingState
+IN_FLIGHT_REASON_UNSPECIFIED: InFlightReason
+IN_FLIGHT_REASON_FIXED: InFlightReason
+IN_FLIGHT_REASON_STARTING: InFlightReason
+IN_FLIGHT_REASON_GROWING: InFlightReason
+IN_FLIGHT_REASON_KV_CACHE_HIGH: InFlightReason
+IN_FLIGHT_REASON_PREEMPTED: InFlightReason
+IN_FLIGHT_REASON_CEILING: InFlightReason
+IN_FLIGHT_REASON_NOT_LIMITING: InFlightReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -427,7 +446,7 @@ class CheckpointStatus(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., outcome: _Optional[_Union[CheckpointOutcome, str]] = ..., reason: _Optional[_Union[CheckpointReason, str]] = ..., attempted_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., tag: _Optional[str] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups", "dropped_groups", "dropped_by_reason", "dropped_tokens")
+    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups", "dropped_groups", "dropped_by_reason", "dropped_tokens", "evicted_tokens")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +465,7 @@ class Counters(_message.Message):
     DROPPED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     admitted_groups: int
     committed_groups: int
     acked_groups: int
@@ -457,7 +477,26 @@ class Counters(_message.Message):
     dropped_groups: int
     dropped_by_reason: _containers.ScalarMap[str, int]
     dropped_tokens: int
-    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
+    evicted_tokens: int
+    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., dropped_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ...) -> None: ...
+
+class AdmissionStatus(_message.Message):
+    __slots__ = ("in_flight_limit", "in_flight_reason", "in_flight_ceiling", "adaptive", "staleness_gating", "consumed_per_version", "staleness_room")
+    IN_FLIGHT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REASON_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_CEILING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_GATING_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_PER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_ROOM_FIELD_NUMBER: _ClassVar[int]
+    in_flight_limit: int
+    in_flight_reason: InFlightReason
+    in_flight_ceiling: int
+    adaptive: bool
+    staleness_gating: bool
+    consumed_per_version: float
+    staleness_room: int
+    def __init__(self, in_flight_limit: _Optional[int] = ..., in_flight_reason: _Optional[_Union[InFlightReason, str]] = ..., in_flight_ceiling: _Optional[int] = ..., adaptive: _Optional[bool] = ..., staleness_gating: _Optional[bool] = ..., consumed_per_version: _Optional[float] = ..., staleness_room: _Optional[int] = ...) -> None: ...
 
 class SourceStatus(_message.Message):
     __slots__ = ("name", "weight", "epoch", "offset", "prompts", "exhausted", "committed_groups", "committed_tokens", "delivered_groups")
@@ -482,7 +521,7 @@ class SourceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., prompts: _Optional[int] = ..., exhausted: _Optional[bool] = ..., committed_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., delivered_groups: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups")
+    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups", "admission")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +539,7 @@ class GetStatusResponse(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_DELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     engine: str
     policy_version: int
@@ -517,4 +557,5 @@ class GetStatusResponse(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[SourceStatus]
     submitted_committed_groups: int
     submitted_delivered_groups: int
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ...) -> None: ...
+    admission: AdmissionStatus
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ..., admission: _Optional[_Union[AdmissionStatus, _Mapping]] = ...) -> None: ...

@@ -1,4 +1,4 @@
-// rolloutd's built-in dashboard: ten areas of live charts over v1/dashboard/history, the
+// rolloutd's built-in dashboard: eleven areas of live charts over v1/dashboard/history, the
 // trainer's side first. An area with nothing to show says so instead of plotting zeros.
 //
 // The service samples its own metrics every few seconds (rolloutd.telemetry.history); counters
@@ -121,6 +121,17 @@
         { title: "wasted tokens/s", series: [{ label: "dropped groups", kind: "rate", sumOf: "dropped_tokens/" }] },
         { title: "scorer failures (total) by kind", series: [{ prefix: "scoring_failures/", kind: "value" }] },
         { title: "mean scoring time (ms)", series: [{ label: "per group", kind: "mean", sum: "score_seconds_sum", count: "score_seconds_count", scale: 1000 }] },
+      ],
+    },
+    {
+      id: "admission", title: "Admission",
+      what: "How many groups may generate at once and why (limits.max_in_flight, or with auto what the engine's KV cache holds without preempting), the groups in flight, the trainers' pace per policy version that staleness gating admits for, and groups evicted as too stale all the same.",
+      empty: "Nothing admitted yet.",
+      charts: [
+        { title: "groups in flight: limit (by reason) and actual", series: [{ prefix: "in_flight_limit/", kind: "value" }, { label: "generating", kind: "value", key: "buffer_groups/generating" }, { label: "finishing", kind: "value", key: "buffer_groups/finishing" }] },
+        { title: "KV-cache usage", series: [{ label: "used", kind: "value", key: "kv_cache_usage", zeroIsData: true }] },
+        { title: "staleness gate (groups)", series: [{ label: "consumed per version", kind: "value", key: "consumed_per_version" }, { label: "room", kind: "value", key: "staleness_room", zeroIsData: true }] },
+        { title: "evicted groups/s", series: [{ label: "evicted", kind: "rate", key: "evicted_groups" }] },
       ],
     },
   ];
