@@ -15,7 +15,7 @@ async def test_a_trainer_that_stops_then_resumes_gets_nothing_too_stale(serve, t
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(40)))
     weights = str(tmp_path)  # the synthetic engine only checks that the path exists
-    service, stub = await serve(
+    _, stub = await serve(
         **{
             "dataset.path": str(dataset),
             "dataset.epochs": 1,
