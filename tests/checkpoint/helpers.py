@@ -19,6 +19,7 @@ from rolloutd.checkpoint.manifest import FileEntry, Manifest, next_manifest
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.rows import Row
 from rolloutd.checkpoint.store import SnapshotStore
+from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport, Trigger
@@ -180,6 +181,7 @@ class StoreNode:
         max_in_flight: int,
         buffer_capacity: int,
         keep_latest: int,
+        concurrency: ConcurrencyConfig | None = None,
     ) -> None:
         self.location = location
         self.store = location.open()
@@ -189,6 +191,7 @@ class StoreNode:
                 max_in_flight=max_in_flight,
                 buffer_capacity=buffer_capacity,
                 reap_interval_s=0.02,
+                concurrency=concurrency,
             ),
             GatedEngine(auto=True),
             Sampler(list(prompts), seed=1, epochs=1),
