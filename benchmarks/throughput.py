@@ -164,9 +164,14 @@ class SharedEngine:
         await self._engine.abort(request_ids)
 
     async def update_weights(
-        self, path: str, version: int, *, timeline: WeightsTimeline | None = None
+        self,
+        path: str,
+        version: int,
+        *,
+        timeline: WeightsTimeline | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> None:
-        await self._engine.update_weights(path, version, timeline=timeline)
+        await self._engine.update_weights(path, version, timeline=timeline, only=only)
 
     def counters(self) -> EngineCounters:
         return self._engine.counters()
@@ -558,7 +563,7 @@ async def start_engine(config: Config) -> tuple[VLLMEngine, list[psutil.Process]
     engine = VLLMEngine(
         config.engine_factory().vllm,
         tiny,
-        max_sequences=config.limits.max_in_flight * config.group_size,
+        max_sequences=config.limits.in_flight_cap * config.group_size,
     )
     await engine.start()
     procs = [

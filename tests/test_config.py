@@ -40,6 +40,42 @@ def test_cross_field_check():
         load_config(overrides={"limits.max_in_flight": 10, "limits.buffer_capacity": 5}, environ={})
 
 
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "sometimes", None])
+def test_max_in_flight_is_a_positive_int_or_auto(value):
+    with pytest.raises(
+        ConfigError, match=r"'limits\.max_in_flight': .*must be a positive int or auto"
+    ):
+        load_config(overrides={"limits.max_in_flight": value}, environ={})
+
+
+def test_max_in_flight_auto_follows_the_engine_up_to_its_ceiling():
+    c = load_config(
+        environ={
+            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "auto",
+            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT_CEILING": "48",
+            "ROLLOUTD_LIMITS__KV_CACHE_SOFT_LIMIT": "0.8",
+        }
+    )
+    controller = c.controller()
+    assert controller.max_in_flight == c.limits.in_flight_cap == 48
+    assert controller.concurrency is not None
+    assert (controller.concurrency.ceiling, controller.concurrency.kv_cache_soft_limit) == (48, 0.8)
+    assert load_config(environ={}).controller().concurrency is None  # a number: fixed
+    with pytest.raises(ConfigError, match=r"limits\.max_in_flight_ceiling must not exceed"):
+        load_config(
+            overrides={"limits.max_in_flight": "auto", "limits.max_in_flight_ceiling": 300},
+            environ={},
+        )
+    with pytest.raises(ConfigError, match=r"'limits\.kv_cache_soft_limit'"):
+        load_config(overrides={"limits.kv_cache_soft_limit": 1.5}, environ={})
+
+
+def test_staleness_gating_is_on_unless_turned_off():
+    assert load_config(environ={}).controller().staleness_gating
+    off = load_config(overrides={"limits.staleness_gating": False}, environ={})
+    assert not off.controller().staleness_gating
+
+
 def test_bad_file(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("- a list\n")

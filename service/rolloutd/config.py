@@ -112,6 +112,7 @@ class VLLMSettings(_Section):
     otlp_traces_endpoint: str | None = owned(VLLMConfig, "otlp_traces_endpoint")
     max_num_seqs: int = owned(VLLMConfig, "max_num_seqs", gt=0)
     kv_cache_memory_gib: float | None = owned(VLLMConfig, "kv_cache_memory_gib", gt=0)
+    block_size: int | None = owned(VLLMConfig, "block_size", gt=0)
     cpu_threads_bind: str | None = owned(VLLMConfig, "cpu_threads_bind")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = owned(
         VLLMConfig, "logprobs_mode"

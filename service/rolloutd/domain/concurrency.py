@@ -60,7 +60,7 @@ class ConcurrencyConfig:
     kv_cache_soft_limit: float = 0.9
     """With ``limits.max_in_flight: auto``: the limit grows only while the engine's KV-cache
     usage stays under this fraction (vLLM preempts when it is full)."""
-    initial: int = 4
+    initial: int = 8
     """Groups in flight before the engine has been read (capped by ``ceiling``)."""
     backoff: float = 0.5
     """Factor applied to the limit when the engine preempted requests."""

@@ -234,6 +234,7 @@ class VLLMEngine:
             enforce_eager=s.enforce_eager,
             max_num_seqs=s.max_num_seqs,
             kv_cache_memory_bytes=self._kv_cache_bytes,
+            block_size=s.block_size,
             logprobs_mode=s.logprobs_mode,
             otlp_traces_endpoint=s.otlp_traces_endpoint,
             disable_log_stats=True,

@@ -35,6 +35,9 @@ class VLLMConfig:
     generate at once (limits.max_in_flight, or limits.max_in_flight_ceiling with auto, x
     group_size sequences of max_model_len tokens, at most 4 GiB). vLLM's own
     VLLM_CPU_KVCACHE_SPACE variable, if set, overrides both."""
+    block_size: int | None = None
+    """Tokens per KV-cache block; unset: vLLM's own (128 on CPU, 16 on GPU). A sequence takes
+    blocks as it grows, and vLLM preempts a running one when none is free."""
     cpu_threads_bind: str | None = None
     """CPU only: how vLLM binds its worker's OpenMP threads (its VLLM_CPU_OMP_THREADS_BIND:
     auto, nobind, or CPU lists such as 0-3). Unset: that variable if the environment sets it;
