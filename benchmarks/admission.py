@@ -68,6 +68,8 @@ import grpc
 from throughput import SharedEngine, engine_overrides
 
 from rolloutd.config import Config, load_config
+from rolloutd.domain.engine import GenerationRequest, SamplingParams
+from rolloutd.domain.group import Prompt
 from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.engines.vllm_kv_cache import GIB, kv_bytes_per_token, read_model_config
 from rolloutd.server import RolloutService
@@ -199,6 +201,28 @@ async def sample(served_: Served, engine: SharedEngine, into: Sampled, poll_s: f
         await asyncio.sleep(poll_s)
 
 
+async def idle(engine: SharedEngine, timeout_s: float = 120.0) -> None:
+    """Until the engine holds no request: the previous run's aborted requests must not count
+    against the next one (their KV cache, their preemptions). vLLM reports its scheduler's state
+    after each step, and an abort takes none, so a one-token probe makes it report afresh."""
+    deadline = time.monotonic() + timeout_s
+    probe = 0
+    while True:
+        probe += 1
+        await engine.generate(probe_request(f"idle-{time.monotonic_ns()}-{probe}", max_tokens=1))
+        c = engine.counters()
+        if not (c.requests_running or c.requests_waiting):
+            return
+        if time.monotonic() > deadline:
+            common.fail(f"the engine did not become idle in {timeout_s:.0f} s: {c}")
+        await asyncio.sleep(0.1)
+
+
+def probe_request(request_id: str, max_tokens: int) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens)
+    return GenerationRequest(request_id, -1, 0, Prompt(request_id, "warm up"), 0, params)
+
+
 async def run_concurrency(
     plan: Plan, engine: SharedEngine, variant: int | str, workdir: Path
 ) -> dict[str, Any]:
@@ -206,6 +230,7 @@ async def run_concurrency(
     if variant == AUTO:
         limits["max_in_flight_ceiling"] = plan.ceiling
     cfg = config(plan, workdir, **limits)
+    await idle(engine)
     preempted0 = engine.counters().preemptions
     sampled = Sampled()
     async with served(cfg, engine) as s:
@@ -269,6 +294,7 @@ async def run_staleness(
         staleness_gating=gated,
         buffer_capacity=256,
     )
+    await idle(engine)
     generated0 = engine.counters().generation_tokens
     version = engine.policy_version
     delivered_tokens = delivered_groups = 0
@@ -352,23 +378,10 @@ async def start_engine(plan: Plan, base: Config) -> tuple[VLLMEngine, Path, dict
     return engine, tiny, {"kv_cache_bytes": kv_bytes, "kv_bytes_per_token": per_token}
 
 
-async def warm_up(engine: VLLMEngine, base: Config) -> None:
+async def warm_up(engine: SharedEngine) -> None:
     """A few short requests: the engine's first steps are slow and would count against whichever
     variant runs first."""
-    from dataclasses import replace
-
-    from rolloutd.domain.engine import GenerationRequest
-    from rolloutd.domain.group import Prompt
-
-    params = replace(base.controller().sampling, max_tokens=8)
-    await asyncio.gather(
-        *(
-            engine.generate(
-                GenerationRequest(f"warm-{i}", -1, i, Prompt(f"w{i}", f"warm up {i}"), i, params)
-            )
-            for i in range(8)
-        )
-    )
+    await asyncio.gather(*(engine.generate(probe_request(f"warm-{i}", 8)) for i in range(8)))
 
 
 async def run(plan: Plan, quick: bool) -> dict[str, Any]:
@@ -387,7 +400,7 @@ async def run(plan: Plan, quick: bool) -> dict[str, Any]:
         common.progress(f"engine started in {engine_start_s:.1f} s")
         shared = SharedEngine(engine, keep=0)
         try:
-            await warm_up(engine, base)
+            await warm_up(shared)
             common.progress("engine warmed up")
             for i in range(plan.rounds):
                 for variant in schedule(i):

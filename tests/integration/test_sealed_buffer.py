@@ -26,6 +26,8 @@ ENV = {
     "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "64",
     "ROLLOUTD_LIMITS__BUFFER_CAPACITY": str(PROMPTS),
     "ROLLOUTD_LIMITS__LEASE_TIMEOUT_S": "1",
+    # the buffer fills with no trainer: staleness gating would stop at what one could consume
+    "ROLLOUTD_LIMITS__STALENESS_GATING": "false",
 }
 
 

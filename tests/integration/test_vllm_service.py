@@ -220,12 +220,14 @@ def test_sigkill_mid_generation_reuses_staged_siblings_and_reruns_only_the_missi
     # vLLM runs one sequence at a time, so a group's siblings finish one after another and the
     # group is partly staged for most of its generation: nearly every snapshot catches one,
     # however slowly the machine generates. The buffer holds every group of the data set, so it
-    # does not fill, and stop generation, meanwhile.
+    # does not fill, and stop generation, meanwhile (nor does staleness gating, which would stop
+    # at what a trainer could consume: none fetches here).
     data = dataset(tmp_path / "prompts.jsonl", 1024)
     env = {
         "ROLLOUTD_ENGINE__VLLM__MAX_NUM_SEQS": "1",
         "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": "4",
         "ROLLOUTD_LIMITS__BUFFER_CAPACITY": "1024",
+        "ROLLOUTD_LIMITS__STALENESS_GATING": "false",
         "ROLLOUTD_ENGINE__TEMPERATURE": "1.0",
     }
     shape = ["--dataset", str(data), "--group-size", "4", "--max-tokens", "96"]
