@@ -105,6 +105,25 @@ def test_a_preemption_backs_off_once_per_turnover():
     assert limit.value == 8
 
 
+def test_it_grows_back_to_just_below_what_overflowed_and_probes_above_it_slowly():
+    limit = InFlightLimit(64, replace(CONFIG, initial=20, probe_after=3))
+    engine = Engine(limit)
+    engine.read()
+    engine.preemptions += 1
+    engine.read()  # 20 overflowed: back to 10
+    engine.departed += 20
+    engine.read(in_flight=10)  # the cooling turnover ends
+    engine.usage = 0.3
+    assert engine.turn_over()
+    assert (limit.value, limit.reason) == (19, InFlightReason.GROWING)  # not 20 again
+    for _ in range(2):
+        assert not engine.turn_over()
+        assert (limit.value, limit.reason) == (19, InFlightReason.PREEMPTED)
+    assert not engine.turn_over()  # the third quiet turnover lets it try 20 next time
+    assert engine.turn_over()
+    assert limit.value == 20
+
+
 def test_an_engine_that_restarted_counts_from_zero_without_a_back_off():
     limit = InFlightLimit(64, CONFIG)
     engine = Engine(limit)

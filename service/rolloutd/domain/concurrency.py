@@ -5,8 +5,11 @@ cache's capacity vLLM preempts running requests and computes them again, and gen
 down several times over. With ``limits.max_in_flight: auto`` the limit follows the engine's own
 signals (``EngineCounters.kv_cache_usage`` and the cumulative ``preemptions``):
 
-- **Back off on preemption.** Any preemption since the last reading multiplies the limit by
-  ``backoff`` (at least one group).
+- **Back off on preemption.** A preemption since the last reading multiplies the limit by
+  ``backoff`` (at least one group), once per turnover: the groups in flight when it backs off go
+  on overflowing until they finish. The value that overflowed is remembered, and growth stops
+  one below it; every ``probe_after`` quiet turnovers there it may try one more, so a lighter
+  workload is found again without a sawtooth through preemptions.
 - **Grow while there is room.** Once the groups in flight at the last change have turned over
   (as many groups left flight since as there were in it), the limit is known to be safe or not:
   if the highest KV-cache usage seen meanwhile is under ``kv_cache_soft_limit``, the limit was
@@ -42,7 +45,8 @@ class InFlightReason(enum.Enum):
     KV_CACHE_HIGH = "kv_cache_high"
     """Held: KV-cache usage reached the soft limit during the last turnover."""
     PREEMPTED = "preempted"
-    """Backed off: the engine preempted requests."""
+    """Backed off because the engine preempted requests, or held just below the value that
+    made it preempt."""
     CEILING = "ceiling"
     """Held at ``limits.max_in_flight_ceiling``."""
     NOT_LIMITING = "not_limiting"
@@ -68,6 +72,9 @@ class ConcurrencyConfig:
     """Most the limit grows by in one step."""
     interval_s: float = 0.25
     """How often the engine's signals are read."""
+    probe_after: int = 8
+    """Quiet turnovers just below the lowest value that made the engine preempt before it may
+    try one more group."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,12 @@ class InFlightLimit:
         """Most groups in flight read in the current window."""
         self._cooling = False
         """Backed off in the current window: its readings judge the groups in flight before."""
+        self._overflow: int | None = None
+        """The lowest value known to have made the engine preempt (None: none yet). Growth stops
+        below it; it creeps up by one every ``probe_after`` quiet turnovers spent just below it,
+        so a lighter workload is found again."""
+        self._quiet = 0
+        """Turnovers spent just below ``_overflow`` without a preemption."""
 
     @property
     def adaptive(self) -> bool:
@@ -133,6 +146,8 @@ class InFlightLimit:
             # the groups in flight when it backs off go on overflowing until they finish: one
             # back-off per turnover, not one per reading
             self._cooling = True
+            self._overflow = min(self.value, self._overflow or self.value)
+            self._quiet = 0
             value = max(1, math.floor(self.value * cfg.backoff))
             return self._set(value, reading, InFlightReason.PREEMPTED)
         self._peak = max(self._peak, reading.kv_cache_usage)
@@ -157,6 +172,13 @@ class InFlightLimit:
         grown = min(grown, self.ceiling)
         if grown <= self.value:
             return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
+        if self._overflow is not None and grown >= self._overflow:
+            grown = self._overflow - 1
+            if grown <= self.value:
+                self._quiet += 1
+                if self._quiet >= cfg.probe_after:
+                    self._overflow, self._quiet = self._overflow + 1, 0
+                return self._hold(reading, InFlightReason.PREEMPTED)
         return self._set(grown, reading, InFlightReason.GROWING)
 
     def _new_window(self, reading: EngineReading) -> None:
