@@ -12,11 +12,12 @@ run is a real ``RolloutService`` (gRPC and all) on that engine, through ``throug
 1. **Concurrency.** Each round runs every variant once, in an order rotated from round to round:
    ``limits.max_in_flight`` 8, 16, 32 and 64 (static), and ``auto`` (ceiling 64). The trainer
    fetches and acks as fast as groups come and never changes the weights (staleness gating has
-   nothing to hold back). Generated tokens/s (the engine's own counter: on a loaded 2-core
-   machine a short window may end before any group commits, so committed tokens/s, recorded
-   beside it, are coarser) are measured over ``window_s`` after a warm-up
-   (``warmup_s``; ``auto_warmup_s`` for ``auto``, which starts at 4 groups and grows once per
-   turnover of the groups in flight); preemptions are the engine's own count
+   nothing to hold back). A run warms up for ``warm_up_turnovers`` turnovers of the groups in
+   flight (``auto``, which starts at 8 groups and may change once per turnover: that many at a
+   limit that held), then measures generated tokens/s (the engine's own counter; committed
+   tokens/s beside it move in steps of a group) over a window of ``window_tokens`` generated
+   tokens. Warm-up and window are work, not seconds, so a loaded machine measures as many engine
+   steps as an idle one, only slower. Preemptions are the engine's own count
    (``IterationStats.num_preempted_reqs``, through ``EngineCounters.preemptions``) from the
    service's start to the end of its window, the warm-up included.
 
@@ -44,8 +45,8 @@ run is a real ``RolloutService`` (gRPC and all) on that engine, through ``throug
      tokens. A stand-in until the token fate buckets (``rolloutd.tokens{fate}``) exist: it
      shows how far the service's own counts are from the engine's (target 1).
 
-``--quick``: 2 rounds of 6 s windows (after 4 s, auto 8 s), 8 trainer steps (full: 4 rounds of
-15 s after 6 s, auto 15 s; 2 staleness rounds of 20 steps).
+``--quick``: 2 rounds of 6,000-token windows after one turnover, 8 trainer steps (full: 4 rounds
+of 24,000 tokens after two turnovers; 2 staleness rounds of 20 steps).
 
 Usage: ``python benchmarks/admission.py [--quick] [--json FILE]``.
 """
@@ -58,7 +59,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,7 @@ import grpc
 from throughput import SharedEngine, engine_overrides
 
 from rolloutd.config import Config, load_config
+from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.engine import GenerationRequest, SamplingParams
 from rolloutd.domain.group import Prompt
 from rolloutd.engines.tiny_model import ensure_tiny_model
@@ -89,9 +91,12 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class Plan:
     rounds: int = 4
-    warmup_s: float = 6.0
-    auto_warmup_s: float = 15.0
-    window_s: float = 15.0
+    warm_up_turnovers: int = 2
+    """Turnovers of the groups in flight before measuring (with ``auto``, at a settled limit)."""
+    window_tokens: int = 24_000
+    """Generated tokens a measured window lasts: work, not seconds, so that a window holds as
+    many of the engine's steps on a loaded machine as on an idle one."""
+    max_window_s: float = 300.0
     steps: int = 20
     """Trainer steps of a staleness run before admission stops."""
     staleness_rounds: int = 2
@@ -116,10 +121,10 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(rounds=2, warmup_s=4.0, auto_warmup_s=8.0, window_s=6.0, steps=8, staleness_rounds=1)
+QUICK = Plan(rounds=2, warm_up_turnovers=1, window_tokens=6_000, steps=8, staleness_rounds=1)
 QUICK_CHANGES = (
-    "quick: 2 rounds of 6 s windows after 4 s (auto 8 s), 1 staleness round of 8 steps "
-    "(full: 4 rounds of 15 s after 6 s, auto 15 s; 2 staleness rounds of 20 steps)"
+    "quick: 2 rounds of 6,000-token windows after 1 turnover, 1 staleness round of 8 steps "
+    "(full: 4 rounds of 24,000 tokens after 2 turnovers; 2 staleness rounds of 20 steps)"
 )
 
 
@@ -223,6 +228,35 @@ def probe_request(request_id: str, max_tokens: int) -> GenerationRequest:
     return GenerationRequest(request_id, -1, 0, Prompt(request_id, "warm up"), 0, params)
 
 
+async def until(condition: Callable[[], bool], timeout_s: float, every_s: float = 0.02) -> bool:
+    """Waits for ``condition``; False if ``timeout_s`` passed first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(every_s)
+    return True
+
+
+async def warm_up_run(s: Served, plan: Plan, adaptive: bool) -> float:
+    """Until the groups in flight have turned over ``warm_up_turnovers`` times at the limit (with
+    ``auto``: the limit it settled at, one turnover without a change); returns how long it took.
+    Measured in groups, not seconds, so that a loaded machine warms up as far as an idle one."""
+    started = time.monotonic()
+    generation = s.service.controller.generation
+    settling = {InFlightReason.STARTING, InFlightReason.GROWING}
+    turnovers = 0
+    while turnovers < plan.warm_up_turnovers:
+        limit, departed = generation.limit.value, generation.departed
+        if not await until(
+            lambda n=limit, d=departed: generation.departed - d >= n, plan.max_window_s
+        ):
+            break
+        settled = generation.limit.value == limit and generation.limit.reason not in settling
+        turnovers = turnovers + 1 if settled or not adaptive else 0
+    return time.monotonic() - started
+
+
 async def run_concurrency(
     plan: Plan, engine: SharedEngine, variant: int | str, workdir: Path
 ) -> dict[str, Any]:
@@ -240,9 +274,14 @@ async def run_concurrency(
             asyncio.create_task(sample(s, engine, sampled, plan.poll_s)),
         ]
         try:
-            await asyncio.sleep(plan.auto_warmup_s if variant == AUTO else plan.warmup_s)
+            warmed = await warm_up_run(s, plan, variant == AUTO)
             e0, t0, tokens0 = engine.counters(), time.monotonic(), counters.committed_tokens
-            await asyncio.sleep(plan.window_s)
+            await until(
+                lambda: (
+                    engine.counters().generation_tokens - e0.generation_tokens >= plan.window_tokens
+                ),
+                plan.max_window_s,
+            )
             e1, t1, tokens1 = engine.counters(), time.monotonic(), counters.committed_tokens
             final = s.service.controller.admission_status()
         finally:
@@ -251,6 +290,8 @@ async def run_concurrency(
             await asyncio.gather(*tasks, return_exceptions=True)
     return {
         "variant": str(variant),
+        "warm_up_s": warmed,
+        "window_s": t1 - t0,
         "tokens_per_s": (e1.generation_tokens - e0.generation_tokens) / (t1 - t0),
         "committed_tokens_per_s": (tokens1 - tokens0) / (t1 - t0),
         "preemptions": e1.preemptions - preempted0,
