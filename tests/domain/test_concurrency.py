@@ -124,6 +124,17 @@ def test_it_grows_back_to_just_below_what_overflowed_and_probes_above_it_slowly(
     assert limit.value == 20
 
 
+def test_once_usage_reached_the_soft_limit_it_grows_one_group_a_turnover():
+    limit = InFlightLimit(64, replace(CONFIG, initial=10))
+    engine = Engine(limit)
+    engine.usage = 0.92
+    assert not engine.turn_over()
+    assert limit.reason is InFlightReason.KV_CACHE_HIGH
+    engine.usage = 0.5  # a lighter turnover: in proportion it would be 18, but one peak is noise
+    assert engine.turn_over()
+    assert (limit.value, limit.reason) == (11, InFlightReason.GROWING)
+
+
 def test_an_engine_that_restarted_counts_from_zero_without_a_back_off():
     limit = InFlightLimit(64, CONFIG)
     engine = Engine(limit)

@@ -15,8 +15,10 @@ signals (``EngineCounters.kv_cache_usage`` and the cumulative ``preemptions``):
   if the highest KV-cache usage seen meanwhile is under ``kv_cache_soft_limit``, the limit was
   binding (groups were in flight up to it) and nothing was preempted, it grows, by at most
   ``growth`` times and no further than usage projected in proportion stays under the soft
-  limit. Waiting for a turnover matters: a sequence's KV cache grows while it decodes, so usage
-  read right after an increase says little about where it will peak.
+  limit; once usage has reached the soft limit, by one group a turnover, since one turnover's
+  peak is a noisy estimate. Waiting for a turnover
+  matters: a sequence's KV cache grows while it decodes, so usage read right after an increase
+  says little about where it will peak.
 - **Never above** ``limits.max_in_flight_ceiling``.
 
 The reason for the current value is an enum (:class:`InFlightReason`), reported beside it. The
@@ -128,6 +130,10 @@ class InFlightLimit:
         so a lighter workload is found again."""
         self._quiet = 0
         """Turnovers spent just below ``_overflow`` without a preemption."""
+        self._near_full = False
+        """Usage once reached the soft limit: from then on it grows by one group a turnover,
+        since one turnover's peak is a noisy estimate (after a back-off it grows back in
+        proportion, up to just below the value that overflowed)."""
 
     @property
     def adaptive(self) -> bool:
@@ -160,6 +166,7 @@ class InFlightLimit:
             self._cooling = False
             return self._hold(reading, InFlightReason.PREEMPTED)
         if self._peak >= cfg.kv_cache_soft_limit:
+            self._near_full = True
             return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
         if self.value >= self.ceiling:
             return self._hold(reading, InFlightReason.CEILING)
@@ -169,8 +176,9 @@ class InFlightLimit:
         if self._peak > 0:
             # usage grows about in proportion to the groups in flight
             grown = min(grown, math.floor(self.value * cfg.kv_cache_soft_limit / self._peak))
-        grown = min(grown, self.ceiling)
+        grown = min(grown, self.ceiling, self.value + 1 if self._near_full else grown)
         if grown <= self.value:
+            self._near_full = True
             return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
         if self._overflow is not None and grown >= self._overflow:
             grown = self._overflow - 1
@@ -182,9 +190,9 @@ class InFlightLimit:
         return self._set(grown, reading, InFlightReason.GROWING)
 
     def _new_window(self, reading: EngineReading) -> None:
+        """A window begins after ``reading``, which ended the previous one."""
         self._window = (reading.departed, reading.in_flight)
-        self._peak = reading.kv_cache_usage
-        self._busiest = reading.in_flight
+        self._peak, self._busiest = 0.0, 0
 
     def _hold(self, reading: EngineReading, reason: InFlightReason) -> bool:
         self.reason = reason
