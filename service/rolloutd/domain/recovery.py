@@ -120,8 +120,6 @@ class Recovery:
         self.core = core
         self.generation = generation
         self.delivery = delivery
-        self._partials: dict[tuple[int, int], PartialSibling] = {}
-        """Partial siblings a restore found, until their group resumes (or the restore ends)."""
 
     # --- out -------------------------------------------------------------------------------
 
@@ -227,10 +225,24 @@ class Recovery:
             }
             for lease in core.buffer.expired_leases(core.clock()):
                 self.delivery.requeue(lease.lease_id)
+            # partial siblings wait in the staging until their group resumes or leaves
+            core.staging = {(p.group_id, p.index): list(p.deltas) for p in state.partials}
+            self._account_from_here()
         if state.weights_path and state.policy_version > core.engine.policy_version:
             await core.engine.update_weights(state.weights_path, state.policy_version)
         core.policy_version, core.weights_path = state.policy_version, state.weights_path
-        self._partials = {(p.group_id, p.index): p for p in state.partials}
+
+    def _account_from_here(self) -> None:
+        """A snapshot written before tokens were accounted for (domain/fate.py) holds tokens it
+        never counted as generated: the account starts at this restore, with them buffered (or
+        delivered, for acked groups). A snapshot that counted nothing holds none."""
+        core = self.core
+        counters = core.counters
+        if counters.generated_tokens:
+            return
+        buffered, acked = core.held_tokens()
+        counters.delivered_tokens += acked
+        counters.generated_tokens = sum(counters.settled().values()) + buffered
 
     async def _replay(self, journal: Callable[[], Sequence[Journaled]]) -> int:
         """Applies what was journaled after the restored snapshot (see the module docstring);
@@ -280,11 +292,13 @@ class Recovery:
         held it unfinished, else its position is never admitted (inside the RESTORE mutation)."""
         core = self.core
         group = core.buffer.groups.get(drop.group_id)
+        tokens = 0  # what the group generated after the snapshot was never counted here
         if group is None:
             core.sampler.skip(drop.admission)
         else:
+            tokens = group.generated_tokens + core.release_partials(drop.group_id)
             core.buffer.remove(drop.group_id, GroupState.DROPPED)
-        core.counters.dropped(drop.reason, drop.tokens)
+        core.counters.dropped(drop.reason, tokens)
         log.debug(
             "group %d (prompt %s) dropped: %s (replayed from the journal)",
             drop.group_id,
@@ -315,7 +329,9 @@ class Recovery:
         for gid in lease.group_ids:
             g = buffer.groups.get(gid)
             if g is not None and g.state in UNFINISHED:
-                buffer.remove(gid, GroupState.LOST)  # finished and leased after the snapshot
+                # finished and leased after the snapshot: delivered (domain/fate.py)
+                core.counters.delivered_tokens += g.generated_tokens + core.release_partials(gid)
+                buffer.remove(gid, GroupState.LOST)
         lost = {g: event.admissions[g] for g in lease.group_ids if g not in held}
         for admission in lost.values():
             core.sampler.skip(admission)
@@ -347,7 +363,6 @@ class Recovery:
             TokenDisposition.REUSED: tokens_reused,
             TokenDisposition.REGENERATED: tokens_regenerated,
         }
-        self._partials = {}
 
     async def resume_group(
         self, group: Group, *, rerun_all: bool, from_tokens: bool = False
@@ -359,12 +374,15 @@ class Recovery:
         core = self.core
         if rerun_all and group.samples:
             async with core.barrier.mutation(MutationKind.RESTORE):
+                core.counters.regenerated_tokens += group.generated_tokens
                 core.buffer.drop_samples(group.group_id)
         missing = group.missing
-        found = {
-            i: self._partials.pop((group.group_id, i), None) for i in range(group.meta.group_size)
+        gid = group.group_id
+        held = {
+            i: PartialSibling(gid, i, deltas, len(deltas))
+            for i in range(group.meta.group_size)
+            if (deltas := core.staging.pop((gid, i), None)) is not None
         }
-        held = {i: p for i, p in found.items() if p is not None}
         prefixes = {i: p for i, p in held.items() if from_tokens and i in missing}
         if not missing:
             async with core.barrier.mutation(MutationKind.RESTORE):
@@ -374,6 +392,7 @@ class Recovery:
             self.generation.dispatch(group, missing, prefixes)
         total = sum(len(p) for p in held.values())
         reused = sum(len(p) for p in prefixes.values())
+        core.counters.regenerated_tokens += total - reused
         return Resumption(missing, sorted(prefixes), reused, total - reused)
 
 

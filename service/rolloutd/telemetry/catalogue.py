@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rolloutd.domain.delivery import LEASE_EXPIRIES
 from rolloutd.domain.encoder import UNDELIVERABLE
-from rolloutd.domain.generation import ENGINE_ERROR, STAGE_FAILED
+from rolloutd.domain.fate import ENGINE_ERROR, LEASE_EXPIRIES, REFUSED, STAGE_FAILED
 from rolloutd.domain.group import BUFFERED, SampleScore
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
@@ -362,6 +361,7 @@ OTHER = "other"
 DROP_REASONS: tuple[str, ...] = (
     *_values(DropReason),
     ENGINE_ERROR,
+    REFUSED,
     STAGE_FAILED,
     UNDELIVERABLE,
     LEASE_EXPIRIES,
