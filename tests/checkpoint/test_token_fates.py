@@ -43,7 +43,9 @@ class Flaky:
     def policy_version(self) -> int:
         return self.inner.policy_version
 
-    async def generate(self, request: GenerationRequest, on_delta: DeltaSink | None = None) -> Sample:
+    async def generate(
+        self, request: GenerationRequest, on_delta: DeltaSink | None = None
+    ) -> Sample:
         rid = request.request_id
         if on_delta is None or not (rid in self.always or rid in self.once):
             return await self.inner.generate(request, on_delta)

@@ -55,7 +55,9 @@ def test_documented_prometheus_names_and_labels_are_what_the_exporter_serves(cle
         shutdown_on_exit=False,
     )
     observer = MetricsObserver(provider)
-    observer.register_sources(lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE)
+    observer.register_sources(
+        lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE, model="tiny"
+    )
     scripted_run(observer)
     exposition = generate_latest(registry).decode()
     provider.shutdown()

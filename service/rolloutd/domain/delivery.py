@@ -47,6 +47,7 @@ from rolloutd.domain.state import JournaledAck, JournaledDrop, LostAck
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(eq=False)
 class _PendingAck:
     """An ack between its journal record being queued and being applied."""

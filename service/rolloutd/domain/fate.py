@@ -76,18 +76,24 @@ def drop_fate(reason: str) -> TokenFate:
 
 
 class EngineState(enum.Enum):
-    """What the engine's time went to while the controller ran."""
+    """What the engine's time went to while the controller ran (see :data:`STATES`)."""
 
     GENERATING = "generating"
-    """At least one sibling request was in flight."""
     WEIGHT_UPDATE = "weight_update"
-    """The engine was loading new weights (its whole ``update_weights`` call)."""
     IDLE_NO_WORK = "idle_no_work"
-    """Nothing in flight and admission started nothing: no prompt to admit, admission paused,
-    or the in-flight limit held by groups in their finishing stage."""
     IDLE_BUFFER_FULL = "idle_buffer_full"
-    """Nothing in flight because the buffer was full (limits.buffer_capacity): trainers did not
-    take groups as fast as they were generated."""
+
+
+STATES: Mapping[EngineState, str] = {
+    EngineState.GENERATING: "at least one sibling request in flight.",
+    EngineState.WEIGHT_UPDATE: "loading new weights (the engine's whole update_weights call, "
+    "which pauses generation).",
+    EngineState.IDLE_NO_WORK: "nothing in flight and admission started nothing: no prompt to "
+    "admit, admission paused, or the in-flight limit held by groups in their finishing stage.",
+    EngineState.IDLE_BUFFER_FULL: "nothing in flight because the buffer was full "
+    "(limits.buffer_capacity): trainers took groups slower than they were generated.",
+}
+"""What each state means, for the documentation (docs/metrics.md)."""
 
 
 @dataclass(frozen=True)
