@@ -283,7 +283,7 @@ class Controller:
     def status(self) -> ControllerStatus:
         """What the controller holds now; its counters' engine time is brought up to date."""
         core = self.core
-        core.clock_engine()
+        core.clock_engine(read=True)
         cursor = core.sampler.cursor
         return ControllerStatus(
             policy_version=core.policy_version,

@@ -203,7 +203,7 @@ class Core:
     def token_account(self) -> TokenAccount:
         """Where the generated tokens went, ``buffered`` counted in the buffer
         (:meth:`held_tokens`), and the engine's time so far."""
-        self.clock_engine()
+        self.clock_engine(read=True)
         counters = self.counters
         fates = {**counters.settled(), TokenFate.BUFFERED: self.held_tokens()[0]}
         seconds = {s: counters.engine_seconds.get(s.value, 0.0) for s in EngineState}
@@ -213,20 +213,24 @@ class Core:
         """Starts splitting the engine's time by state (the controller starts)."""
         self._engine_clock = (self.engine_state(), time.monotonic())
 
-    def clock_engine(self) -> None:
-        """Counts the time since the last call in the state the engine was in, and notes the
-        state it is in now. Called whenever that may have changed (a sibling starts or ends, a
-        weight update, every :meth:`notify`) and before the time is read."""
+    def clock_engine(self, *, read: bool = False) -> None:
+        """When the engine's state changed, counts the time since the last change in the state
+        it was in. Called whenever the state may have changed (a sibling starts or ends, a
+        weight update, every :meth:`notify`); with ``read``, counts the time so far even when
+        it did not change (before the counters are read)."""
         if self._engine_clock is None:
             return
-        state, since = self._engine_clock
+        held, since = self._engine_clock
+        state = self.engine_state()
+        if state is held and not read:
+            return  # the cheap common case: a sibling ends while others run
         now = time.monotonic()
-        self.counters.engine_time(state, now - since)
-        self._engine_clock = (self.engine_state(), now)
+        self.counters.engine_time(held, now - since)
+        self._engine_clock = (state, now)
 
     def stop_engine_clock(self) -> None:
         """Counts the last stretch and stops (the controller stops)."""
-        self.clock_engine()
+        self.clock_engine(read=True)
         self._engine_clock = None
 
     def watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:

@@ -133,6 +133,7 @@ class Recovery:
         if not core.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
         self.delivery.apply_durable_acks()
+        core.clock_engine(read=True)
         return ControllerState(
             buffer=core.buffer.capture(),
             sampler=core.sampler.capture(),
