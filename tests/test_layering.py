@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     # verifiers behind the finishing stage port: worker processes, HTTP reward models
     "scoring": {"domain", "entrypoints", "httpx"},
     # environments behind the episode runner's port: user classes, environments served over HTTP
-    "episodes": {"domain"},
+    "episodes": {"domain", "entrypoints", "httpx", "fastapi", "uvicorn", "pydantic"},
     # new weights: staged, checked against the served model, then loaded through the controller
     "weights": {"domain", "fsspec", "botocore", "aiohttp", "numpy", "zstandard", "torch"},
     "v1": {"google", "grpc"},
