@@ -29,10 +29,12 @@ class Echo:
         self.steps: list[tuple[str, int, str, bool]] = []
         self.attempts: Counter[tuple[str, int]] = Counter()
         self.threads: set[int] = set()
+        self.started: list[EpisodeStart] = []
         self.closed = False
 
     def reset(self, start: EpisodeStart) -> list[Message]:
         self.threads.add(threading.get_ident())
+        self.started.append(start)
         return [{"role": "system", "content": self.greeting}] if self.greeting else []
 
     def step(

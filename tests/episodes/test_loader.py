@@ -19,7 +19,7 @@ from rolloutd.episodes import (
     StepResult,
 )
 from rolloutd.episodes.loader import LocalEnvironment, load_environment
-from tests.episodes.environments import AsyncHangs, Counting, Echo, Hangs, Returns
+from tests.episodes.environments import AsyncHangs, Counting, Echo, Hangs
 from tests.waiting import eventually
 
 ENV = "tests.episodes.environments"
@@ -211,5 +211,5 @@ def test_a_source_override_is_named_as_such_and_the_timeout_must_be_positive():
     key = "dataset.sources[1].environment"
     with pytest.raises(ValueError, match=r"^dataset\.sources\[1\]\.environment_config: "):
         load_environment(f"{ENV}:NeedsLimit", {}, step_timeout_s=1.0, retries=0, key=key)
-    with pytest.raises(ValueError, match="episodes.step_timeout_s must be above 0"):
+    with pytest.raises(ValueError, match=r"episodes\.step_timeout_s must be above 0"):
         load_environment(f"{ENV}:Echo", {}, step_timeout_s=0, retries=0)
