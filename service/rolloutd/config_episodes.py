@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutd.domain.episode import EpisodeLimits
 
-_LIMITS = {f.name: f.default for f in dataclasses.fields(EpisodeLimits)}
+_LIMITS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EpisodeLimits)}
 
 ENVIRONMENT_PATTERN = r"^(https?://\S+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
 """``package.module:Class`` or ``http(s)://host:port[/prefix]``."""

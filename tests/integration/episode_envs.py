@@ -33,9 +33,7 @@ class _Logged:
         return [{"role": "system", "content": "Use the tool; it answers with a checksum."}]
 
     def step(self, episode_id: str, turn: int, completion: str, *, replay: bool = False):  # type: ignore[no-untyped-def]
-        self._note(
-            call="step", episode=episode_id, turn=turn, completion=completion, replay=replay
-        )
+        self._note(call="step", episode=episode_id, turn=turn, completion=completion, replay=replay)
         done = turn + 1 >= self.turns
         return StepResult(
             ({"role": "tool", "content": _answer(completion)},),

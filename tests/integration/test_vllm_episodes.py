@@ -10,6 +10,7 @@ adapter (``rolloutd.episodes.http``) is on this branch."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -23,7 +24,9 @@ from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.process]
+pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(1800)]
+"""Five vLLM starts (a control run, the first run and three restarts): each took up to four
+minutes on 2 cores under load."""
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"replayed": "ReplayedEnv", "stateful": "StatefulEnv"}
@@ -174,8 +177,8 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
         assert sample.finish_reason == ref.finish_reason == "episode:done", key
         assert sample.retokenization_mismatches == 0, key
         # the mask is 1 exactly on the model turns' spans
-        starts = list(sample.turn_starts) + [pb.TurnStart(start=len(sample.token_ids))]
-        for span, nxt in zip(starts, starts[1:], strict=False):
+        starts = [*sample.turn_starts, pb.TurnStart(start=len(sample.token_ids))]
+        for span, nxt in itertools.pairwise(starts):
             bit = 1 if span.kind == pb.TURN_KIND_MODEL else 0
             assert set(sample.loss_mask[span.start : nxt.start]) <= {bit}, key
         assert [t.kind for t in sample.turn_starts].count(pb.TURN_KIND_MODEL) == TURNS
