@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from array import array
 
+import pyarrow as pa
+
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.engine import GenerationRequest, SamplingParams
 from rolloutd.domain.episode import (
@@ -15,9 +17,9 @@ from rolloutd.domain.episode import (
     EpisodeStart,
     StepResult,
 )
-from rolloutd.domain.episode_log import EpisodeLog, ModelTurn, RecordKind
+from rolloutd.domain.episode_log import EnvironmentReply, EpisodeLog, ModelTurn, RecordKind
 from rolloutd.domain.episode_runner import EpisodeRunner
-from rolloutd.domain.group import Prompt, TurnKind
+from rolloutd.domain.group import Prompt, Sample, TurnKind
 from rolloutd.domain.runner import SiblingJob
 from rolloutd.domain.sampler import Sampler
 from rolloutd.domain.state import NullJournal
@@ -202,3 +204,50 @@ async def test_failing_steps_end_the_episode_and_the_service_goes_on():
             c.core.check_serving()
         finally:
             await c.stop()
+
+
+async def test_episode_rewards_are_scores_and_a_failed_episode_is_handled_as_on_failure_says():
+    from rolloutd.domain.finishing import FinishingGroup
+    from rolloutd.scoring.stage import OnFailure, ScoringStage
+
+    def sample(i, reason, reward):  # type: ignore[no-untyped-def]
+        return Sample(
+            i, array("i"), array("f"), "", reason, 0, array("i"), 0, 0.0, 0.0, episode_reward=reward
+        )
+
+    ok = [sample(0, "episode:done", 1.0), sample(1, "episode:done", 0.0)]
+    failed = [sample(0, "episode:done", 1.0), sample(1, "episode:step_timeout", None)]
+    prompt = Prompt("p", "q")
+    stage = ScoringStage(None, on_failure=OnFailure.DROP)
+    verdict = await stage.finish(FinishingGroup(1, prompt, None, 0, ok, "dataset"))
+    assert verdict.drop_reason is None and verdict.scores is not None
+    assert [s.reward for s in verdict.scores.samples] == [1.0, 0.0] and verdict.scores.std == 0.5
+    dropped = await stage.finish(FinishingGroup(2, prompt, None, 0, failed, "dataset"))
+    assert dropped.drop_reason == "scoring_failed"
+    kept = await ScoringStage(None, on_failure=OnFailure.DELIVER).finish(
+        FinishingGroup(3, prompt, None, 0, failed, "dataset")
+    )
+    assert kept.drop_reason is None and kept.scores is not None
+    assert kept.scores.samples[1].info == "episode ended: step_timeout"
+
+
+def test_episode_records_round_trip_through_the_journal_and_the_partials_file():
+    from rolloutd.checkpoint import journal_records, partials
+    from rolloutd.domain.group import SamplePart
+    from rolloutd.domain.partial import PartialSibling, TokenDelta
+    from rolloutd.domain.state import JournaledEpisode
+
+    turn = ModelTurn(
+        0, array("i", [5, 6]), array("f", [-0.5, -1.0]), (SamplePart(0, 3),), "stop", "ab"
+    )
+    step = EnvironmentReply(
+        0, ({"role": "tool", "content": "x"},), array("i", [9]), True, 1.5, b"\x00s"
+    )
+    for record in (turn, step):
+        event = journal_records.decode(journal_records.episode(4, 1, record))
+        assert event == JournaledEpisode(4, 1, record)
+    delta = TokenDelta(array("i", [7]), array("f", [-0.1]), 3)
+    partial = PartialSibling(4, 1, [delta], 1, turn=1, episode=[turn, step], episode_count=2)
+    [back], _ = partials.from_table(pa.Table.from_batches([partials.to_batch([partial], {})]))
+    assert (back.turn, list(back.episode_records)) == (1, [turn, step])
+    assert back.token_ids() == array("i", [7])
