@@ -62,7 +62,18 @@ ALLOWED: dict[str, set[str]] = {
         "weights",
     },
     # leaves used by the composition root
-    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints", "scoring"},
+    "config": {
+        "pydantic",
+        "yaml",
+        "domain",
+        "checkpoint",
+        "engines",
+        "entrypoints",
+        "scoring",
+        "config_episodes",
+    },
+    # the configuration's episodes section
+    "config_episodes": {"pydantic", "domain"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
@@ -72,6 +83,7 @@ ALLOWED: dict[str, set[str]] = {
     "supervisor": set(),
     "server": {
         "scoring",
+        "episodes",
         "startup",
         "supervisor",
         "api",

@@ -30,6 +30,7 @@ from typing import TypeVar
 from rolloutd.domain.buffer import RolloutBuffer, restored_groups
 from rolloutd.domain.core import Core
 from rolloutd.domain.delivery import Delivery
+from rolloutd.domain.episode_log import EpisodeRecord, RecordKind, merged
 from rolloutd.domain.errors import InvariantError, RestoreRefused
 from rolloutd.domain.generation import ID_BITS, Generation, local_id
 from rolloutd.domain.group import UNFINISHED, Group, GroupState, GroupTable
@@ -48,6 +49,7 @@ from rolloutd.domain.state import (
     Journaled,
     JournaledAck,
     JournaledDrop,
+    JournaledEpisode,
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
@@ -122,6 +124,8 @@ class Recovery:
         self.delivery = delivery
         self._partials: dict[tuple[int, int], PartialSibling] = {}
         """Partial siblings a restore found, until their group resumes (or the restore ends)."""
+        self._episodes: dict[tuple[int, int], list[EpisodeRecord]] = {}
+        """Episode records the journal held after the snapshot, until their group resumes."""
 
     # --- out -------------------------------------------------------------------------------
 
@@ -247,6 +251,9 @@ class Recovery:
                 elif isinstance(event, JournaledDrop):
                     self._bump_ids([event.group_id])
                     self._replay_drop(event)
+                elif isinstance(event, JournaledEpisode):
+                    key = (event.group_id, event.index)
+                    self._episodes.setdefault(key, []).append(event.record)
                 elif isinstance(event, JournaledRewind):
                     self.delivery.apply_rewind(event.trainer_step)
                 elif isinstance(event, JournaledLease):
@@ -348,6 +355,7 @@ class Recovery:
             TokenDisposition.REGENERATED: tokens_regenerated,
         }
         self._partials = {}
+        self._episodes = {}
 
     async def resume_group(
         self, group: Group, *, rerun_all: bool, from_tokens: bool = False
@@ -365,16 +373,36 @@ class Recovery:
             i: self._partials.pop((group.group_id, i), None) for i in range(group.meta.group_size)
         }
         held = {i: p for i, p in found.items() if p is not None}
-        prefixes = {i: p for i, p in held.items() if from_tokens and i in missing}
+        episodes = {
+            i: merged(
+                held[i].episode_records if i in held else (),
+                self._episodes.pop((group.group_id, i), ()),
+            )
+            for i in missing
+        }
+        episodes = {i: records for i, records in episodes.items() if records}
+        prefixes = {
+            i: p
+            for i, p in held.items()
+            if from_tokens
+            and i in missing
+            and len(p)
+            and (p.turn is None or not any(_is_turn(r, p.turn) for r in episodes.get(i, ())))
+        }
         if not missing:
             async with core.barrier.mutation(MutationKind.RESTORE):
                 core.buffer.finish(group.group_id)
             self.generation.finish_later(group)
         else:
-            self.generation.dispatch(group, missing, prefixes)
+            self.generation.dispatch(group, missing, prefixes, episodes)
         total = sum(len(p) for p in held.values())
         reused = sum(len(p) for p in prefixes.values())
         return Resumption(missing, sorted(prefixes), reused, total - reused)
+
+
+def _is_turn(record: EpisodeRecord, turn: int) -> bool:
+    """Whether ``record`` is model turn ``turn`` (a partial of a turn that finished is stale)."""
+    return record.kind is RecordKind.TURN and record.turn == turn
 
 
 def _found(table: GroupTable) -> dict[RecoveryState, int]:
