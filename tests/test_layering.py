@@ -40,6 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     # verifiers behind the finishing stage port: worker processes, HTTP reward models
     "scoring": {"domain", "entrypoints", "httpx"},
+    # environments behind the episode runner's port: user classes, environments served over HTTP
+    "episodes": {"domain", "entrypoints", "httpx", "fastapi", "uvicorn", "pydantic"},
     # new weights: staged, checked against the served model, then loaded through the controller
     "weights": {"domain", "fsspec", "botocore", "aiohttp", "numpy", "zstandard", "torch"},
     "v1": {"google", "grpc"},
@@ -60,7 +62,18 @@ ALLOWED: dict[str, set[str]] = {
         "weights",
     },
     # leaves used by the composition root
-    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints", "scoring"},
+    "config": {
+        "pydantic",
+        "yaml",
+        "domain",
+        "checkpoint",
+        "engines",
+        "entrypoints",
+        "scoring",
+        "config_episodes",
+    },
+    # the configuration's episodes section
+    "config_episodes": {"pydantic", "domain"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
@@ -70,6 +83,7 @@ ALLOWED: dict[str, set[str]] = {
     "supervisor": set(),
     "server": {
         "scoring",
+        "episodes",
         "startup",
         "supervisor",
         "api",

@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
+from rolloutd.config_episodes import ENVIRONMENT_PATTERN, EpisodesSettings
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
 from rolloutd.domain.spec import GenerationSpec, SpecError, SpecLimits, check
@@ -173,6 +174,11 @@ class SourceSettings(_Section):
     generation: GenerationSettings = GenerationSettings()
     verifier: str | None = None
     """Verifier of this source's groups, as ``scoring.verifier`` (unset: ``scoring.verifier``)."""
+    environment: str | None = Field(None, pattern=ENVIRONMENT_PATTERN)
+    """Environment of this source's episodes, as ``episodes.environment`` (unset:
+    ``episodes.environment``)."""
+    environment_config: dict[str, Any] | None = None
+    """Keyword arguments of this source's environment (unset: ``episodes.environment_config``)."""
 
 
 class DatasetConfig(_Section):
@@ -403,6 +409,7 @@ class Config(_Section):
     pipeline: PipelineConfig = PipelineConfig()
     scoring: ScoringSettings = ScoringSettings()
     filter: FilterSettings = FilterSettings()
+    episodes: EpisodesSettings = EpisodesSettings()
     weights: WeightsConfig = WeightsConfig()
     restore: str = "latest"
     """Snapshot to restore at start: latest, none, a sequence number or a tag."""
@@ -459,6 +466,7 @@ class Config(_Section):
             self.scoring.verifier
             or self.scoring.group_verifier
             or any(s.verifier for s in self.dataset.sources)
+            or self.episodes_configured()
         ):
             raise ValueError(
                 "filter.zero_variance needs rewards: set scoring.verifier or scoring.group_verifier"
@@ -490,6 +498,17 @@ class Config(_Section):
                     f"dataset.sources[{i}].verifier: pipeline.finishing_stage replaces the "
                     "scoring stage"
                 )
+        for i, source in enumerate(self.dataset.sources):
+            if source.environment_config is not None and source.environment is None:
+                raise ValueError(
+                    f"dataset.sources[{i}].environment_config needs "
+                    f"dataset.sources[{i}].environment"
+                )
+        if self.episodes_configured() and self.pipeline.sibling_runner:
+            raise ValueError(
+                "pipeline.sibling_runner replaces the episode runner: unset it or "
+                "episodes.environment"
+            )
         if self.fleet.replica >= self.fleet.replicas:
             raise ValueError(
                 f"fleet.replica must be below fleet.replicas ({self.fleet.replica} >= "
@@ -533,6 +552,12 @@ class Config(_Section):
             replica=self.fleet.replica,
             replicas=self.fleet.replicas,
             capture_partials=self.recovery.granularity == "token",
+        )
+
+    def episodes_configured(self) -> bool:
+        """Whether any prompt runs as an episode."""
+        return self.episodes.environment is not None or any(
+            s.environment for s in self.dataset.sources
         )
 
     def spec_limits(self) -> SpecLimits:

@@ -13,7 +13,7 @@ from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.fate import EngineState, TokenAccount, TokenFate
-from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
+from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus, TurnKind
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
 from rolloutd.domain.sampler import SUBMITTED
@@ -70,7 +70,18 @@ def _sample_fields(s: Sample) -> dict[str, Any]:
         "finished_at": s.finished_at,
         "resumed_at": s.resumed_at,
         "parts": [pb.SamplePart(start=p.start, policy_version=p.policy_version) for p in s.parts],
+        "loss_mask": s.loss_mask().tolist() if s.turns else [],
+        "turn_starts": [pb.TurnStart(start=t.start, kind=_TURN_KINDS[t.kind]) for t in s.turns],
+        "episode_reward": s.episode_reward,
+        "retokenization_mismatches": s.retokenization_mismatches,
     }
+
+
+_TURN_KINDS = {
+    TurnKind.MODEL: pb.TURN_KIND_MODEL,
+    TurnKind.ENVIRONMENT: pb.TURN_KIND_ENVIRONMENT,
+}
+"""Every turn kind, as the proto says it."""
 
 
 def spec_to_proto(p: SamplingParams, group_size: int, seed: int) -> pb.GenerationSpec:

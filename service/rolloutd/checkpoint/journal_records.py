@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rolloutd.checkpoint import episode_records
 from rolloutd.checkpoint.sidecar import from_json, to_json
 from rolloutd.domain.buffer import AckRecord, Lease
 from rolloutd.domain.group import Prompt
@@ -19,6 +20,7 @@ from rolloutd.domain.state import (
     Journaled,
     JournaledAck,
     JournaledDrop,
+    JournaledEpisode,
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
@@ -78,6 +80,11 @@ def drop(drop: JournaledDrop) -> dict[str, Any]:
     return {"kind": DROP, **to_json(drop)}
 
 
+def episode(group_id: int, index: int, record: Any) -> dict[str, Any]:
+    """An episode record of sibling ``index`` of group ``group_id``."""
+    return {**episode_records.to_json(record), "group_id": group_id, "index": index}
+
+
 def decode(d: Mapping[str, Any]) -> Journaled:
     """One journal record as a domain event; records from before ``kind`` existed are acks."""
     kind = d.get("kind", ACK)
@@ -93,6 +100,8 @@ def decode(d: Mapping[str, Any]) -> Journaled:
         return IdReservation(int(d["through"]))
     if kind == DROP:
         return from_json(JournaledDrop, d)
+    if kind in episode_records.KINDS:
+        return JournaledEpisode(int(d["group_id"]), int(d["index"]), episode_records.from_json(d))
     raise UnknownRecord(f"a record of unknown kind {kind!r}")
 
 

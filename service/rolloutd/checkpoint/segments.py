@@ -26,7 +26,7 @@ from rolloutd.checkpoint.manifest import FileEntry, Manifest, SegmentEntry
 from rolloutd.checkpoint.rowids import RowIdSet
 from rolloutd.checkpoint.rows import SAMPLE_SCHEMA, Row, SegmentKind, batch_to_rows, rows_to_batches
 from rolloutd.domain.buffer import RowSealer, SealedRows
-from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample, SamplePart
+from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +192,11 @@ class KeptRows(SealedRows):
         self,
         batches: Iterable[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]],
         capacity: int,
-        resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None,
+        resumed: Mapping[int, Any] | None = None,
     ) -> None:
         self._batches: list[pa.RecordBatch] = []
         self.resumed = dict(resumed or {})
-        """Row id -> (resumed_at, parts) of the rows whose samples were resumed: row segments do
+        """Row id -> ``partials.ResumedRow`` of the rows resumed or of episodes: row segments do
         not hold where a sample was resumed, the snapshot's partials file does."""
         # Each batch is indexed as it arrives (Snapshot.kept_rows) into columns allocated for
         # ``capacity`` rows (all the segments hold): a full snapshot is written in (group,
@@ -297,7 +297,14 @@ class KeptRows(SealedRows):
     def _resumed(self, k: int, sample: Sample) -> Sample:
         record = self.resumed.get(int(self._row_id[k]))
         if record is not None:
-            sample = replace(sample, resumed_at=record[0], parts=record[1])
+            sample = replace(
+                sample,
+                resumed_at=None if record.resumed_at < 0 else record.resumed_at,
+                parts=record.parts,
+                turns=record.turns,
+                episode_reward=record.episode_reward,
+                retokenization_mismatches=record.retokenization_mismatches,
+            )
         return sample
 
     def batches_of(self, row_ids: RowIdSet) -> Iterator[pa.RecordBatch]:
@@ -529,9 +536,7 @@ class Snapshot:
             rows.extend(batch_to_rows(batch, keep))
         return rows
 
-    def kept_rows(
-        self, resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None
-    ) -> KeptRows:
+    def kept_rows(self, resumed: Mapping[int, Any] | None = None) -> KeptRows:
         """Live rows left in the verified buffers, indexed by group (what a restore keeps), with
         the resume records of ``resumed`` (row id -> (resumed_at, parts)) put back when read."""
         capacity = sum(s.rows for s in self.manifest.segments)

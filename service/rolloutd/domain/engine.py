@@ -3,9 +3,10 @@ errors and its counters. ``engines/`` implements it; the controller and telemetr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.partial import PartialSibling, TokenDelta
@@ -13,6 +14,7 @@ from rolloutd.domain.spec import SamplingParams
 from rolloutd.domain.weights import WeightsTimeline
 
 __all__ = [
+    "ChatRenderer",
     "DeltaSink",
     "EngineCounters",
     "EngineDeadError",
@@ -44,6 +46,10 @@ class GenerationRequest:
     """Tokens of this sibling generated before a restart. The engine continues from the prompt's
     token ids followed by these, for the remaining ``max_tokens``, and returns the whole sample:
     these tokens and logprobs first, exactly, then the continuation's."""
+    context: array[int] | None = None
+    """Token ids to condition on in place of the rendered ``prompt`` (an episode's conversation
+    so far, rendered by its runner through :class:`ChatRenderer`); ``prefix`` follows them. The
+    sample's ``prompt_token_ids`` are these; they are never returned as generated tokens."""
 
 
 DeltaSink = Callable[[TokenDelta], None]
@@ -167,6 +173,32 @@ class GenerationEngine(Protocol):
 
     @property
     def policy_version(self) -> int: ...
+
+
+@runtime_checkable
+class ChatRenderer(Protocol):
+    """What an engine offers beside :class:`GenerationEngine` for episodes: the model's chat
+    template and tokenizer, so that a conversation's tokens are exact (docs/design.md,
+    "Episodes"). The model's own sampled tokens are never passed through :meth:`encode`."""
+
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+    ) -> str:
+        """``messages`` through the chat template, as text (special tokens spelled out)."""
+        ...
+
+    async def encode(self, text: str) -> array[int]:
+        """Token ids of rendered text, adding no special tokens of their own (the template's
+        are in the text)."""
+        ...
+
+    def decode(self, token_ids: array[int]) -> str:
+        """The text of generated tokens, as a sample's ``text`` holds it."""
+        ...
 
 
 @runtime_checkable

@@ -38,15 +38,16 @@ MEANINGS: Mapping[TokenFate, str] = {
     TokenFate.EVICTED: "in a group evicted for being more than limits.max_staleness policy "
     "versions old, whether still generating (its partial siblings too) or ready.",
     TokenFate.DROPPED: "in a group the finishing stage dropped by its verdict (a filter: "
-    "zero_variance, scoring_failed, or a custom stage's reason).",
+    "zero_variance, or a custom stage's reason).",
     TokenFate.REGENERATED: "thrown away to be generated again: the tokens of a sibling's failed "
     "attempt that is retried, tokens a restore held but generates again "
     "(recovery.granularity sibling or group), and streamed tokens a runner left out of the "
     "sample it returned.",
-    TokenFate.FAILED: "in a group the service gave up on: an engine error past "
-    "limits.sibling_retries (engine_error), a request the engine refused (refused), a "
-    "finishing stage that raised (stage_failed), a group no trainer can receive "
-    "(undeliverable) or whose leases expired too often (lease_expiries).",
+    TokenFate.FAILED: "in a group that failed: a score or an episode that failed "
+    "(scoring_failed), an engine error past limits.sibling_retries (engine_error), a request "
+    "the engine refused (refused), a finishing stage that raised (stage_failed), a group no "
+    "trainer can receive (undeliverable) or whose leases expired too often (lease_expiries). "
+    "An episode's tokens include its environment's between model turns, as its sample does.",
     TokenFate.BUFFERED: "still held: staged or partial siblings of generating groups, and groups "
     "finishing, ready or leased.",
 }
@@ -64,10 +65,14 @@ REFUSED = "refused"
 ``max_tokens`` that do not fit its context)."""
 LEASE_EXPIRIES = "lease_expiries"
 """Drop reason: the group's leases expired ``limits.max_lease_expiries`` times."""
+SCORING_FAILED = "scoring_failed"
+"""Drop reason (the scoring stage's): a sibling's score, or its episode, failed."""
 
-FAILURES = frozenset({ENGINE_ERROR, STAGE_FAILED, REFUSED, UNDELIVERABLE, LEASE_EXPIRIES})
-"""Drop reasons the service gives itself: their tokens are ``failed``; a finishing stage's own
-reasons make them ``dropped``."""
+FAILURES = frozenset(
+    {ENGINE_ERROR, STAGE_FAILED, REFUSED, UNDELIVERABLE, LEASE_EXPIRIES, SCORING_FAILED}
+)
+"""Drop reasons of a failure: their tokens are ``failed``; any other reason a finishing stage
+gives (a filter) makes them ``dropped``."""
 
 
 def drop_fate(reason: str) -> TokenFate:

@@ -28,6 +28,7 @@ from rolloutd.domain.engine import (
     GenerationRequest,
     RequestRefused,
 )
+from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.fate import ENGINE_ERROR, REFUSED, STAGE_FAILED, EngineState
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
@@ -82,6 +83,11 @@ class Generation:
         """Groups whose finishing stage runs -> the task that runs it."""
         self._trace_headers: dict[int, Mapping[str, str]] = {}
         """Trace context of each group whose generation the observer was told about."""
+        self.episodes: dict[tuple[int, int], EpisodeLog] = {}
+        """(group id, index) -> the episode records of a generating sibling (a restore's first)
+        and its current turn's tokens; kept and removed as ``Core.staging`` is."""
+        self.durable_turns = True
+        """Whether episode records are journaled (``episodes.durable_turns``)."""
         self._updating = False
         """The engine is loading new weights."""
         core.engine_state = self.engine_state
@@ -171,9 +177,11 @@ class Generation:
         group: Group,
         indices: list[int],
         prefixes: Mapping[int, PartialSibling] | None = None,
+        episodes: Mapping[int, list[EpisodeRecord]] | None = None,
     ) -> None:
         """Starts the runner on each sibling of ``indices``, each with its own seed; a sibling
-        with a prefix in ``prefixes`` continues from it."""
+        with a prefix in ``prefixes`` continues from it, one with records in ``episodes``
+        continues its episode from them."""
         core = self.core
         if group.group_id not in self._trace_headers:
             meta = group.meta
@@ -195,10 +203,21 @@ class Generation:
         tasks = self.siblings.setdefault(group.group_id, {})
         for index in indices:
             prefix = (prefixes or {}).get(index)
-            if core.config.capture_partials or prefix is not None:
+            episode = (prefix is not None and prefix.turn is not None) or index in (episodes or {})
+            if (core.config.capture_partials or prefix is not None) and not episode:
                 # Staged now, not when the task first runs, so that a checkpoint taken meanwhile
                 # still holds a restored prefix (and its tokens stay buffered).
                 core.staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
+            log_ = EpisodeLog(
+                group.group_id,
+                index,
+                core.journal if self.durable_turns else None,
+                list((episodes or {}).get(index, ())),
+                core.config.capture_partials,
+            )
+            if prefix is not None and prefix.turn is not None:
+                log_.begin_turn(prefix.turn, prefix.deltas)
+            self.episodes[(group.group_id, index)] = log_
             tasks[index] = core.watched(
                 asyncio.create_task(
                     self._run_sibling(group, index, prefix),
@@ -222,14 +241,17 @@ class Generation:
             prefix=prefix,
         )
         key = (group.group_id, index)
+        source = core.source_of(group.meta)
         for attempt in range(core.config.sibling_retries + 1):
             on_delta = None
-            if core.config.capture_partials:
+            if core.config.capture_partials and key in core.staging:
                 if attempt:  # a retry starts again from the prefix: a failed attempt's tokens go
                     self._restart(key, prefix)
                 on_delta = self._sink(key)
             try:
-                sample = await self.runner.run(SiblingJob(core.engine, request, on_delta))
+                sample = await self.runner.run(
+                    SiblingJob(core.engine, request, on_delta, source, self.episodes.get(key))
+                )
                 break
             except RequestRefused as exc:
                 await self.drop(group.group_id, REFUSED, str(exc), error=True)
@@ -251,6 +273,7 @@ class Generation:
             core.buffer.stage(group.group_id, sample)
             self.siblings[group.group_id].pop(index, None)
             self._staged(key, sample)
+            self.episodes.pop(key, None)
             last = group.complete  # exactly one sibling's task stages the last one
             if last:
                 core.buffer.finish(group.group_id)
@@ -421,6 +444,8 @@ class Generation:
         caller removes the group, and with it their staged tokens."""
         current = asyncio.current_task()
         tasks = self.siblings.pop(group_id, {})
+        for index in tasks:
+            self.episodes.pop((group_id, index), None)
         await self.core.engine.abort([request_id(group_id, i) for i in tasks])
         finishing = self._finishing.pop(group_id, None)
         for task in [*tasks.values(), *([finishing] if finishing else [])]:
@@ -445,10 +470,15 @@ class Generation:
     def partials(self) -> tuple[PartialSibling, ...]:
         """The tokens of every generating sibling so far (constant time each: a reference and a
         length); inside the exclusive hold."""
-        return tuple(
+        plain = tuple(
             PartialSibling(gid, index, chunks, len(chunks))
             for (gid, index), chunks in self.core.staging.items()
             if chunks
+        )
+        return plain + tuple(
+            PartialSibling(gid, index, e.deltas, len(e.deltas), e.turn, e.records, len(e.records))
+            for (gid, index), e in self.episodes.items()
+            if e.records
         )
 
     @property

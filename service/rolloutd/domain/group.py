@@ -42,6 +42,8 @@ class Prompt:
     messages: tuple[dict[str, str], ...] = ()
     generation: GenerationSpec = EMPTY
     """The prompt's own generation settings (over its source's and the service's)."""
+    tools: tuple[Mapping[str, Any], ...] = ()
+    """JSON schemas of the tools an episode's chat template is rendered with (none: no tools)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,24 @@ class SamplePart:
 
     start: int
     policy_version: int
+
+
+class TurnKind(enum.Enum):
+    """Who produced a span of an episode's tokens."""
+
+    MODEL = "model"
+    """Sampled by the model: the loss mask is 1 on these tokens."""
+    ENVIRONMENT = "environment"
+    """The environment's messages as the chat template renders them after the conversation."""
+
+
+@dataclass(frozen=True)
+class TurnSpan:
+    """A span of an episode's tokens, from token offset ``start`` to the next span's start (or
+    the end), produced by ``kind``."""
+
+    start: int
+    kind: TurnKind
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,25 @@ class Sample:
     finished_at: float
     resumed_at: int | None = None
     parts: tuple[SamplePart, ...] = ()
+    turns: tuple[TurnSpan, ...] = ()
+    """An episode's spans in order (docs/design.md, "Episodes"); empty for a single-turn sample,
+    whose tokens are all the model's."""
+    episode_reward: float | None = None
+    """The reward the environment's last step gave (None: none, or not an episode)."""
+    retokenization_mismatches: int = 0
+    """Token positions where re-rendering the whole conversation through the chat template
+    differs from the tokens the episode was generated with (0 expected)."""
+
+    def loss_mask(self) -> array[int]:
+        """1 exactly on the tokens the model sampled, one entry per token (``array('b')``)."""
+        if not self.turns:
+            return array("b", bytes([1]) * len(self.token_ids))
+        mask = array("b")
+        ends = [t.start for t in self.turns[1:]] + [len(self.token_ids)]
+        for span, end in zip(self.turns, ends, strict=True):
+            bit = 1 if span.kind is TurnKind.MODEL else 0
+            mask.frombytes(bytes([bit]) * (end - span.start))
+        return mask
 
 
 class KeptSamples(MutableMapping[int, Sample]):

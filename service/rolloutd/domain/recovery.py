@@ -30,6 +30,7 @@ from typing import TypeVar
 from rolloutd.domain.buffer import RolloutBuffer, restored_groups
 from rolloutd.domain.core import Core
 from rolloutd.domain.delivery import Delivery
+from rolloutd.domain.episode_log import EpisodeRecord, RecordKind, merged
 from rolloutd.domain.errors import InvariantError, RestoreRefused
 from rolloutd.domain.generation import ID_BITS, Generation, local_id
 from rolloutd.domain.group import UNFINISHED, Group, GroupState, GroupTable
@@ -48,6 +49,7 @@ from rolloutd.domain.state import (
     Journaled,
     JournaledAck,
     JournaledDrop,
+    JournaledEpisode,
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
@@ -120,6 +122,12 @@ class Recovery:
         self.core = core
         self.generation = generation
         self.delivery = delivery
+        self._partials: dict[tuple[int, int], PartialSibling] = {}
+        """Episodes' partial siblings a restore found, until their group resumes (or the restore
+        ends). A plain sibling's partial tokens wait in ``Core.staging`` instead, where they
+        count as buffered (domain/fate.py); an episode's are counted with its sample."""
+        self._episodes: dict[tuple[int, int], list[EpisodeRecord]] = {}
+        """Episode records the journal held after the snapshot, until their group resumes."""
 
     # --- out -------------------------------------------------------------------------------
 
@@ -226,8 +234,11 @@ class Recovery:
             }
             for lease in core.buffer.expired_leases(core.clock()):
                 self.delivery.requeue(lease.lease_id)
-            # partial siblings wait in the staging until their group resumes or leaves
-            core.staging = {(p.group_id, p.index): list(p.deltas) for p in state.partials}
+            # plain partial siblings wait in the staging until their group resumes or leaves
+            core.staging = {
+                (p.group_id, p.index): list(p.deltas) for p in state.partials if _plain(p)
+            }
+            self._partials = {(p.group_id, p.index): p for p in state.partials if not _plain(p)}
             self._account_from_here()
         if state.weights_path and state.policy_version > core.engine.policy_version:
             await core.engine.update_weights(state.weights_path, state.policy_version)
@@ -260,6 +271,9 @@ class Recovery:
                 elif isinstance(event, JournaledDrop):
                     self._bump_ids([event.group_id])
                     self._replay_drop(event)
+                elif isinstance(event, JournaledEpisode):
+                    key = (event.group_id, event.index)
+                    self._episodes.setdefault(key, []).append(event.record)
                 elif isinstance(event, JournaledRewind):
                     self.delivery.apply_rewind(event.trainer_step)
                 elif isinstance(event, JournaledLease):
@@ -364,6 +378,8 @@ class Recovery:
             TokenDisposition.REUSED: tokens_reused,
             TokenDisposition.REGENERATED: tokens_regenerated,
         }
+        self._partials = {}
+        self._episodes = {}
 
     async def resume_group(
         self, group: Group, *, rerun_all: bool, from_tokens: bool = False
@@ -379,22 +395,47 @@ class Recovery:
                 core.buffer.drop_samples(group.group_id)
         missing = group.missing
         gid = group.group_id
-        held = {
+        plain = {
             i: PartialSibling(gid, i, deltas, len(deltas))
             for i in range(group.meta.group_size)
             if (deltas := core.staging.pop((gid, i), None)) is not None
         }
-        prefixes = {i: p for i, p in held.items() if from_tokens and i in missing}
+        found = {i: self._partials.pop((gid, i), None) for i in range(group.meta.group_size)}
+        held = {**{i: p for i, p in found.items() if p is not None}, **plain}
+        episodes = {
+            i: merged(
+                held[i].episode_records if i in held else (),
+                self._episodes.pop((group.group_id, i), ()),
+            )
+            for i in missing
+        }
+        episodes = {i: records for i, records in episodes.items() if records}
+        prefixes = {
+            i: p
+            for i, p in held.items()
+            if from_tokens
+            and i in missing
+            and len(p)
+            and (p.turn is None or not any(_is_turn(r, p.turn) for r in episodes.get(i, ())))
+        }
         if not missing:
             async with core.barrier.mutation(MutationKind.RESTORE):
                 core.buffer.finish(group.group_id)
             self.generation.finish_later(group)
         else:
-            self.generation.dispatch(group, missing, prefixes)
+            self.generation.dispatch(group, missing, prefixes, episodes)
         total = sum(len(p) for p in held.values())
         reused = sum(len(p) for p in prefixes.values())
-        core.counters.regenerated_tokens += total - reused
+        # only a plain sibling's partial tokens were counted as generated
+        core.counters.regenerated_tokens += sum(
+            len(p) for i, p in plain.items() if i not in prefixes
+        )
         return Resumption(missing, sorted(prefixes), reused, total - reused)
+
+
+def _is_turn(record: EpisodeRecord, turn: int) -> bool:
+    """Whether ``record`` is model turn ``turn`` (a partial of a turn that finished is stale)."""
+    return record.kind is RecordKind.TURN and record.turn == turn
 
 
 def _found(table: GroupTable) -> dict[RecoveryState, int]:
@@ -406,3 +447,8 @@ def _found(table: GroupTable) -> dict[RecoveryState, int]:
         RecoveryState.ACKED: found[GroupState.ACKED],
         RecoveryState.UNFINISHED: sum(found[s] for s in UNFINISHED),
     }
+
+
+def _plain(partial: PartialSibling) -> bool:
+    """A plain sibling's partial tokens, not an episode's."""
+    return partial.turn is None and not partial.episode_records

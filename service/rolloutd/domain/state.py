@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.fate import EngineState, TokenFate, drop_fate
@@ -229,6 +229,16 @@ class JournaledDrop:
     """Generated tokens of its siblings."""
 
 
+@dataclass(frozen=True)
+class JournaledEpisode:
+    """An episode record of sibling ``index`` of group ``group_id`` (``domain/episode_log.py``),
+    journaled after the snapshot."""
+
+    group_id: int
+    index: int
+    record: Any
+
+
 Journaled = (
     JournaledAck
     | JournaledLease
@@ -236,6 +246,7 @@ Journaled = (
     | JournaledRewind
     | IdReservation
     | JournaledDrop
+    | JournaledEpisode
 )
 """One event of the journal, in the order it was made durable."""
 
@@ -267,6 +278,11 @@ class DeliveryJournal(Protocol):
         """Journals a dropped group; durable on return."""
         ...
 
+    def episode(self, group_id: int, index: int, record: Any) -> asyncio.Future[int]:
+        """Queues an episode record (``domain/episode_log.py``) without I/O; the future
+        resolves once it is durable."""
+        ...
+
 
 def _kept() -> asyncio.Future[int]:
     """A future already resolved: what the null journal keeps is kept at once."""
@@ -295,3 +311,6 @@ class NullJournal:
 
     async def drop(self, drop: JournaledDrop) -> None:
         return None
+
+    def episode(self, group_id: int, index: int, record: Any) -> asyncio.Future[int]:
+        return _kept()

@@ -27,9 +27,12 @@ import hashlib
 import math
 import os
 import time
+import zlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -125,9 +128,13 @@ class SyntheticEngine:
         version = self._version
         cfg = self._config
         max_tokens = request.params.max_tokens
-        draws = _Draws(f"{request.prompt.text}|{request.seed}|{version}")
+        context = request.context
+        key = f"{request.prompt.text}|{request.seed}|{version}"
+        if context is not None:  # an episode's turn: its tokens follow from the conversation
+            key += f"|{zlib.crc32(context.tobytes())}"
+        draws = _Draws(key)
         length = draws.length(min(cfg.min_tokens, max_tokens), max_tokens)
-        prompt_ids = _prompt_ids(request.prompt.text)
+        prompt_ids = _prompt_ids(request.prompt.text) if context is None else context
         prefix = request.prefix
         done = len(prefix) if prefix is not None else 0
         token_ids, logprobs, text = _stream().window(draws.start + done, length - done)
@@ -223,6 +230,25 @@ class SyntheticEngine:
                 await asyncio.sleep(delay / len(steps))
             end = start + DELTA_TOKENS
             on_delta(TokenDelta(token_ids[start:end], logprobs[start:end], version))
+
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+    ) -> str:
+        """The tiny model's template (``engines/tiny_model.py``), tools as a system line."""
+        head = f"<|tools|>\n{tools!r}<|end|>\n" if tools else ""
+        body = "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages)
+        return "<|bos|>" + head + body + ("<|assistant|>\n" if add_generation_prompt else "")
+
+    async def encode(self, text: str) -> array[int]:
+        """One token per character (its code point)."""
+        return array("i", map(ord, text))
+
+    def decode(self, token_ids: array[int]) -> str:
+        return _text(token_ids)
 
     async def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

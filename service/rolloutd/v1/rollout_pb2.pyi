@@ -14,6 +14,12 @@ class PromptSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROMPT_SOURCE_DATASET: _ClassVar[PromptSource]
     PROMPT_SOURCE_SUBMITTED: _ClassVar[PromptSource]
 
+class TurnKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_KIND_UNSPECIFIED: _ClassVar[TurnKind]
+    TURN_KIND_MODEL: _ClassVar[TurnKind]
+    TURN_KIND_ENVIRONMENT: _ClassVar[TurnKind]
+
 class ScoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SCORE_STATUS_UNSPECIFIED: _ClassVar[ScoreStatus]
@@ -50,6 +56,9 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PROMPT_SOURCE_UNSPECIFIED: PromptSource
 PROMPT_SOURCE_DATASET: PromptSource
 PROMPT_SOURCE_SUBMITTED: PromptSource
+TURN_KIND_UNSPECIFIED: TurnKind
+TURN_KIND_MODEL: TurnKind
+TURN_KIND_ENVIRONMENT: TurnKind
 SCORE_STATUS_UNSPECIFIED: ScoreStatus
 SCORE_STATUS_OK: ScoreStatus
 SCORE_STATUS_FAILED: ScoreStatus
@@ -118,7 +127,7 @@ class GenerationSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts", "reward", "reward_info_json", "score_status")
+    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts", "reward", "reward_info_json", "score_status", "loss_mask", "turn_starts", "episode_reward", "retokenization_mismatches")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +143,10 @@ class Sample(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     SCORE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    RETOKENIZATION_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -149,7 +162,19 @@ class Sample(_message.Message):
     reward: float
     reward_info_json: str
     score_status: ScoreStatus
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_info_json: _Optional[str] = ..., score_status: _Optional[_Union[ScoreStatus, str]] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    turn_starts: _containers.RepeatedCompositeFieldContainer[TurnStart]
+    episode_reward: float
+    retokenization_mismatches: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_info_json: _Optional[str] = ..., score_status: _Optional[_Union[ScoreStatus, str]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[_Union[TurnStart, _Mapping]]] = ..., episode_reward: _Optional[float] = ..., retokenization_mismatches: _Optional[int] = ...) -> None: ...
+
+class TurnStart(_message.Message):
+    __slots__ = ("start", "kind")
+    START_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    kind: TurnKind
+    def __init__(self, start: _Optional[int] = ..., kind: _Optional[_Union[TurnKind, str]] = ...) -> None: ...
 
 class SamplePart(_message.Message):
     __slots__ = ("start", "policy_version")
