@@ -16,6 +16,7 @@ from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
 from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
+from tests.waiting import until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process]
 
@@ -87,8 +88,10 @@ def test_vllm_metrics_beside_rolloutd_and_its_request_spans_under_the_group(
                 )
                 groups += len(r.groups)
                 stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
-        with urllib.request.urlopen(f"http://{p.http}/metrics", timeout=30) as response:
-            exposition = response.read().decode()
+        # the token fates are observed from a status the service refreshes every second
+        exposition = until(
+            "the acked groups' tokens delivered", lambda: delivered(p.http), every_s=0.5
+        )
     finally:
         if p.proc.poll() is None:
             assert p.terminate(timeout=120) == 0, p.output
@@ -117,6 +120,16 @@ def test_vllm_metrics_beside_rolloutd_and_its_request_spans_under_the_group(
     requests = [s for s in spans if s.name == VLLM_REQUEST_SPAN]
     children = [s for s in requests if (s.trace_id, s.parent_span_id) in generate]
     assert len(children) == len(requests) == 8, "each sibling's vLLM span is under its group"
+
+
+def delivered(http: str) -> str | None:
+    """The exposition at ``/metrics`` once it counts delivered tokens, else None."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=30) as response:
+        exposition = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(exposition)}
+    tokens = families["rolloutd_tokens"].samples if "rolloutd_tokens" in families else []
+    fates = {s.labels["fate"]: s.value for s in tokens}
+    return exposition if fates.get("delivered", 0) > 0 else None
 
 
 def sample(families, name: str, suffix: str = "", **labels: str) -> float:
