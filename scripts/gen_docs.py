@@ -47,6 +47,7 @@ _KIND_WORDS = {
     Kind.HISTOGRAM: "histogram",
     Kind.GAUGE: "gauge",
     Kind.OBSERVABLE_COUNTER: "counter (observable)",
+    Kind.OBSERVABLE_UP_DOWN_COUNTER: "up-down counter (observable)",
     Kind.OBSERVABLE_GAUGE: "gauge (observable)",
 }
 
@@ -66,8 +67,13 @@ def _attribute_lines(instrument: Instrument) -> list[str]:
     lines = []
     for key, values in instrument.attributes.items():
         label = prometheus_label(key)
-        shown = ", ".join(f"`{v}`" for v in values)
-        lines.append(f"- `{key}` (label `{label}`): {shown}")
+        meant = [v for v in values if v in instrument.meanings]
+        if not meant:
+            shown = ", ".join(f"`{v}`" for v in values)
+            lines.append(f"- `{key}` (label `{label}`): {shown}")
+            continue
+        lines.append(f"- `{key}` (label `{label}`):")
+        lines += [f"  - `{v}`: {instrument.meanings.get(v, '')}".rstrip() for v in values]
     for key in instrument.open_attributes:
         lines.append(f"- `{key}` (label `{prometheus_label(key)}`): any value")
     return lines

@@ -100,6 +100,7 @@ class SyntheticSettings(_Section):
     latency_s: float = owned(SyntheticConfig, "latency_s", ge=0)
     latency_sigma: float = owned(SyntheticConfig, "latency_sigma", ge=0)
     min_tokens: int = owned(SyntheticConfig, "min_tokens", gt=0)
+    kv_cache_sequences: int = owned(SyntheticConfig, "kv_cache_sequences", ge=0)
 
 
 class VLLMSettings(_Section):

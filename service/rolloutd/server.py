@@ -47,7 +47,7 @@ from rolloutd.checkpoint.tags import NONE, sequence_of
 from rolloutd.config import Config, ConfigError
 from rolloutd.dataset import load_prompts, load_source
 from rolloutd.domain.controller import Controller
-from rolloutd.domain.engine import EngineDeadError, GenerationEngine
+from rolloutd.domain.engine import EngineDeadError, GenerationEngine, ReportsRequests
 from rolloutd.domain.episode import EnvironmentPort
 from rolloutd.domain.episode_runner import EpisodeRunner
 from rolloutd.domain.errors import (
@@ -210,6 +210,8 @@ class RolloutService:
         self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
+        if isinstance(engine, ReportsRequests):
+            engine.report_requests(self.observer)
         ckpt, fleet = config.checkpoint, config.fleet
         self.store = SnapshotStore(
             ckpt.dir, ckpt.storage_options, lock_timeout_s=ckpt.lock_timeout_s

@@ -29,6 +29,8 @@ PRIMARY_ROWS = (
     ("Recovery efficiency", {Area.RECOVERY}),
     ("Snapshot size", {Area.SNAPSHOT_SIZE}),
     ("Rewards", {Area.REWARDS}),
+    ("Efficiency", {Area.EFFICIENCY}),
+    ("Engine", {Area.ENGINE}),
 )
 """The primary dashboard, in order, and the catalogue areas each row shows in full."""
 

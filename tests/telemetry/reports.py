@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest, RequestObserver
 from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.finishing import SampleScore, Verdict
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
@@ -168,20 +169,31 @@ class Observes(Observer, WeightsObserver, Protocol):
 
 ENGINE = EngineCounters(
     prompt_tokens=900, generation_tokens=4000, requests_running=3, requests_waiting=1,
-    kv_cache_usage=0.25,
+    kv_cache_usage=0.25, preemptions=6, prefix_cache_hit_ratio=0.75,
 )  # fmt: skip
+FATES = {
+    TokenFate.DELIVERED: 2400, TokenFate.EVICTED: 300, TokenFate.DROPPED: 200,
+    TokenFate.REGENERATED: 50, TokenFate.FAILED: 30, TokenFate.BUFFERED: 1020,
+}  # fmt: skip
+ENGINE_SECONDS = {
+    EngineState.GENERATING: 90.0, EngineState.WEIGHT_UPDATE: 2.5,
+    EngineState.IDLE_NO_WORK: 5.0, EngineState.IDLE_BUFFER_FULL: 12.5,
+}  # fmt: skip
 STATUS = StatusSnapshot(
     groups={GroupState.GENERATING: 4, GroupState.COMMITTED: 2, GroupState.LEASED: 1},
     inflight_samples=13,
     policy_version=3,
     acked_groups=5,
     trainer_step=7,
+    generated_tokens=sum(FATES.values()),
+    token_fates=FATES,
+    engine_seconds=ENGINE_SECONDS,
 )
 CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
 
 
-class ServiceObserver(Observes, Protocol):
-    """The domain's observer plus what the server's RPC interceptor reports."""
+class ServiceObserver(Observes, RequestObserver, Protocol):
+    """The domain's observer plus what the server's RPC interceptor and the engine report."""
 
     def rpc_finished(self, method: str, status_code: int, seconds: float) -> None: ...
 
@@ -215,3 +227,7 @@ def scripted_run(observer: ServiceObserver) -> None:
     observer.weights_updated(weights_report(start_ns=T0 + 62_000 * MS, refused=True))
     observer.weights_updated(weights_report(start_ns=T0 + 63_000 * MS))
     observer.weights_updated(weights_report(start_ns=T0 + 63_500 * MS, delta=True))
+    observer.first_token(0.03)
+    observer.first_token(0.05)
+    observer.request_finished(FinishedRequest(12, 40, 1.0, 0.025))
+    observer.request_finished(FinishedRequest(12, 1, 0.04, None))

@@ -12,6 +12,7 @@ from google.protobuf import json_format, struct_pb2
 from rolloutd.domain.controller import ControllerStatus
 from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
 from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.fate import EngineState, TokenAccount, TokenFate
 from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus, TurnKind
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
@@ -277,8 +278,10 @@ def status_to_proto(
     state: ServingState,
     generation_tokens: int,
     last_checkpoint: pb.CheckpointStatus,
+    tokens: TokenAccount,
 ) -> pb.GetStatusResponse:
     c = s.counters
+    fates, seconds = tokens.fates, tokens.engine_seconds
     return pb.GetStatusResponse(
         state=SERVING_STATES[state],
         engine=engine,
@@ -330,6 +333,22 @@ def status_to_proto(
         ],
         submitted_committed_groups=c.committed_by_source.get(SUBMITTED, 0),
         submitted_delivered_groups=c.acked_by_source.get(SUBMITTED, 0),
+        tokens=pb.TokenAccount(
+            generated=tokens.generated,
+            delivered=fates[TokenFate.DELIVERED],
+            evicted=fates[TokenFate.EVICTED],
+            dropped=fates[TokenFate.DROPPED],
+            regenerated=fates[TokenFate.REGENERATED],
+            failed=fates[TokenFate.FAILED],
+            buffered=fates[TokenFate.BUFFERED],
+            goodput=tokens.goodput,
+        ),
+        engine_time=pb.EngineTime(
+            generating_seconds=seconds[EngineState.GENERATING],
+            weight_update_seconds=seconds[EngineState.WEIGHT_UPDATE],
+            idle_no_work_seconds=seconds[EngineState.IDLE_NO_WORK],
+            idle_buffer_full_seconds=seconds[EngineState.IDLE_BUFFER_FULL],
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
@@ -241,6 +242,8 @@ class KeptRows(SealedRows):
             self.position = dict(zip(self.group_ids, range(len(starts)), strict=True))
         self._batch_no, self._at, self._index, self._row_id = batch_no, at, index, row_id
         self._bounds = [*starts, count]
+        self._token_counts: dict[int, npt.NDArray[np.int32]] = {}
+        """Batch number -> the token count of each of its rows, computed on first use."""
 
     def __len__(self) -> int:
         return int(self._at.size)
@@ -277,6 +280,19 @@ class KeptRows(SealedRows):
             batch.slice(int(at[0]), stop - start) if contiguous else batch.take(pa.array(at))
         )
         return [self._resumed(k, row[2]) for k, row in zip(range(start, stop), rows, strict=True)]
+
+    def tokens(self, start: int, stop: int) -> int:
+        """Generated tokens of rows ``[start, stop)`` of the (group, index) order, read from
+        the token lists' offsets."""
+        total = 0
+        for b, at in zip(self._batch_no[start:stop], self._at[start:stop], strict=True):
+            counts = self._token_counts.get(int(b))
+            if counts is None:
+                column = self._batches[int(b)].column("token_ids")
+                counts = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+                self._token_counts[int(b)] = counts
+            total += int(counts[at])
+        return total
 
     def _resumed(self, k: int, sample: Sample) -> Sample:
         record = self.resumed.get(int(self._row_id[k]))
@@ -360,6 +376,9 @@ class KeptGroup(KeptSamples):
 
     def ordered(self) -> list[Sample]:
         return self._rows.samples(self._start, self._stop)
+
+    def tokens(self) -> int:
+        return self._rows.tokens(self._start, self._stop)
 
 
 class ArrowSealer(RowSealer):

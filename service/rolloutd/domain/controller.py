@@ -29,6 +29,7 @@ from rolloutd.domain.core import ControllerConfig, Core
 from rolloutd.domain.delivery import AckResult, Delivery, RewindResult
 from rolloutd.domain.encoder import E, GroupEncoder
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
+from rolloutd.domain.fate import TokenAccount
 from rolloutd.domain.finishing import FinishingStage
 from rolloutd.domain.generation import ID_BITS, ID_BLOCK, Generation, local_id
 from rolloutd.domain.group import Group, GroupState
@@ -154,6 +155,7 @@ class Controller:
         """Starts admission and lease expiry. Call after any restore."""
         core = self.core
         core.admitting = True
+        core.start_engine_clock()
         self._loops = [
             core.watched(
                 asyncio.create_task(self.generation.admission_loop(), name="rolloutd-admission")
@@ -187,6 +189,7 @@ class Controller:
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
         await self.core.notify()
+        self.core.stop_engine_clock()
 
     async def wait_dead(self) -> BaseException:
         """Returns the fatal error once the controller cannot go on (e.g. the engine died)."""
@@ -272,8 +275,15 @@ class Controller:
         """A group's source name and the sampling settings it was generated with."""
         return self.core.source_of(group.meta), self.core.params_of(group.meta)
 
+    def token_account(self) -> TokenAccount:
+        """Where the generated tokens went and the engine's time, ``buffered`` counted in the
+        buffer (linear in it: for GetStatus, not for every scrape)."""
+        return self.core.token_account()
+
     def status(self) -> ControllerStatus:
+        """What the controller holds now; its counters' engine time is brought up to date."""
         core = self.core
+        core.clock_engine(read=True)
         cursor = core.sampler.cursor
         return ControllerStatus(
             policy_version=core.policy_version,

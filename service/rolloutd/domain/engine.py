@@ -20,9 +20,12 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineStartError",
+    "FinishedRequest",
     "GenerationEngine",
     "GenerationRequest",
     "PromptMeter",
+    "ReportsRequests",
+    "RequestObserver",
     "RequestRefused",
     "SamplingParams",
 ]
@@ -55,13 +58,54 @@ DeltaSink = Callable[[TokenDelta], None]
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """Cumulative since engine start (tokens) or instantaneous (requests, KV-cache usage)."""
+    """Cumulative since engine start (tokens, preemptions) or recent (requests, KV-cache usage,
+    prefix-cache hit ratio)."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_running: int = 0
     requests_waiting: int = 0
     kv_cache_usage: float = 0.0
+    """Fraction of the KV cache in use."""
+    preemptions: int = 0
+    """Requests the scheduler preempted (their KV cache freed, to be computed again when they
+    resume): the sign that more sequences run than the KV cache holds."""
+    prefix_cache_hit_ratio: float = 0.0
+    """Share of the prompt tokens of the most recent requests (about the last thousand) found in
+    the prefix cache (0 before any request)."""
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One engine request that finished (not aborted), as the engine measured it: what the
+    OpenTelemetry GenAI server metrics record."""
+
+    input_tokens: int
+    """Prompt tokens (with a resumed sibling's prefix)."""
+    output_tokens: int
+    duration_s: float
+    """From the request's arrival to its last token."""
+    time_per_output_token_s: float | None
+    """Decode time over the output tokens after the first (None: fewer than two)."""
+
+
+class RequestObserver(Protocol):
+    """Receives what an engine measured of its requests (telemetry implements it); called on
+    the event loop, must not block or raise."""
+
+    def first_token(self, seconds: float) -> None:
+        """A request produced its first token ``seconds`` after it arrived."""
+
+    def request_finished(self, request: FinishedRequest) -> None: ...
+
+
+@runtime_checkable
+class ReportsRequests(Protocol):
+    """What an engine that measures its requests offers beside :class:`GenerationEngine`."""
+
+    def report_requests(self, observer: RequestObserver) -> None:
+        """From now on, tells ``observer`` about every request's first token and end."""
+        ...
 
 
 class EngineError(RuntimeError):

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from rolloutd.domain.core import Core
 from rolloutd.domain.engine import (
+    DeltaSink,
     EngineDeadError,
     EngineError,
     GenerationRequest,
@@ -29,8 +30,9 @@ from rolloutd.domain.engine import (
 )
 from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
+from rolloutd.domain.fate import ENGINE_ERROR, REFUSED, STAGE_FAILED, EngineState
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
-from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState
+from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState, Sample
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import (
     GenerationStarted,
@@ -38,7 +40,7 @@ from rolloutd.domain.observer import (
     GroupDropped,
     GroupFinished,
 )
-from rolloutd.domain.partial import PartialSibling, TokenDelta
+from rolloutd.domain.partial import PartialSibling, TokenDelta, delta_tokens
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
 from rolloutd.domain.spec import EMPTY, resolve
@@ -46,14 +48,6 @@ from rolloutd.domain.state import JournaledDrop
 from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
-
-ENGINE_ERROR = "engine_error"
-"""Drop reason: a sibling's engine error outlasted its retries."""
-STAGE_FAILED = "stage_failed"
-"""Drop reason: the finishing stage raised."""
-REFUSED = "refused"
-"""Drop reason: the engine can never serve the group's request as asked (a prompt and
-``max_tokens`` that do not fit its context)."""
 
 ID_BITS = 40
 """Low bits of a group id count within a replica; the bits above are the replica's index, so ids
@@ -89,15 +83,25 @@ class Generation:
         """Groups whose finishing stage runs -> the task that runs it."""
         self._trace_headers: dict[int, Mapping[str, str]] = {}
         """Trace context of each group whose generation the observer was told about."""
-        self.staging: dict[tuple[int, int], list[TokenDelta]] = {}
-        """(group id, index) -> the deltas of a generating sibling so far, its restored prefix
-        first. Append-only while the sibling generates; removed in the mutation that stages the
-        sibling's sample or drops its group, so a capture never holds both."""
         self.episodes: dict[tuple[int, int], EpisodeLog] = {}
         """(group id, index) -> the episode records of a generating sibling (a restore's first)
-        and its current turn's tokens; kept and removed as ``staging`` is."""
+        and its current turn's tokens; kept and removed as its staged tokens are."""
         self.durable_turns = True
         """Whether episode records are journaled (``episodes.durable_turns``)."""
+        self._updating = False
+        """The engine is loading new weights."""
+        core.engine_state = self.engine_state
+
+    def engine_state(self) -> EngineState:
+        """What the engine does right now (domain/fate.py)."""
+        if self._updating:
+            return EngineState.WEIGHT_UPDATE
+        if any(self.siblings.values()):
+            return EngineState.GENERATING
+        buffer = self.core.buffer
+        if len(buffer.groups) - buffer.acked_groups >= self.core.config.buffer_capacity:
+            return EngineState.IDLE_BUFFER_FULL
+        return EngineState.IDLE_NO_WORK
 
     # --- admission -------------------------------------------------------------------------
 
@@ -200,10 +204,10 @@ class Generation:
         for index in indices:
             prefix = (prefixes or {}).get(index)
             episode = (prefix is not None and prefix.turn is not None) or index in (episodes or {})
-            if core.config.capture_partials and not episode:
+            if (core.config.capture_partials or prefix is not None) and not episode:
                 # Staged now, not when the task first runs, so that a checkpoint taken meanwhile
-                # still holds a restored prefix.
-                self.staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
+                # still holds a restored prefix (and its tokens stay buffered).
+                core.staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
             log_ = EpisodeLog(
                 group.group_id,
                 index,
@@ -220,6 +224,7 @@ class Generation:
                     name=f"rolloutd-{request_id(group.group_id, index)}",
                 )
             )
+        core.clock_engine()
 
     async def _run_sibling(
         self, group: Group, index: int, prefix: PartialSibling | None = None
@@ -239,10 +244,10 @@ class Generation:
         source = core.source_of(group.meta)
         for attempt in range(core.config.sibling_retries + 1):
             on_delta = None
-            if core.config.capture_partials and key in self.staging:
+            if core.config.capture_partials and key in core.staging:
                 if attempt:  # a retry starts again from the prefix: a failed attempt's tokens go
-                    self.staging[key] = list(prefix.deltas) if prefix else []
-                on_delta = self.staging[key].append
+                    self._restart(key, prefix)
+                on_delta = self._sink(key)
             try:
                 sample = await self.runner.run(
                     SiblingJob(core.engine, request, on_delta, source, self.episodes.get(key))
@@ -267,13 +272,48 @@ class Generation:
                 return  # evicted while generating
             core.buffer.stage(group.group_id, sample)
             self.siblings[group.group_id].pop(index, None)
-            self.staging.pop(key, None)
+            self._staged(key, sample)
             self.episodes.pop(key, None)
             last = group.complete  # exactly one sibling's task stages the last one
             if last:
                 core.buffer.finish(group.group_id)
+        core.clock_engine()
         if last:
             await self.finish(group)
+
+    def _sink(self, key: tuple[int, int]) -> DeltaSink:
+        """Where a sibling's attempt streams its tokens: its staging, each token counted as
+        generated. A delta that arrives after the attempt was given up (its group removed, a
+        retry begun) is not its sibling's any more and is left out."""
+        core = self.core
+        deltas = core.staging[key]
+
+        def sink(delta: TokenDelta) -> None:
+            if core.staging.get(key) is deltas:
+                deltas.append(delta)
+                core.counters.generated_tokens += len(delta.token_ids)
+
+        return sink
+
+    def _restart(self, key: tuple[int, int], prefix: PartialSibling | None) -> None:
+        """A retried sibling starts again from its prefix: the failed attempt's tokens are
+        thrown away (``regenerated``)."""
+        core = self.core
+        kept = list(prefix.deltas) if prefix else []
+        thrown = core.staging.get(key, [])
+        core.counters.regenerated_tokens += delta_tokens(thrown) - delta_tokens(kept)
+        core.staging[key] = kept
+
+    def _staged(self, key: tuple[int, int], sample: Sample) -> None:
+        """A sibling's sample replaces its staged tokens in the buffer (inside the mutation).
+        What it holds beyond them was never streamed and counts as generated now (all of it
+        without ``capture_partials``); streamed tokens it left out are ``regenerated``."""
+        counters = self.core.counters
+        unseen = len(sample.token_ids) - delta_tokens(self.core.staging.pop(key, []))
+        if unseen >= 0:
+            counters.generated_tokens += unseen
+        else:
+            counters.regenerated_tokens -= unseen
 
     # --- finishing -------------------------------------------------------------------------
 
@@ -382,6 +422,8 @@ class Generation:
             if core.buffer.groups.get(group_id) is not group:
                 return
             await self.cancel(group_id)
+            # its partial siblings too, some of which may have streamed since the record
+            tokens = group.generated_tokens + core.release_partials(group_id)
             core.buffer.remove(group_id, GroupState.DROPPED)
             core.counters.dropped(reason, tokens)
         why = f"{reason}: {detail}" if detail else reason
@@ -398,11 +440,11 @@ class Generation:
         await core.notify()
 
     async def cancel(self, group_id: int) -> None:
-        """Aborts a group's running siblings and its finishing stage (inside a mutation)."""
+        """Aborts a group's running siblings and its finishing stage (inside a mutation); the
+        caller removes the group, and with it their staged tokens."""
         current = asyncio.current_task()
         tasks = self.siblings.pop(group_id, {})
         for index in tasks:
-            self.staging.pop((group_id, index), None)
             self.episodes.pop((group_id, index), None)
         await self.core.engine.abort([request_id(group_id, i) for i in tasks])
         finishing = self._finishing.pop(group_id, None)
@@ -430,7 +472,7 @@ class Generation:
         length); inside the exclusive hold."""
         plain = tuple(
             PartialSibling(gid, index, chunks, len(chunks))
-            for (gid, index), chunks in self.staging.items()
+            for (gid, index), chunks in self.core.staging.items()
             if chunks
         )
         return plain + tuple(
@@ -468,12 +510,17 @@ class Generation:
             raise InvalidArgument("weights_path", "must not be empty")
         core.check_serving()
         try:
+            self._updating = True
+            core.clock_engine()
             await core.engine.update_weights(weights_path, version, timeline=timeline, only=only)
         except EngineDeadError as exc:
             core.die(exc)
             raise Unavailable(f"the service is not ready: {exc}") from exc
         except EngineError as exc:  # refused before anything was loaded (a wrong path)
             raise InvalidArgument("weights_path", str(exc)) from exc
+        finally:
+            self._updating = False
+            core.clock_engine()
         core.policy_version, core.weights_path = version, weights_path
         return await self.evict_stale()
 

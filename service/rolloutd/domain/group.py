@@ -141,6 +141,11 @@ class KeptSamples(MutableMapping[int, Sample]):
         in one pass over the buffers instead of one lookup per sibling."""
         return [self[i] for i in sorted(self)]
 
+    def tokens(self) -> int:
+        """Generated tokens of the kept siblings: an implementation counts them from the
+        buffers' offsets, without building a sample (an ack counts every group it acks)."""
+        return sum(len(s.token_ids) for s in self.ordered())
+
     def __setitem__(self, index: int, sample: Sample) -> None:
         raise TypeError("the kept rows of a restored group are read-only")
 
@@ -346,7 +351,10 @@ class Group:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.samples.values())
+        samples = self.samples
+        if isinstance(samples, KeptSamples):
+            return samples.tokens()
+        return sum(len(s.token_ids) for s in samples.values())
 
 
 STATES = tuple(GroupState)

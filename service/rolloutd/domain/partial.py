@@ -108,6 +108,11 @@ class PartialSibling:
         return tuple(parts)
 
 
+def delta_tokens(deltas: Sequence[TokenDelta]) -> int:
+    """Tokens of ``deltas``."""
+    return sum(len(d.token_ids) for d in deltas)
+
+
 def join_parts(
     prefix: Sequence[SamplePart], prefix_tokens: int, version: int, continued: int
 ) -> tuple[SamplePart, ...]:

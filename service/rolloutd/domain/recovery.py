@@ -123,7 +123,9 @@ class Recovery:
         self.generation = generation
         self.delivery = delivery
         self._partials: dict[tuple[int, int], PartialSibling] = {}
-        """Partial siblings a restore found, until their group resumes (or the restore ends)."""
+        """Partial siblings a restore found, until their group resumes (or the restore ends):
+        their tokens wait in ``core.staging`` (counted as buffered); these keep what an
+        episode's partial carries beside them (its turn and records)."""
         self._episodes: dict[tuple[int, int], list[EpisodeRecord]] = {}
         """Episode records the journal held after the snapshot, until their group resumes."""
 
@@ -139,6 +141,7 @@ class Recovery:
         if not core.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
         self.delivery.apply_durable_acks()
+        core.clock_engine(read=True)
         return ControllerState(
             buffer=core.buffer.capture(),
             sampler=core.sampler.capture(),
@@ -231,10 +234,25 @@ class Recovery:
             }
             for lease in core.buffer.expired_leases(core.clock()):
                 self.delivery.requeue(lease.lease_id)
+            # partial siblings wait in the staging until their group resumes or leaves
+            core.staging = {(p.group_id, p.index): list(p.deltas) for p in state.partials}
+            self._partials = {(p.group_id, p.index): p for p in state.partials}
+            self._account_from_here()
         if state.weights_path and state.policy_version > core.engine.policy_version:
             await core.engine.update_weights(state.weights_path, state.policy_version)
         core.policy_version, core.weights_path = state.policy_version, state.weights_path
-        self._partials = {(p.group_id, p.index): p for p in state.partials}
+
+    def _account_from_here(self) -> None:
+        """A snapshot written before tokens were accounted for (domain/fate.py) holds tokens it
+        never counted as generated: the account starts at this restore, with them buffered (or
+        delivered, for acked groups). A snapshot that counted nothing holds none."""
+        core = self.core
+        counters = core.counters
+        if counters.generated_tokens:
+            return
+        buffered, acked = core.held_tokens()
+        counters.delivered_tokens += acked
+        counters.generated_tokens = sum(counters.settled().values()) + buffered
 
     async def _replay(self, journal: Callable[[], Sequence[Journaled]]) -> int:
         """Applies what was journaled after the restored snapshot (see the module docstring);
@@ -287,11 +305,13 @@ class Recovery:
         held it unfinished, else its position is never admitted (inside the RESTORE mutation)."""
         core = self.core
         group = core.buffer.groups.get(drop.group_id)
+        tokens = 0  # what the group generated after the snapshot was never counted here
         if group is None:
             core.sampler.skip(drop.admission)
         else:
+            tokens = group.generated_tokens + core.release_partials(drop.group_id)
             core.buffer.remove(drop.group_id, GroupState.DROPPED)
-        core.counters.dropped(drop.reason, drop.tokens)
+        core.counters.dropped(drop.reason, tokens)
         log.debug(
             "group %d (prompt %s) dropped: %s (replayed from the journal)",
             drop.group_id,
@@ -322,7 +342,9 @@ class Recovery:
         for gid in lease.group_ids:
             g = buffer.groups.get(gid)
             if g is not None and g.state in UNFINISHED:
-                buffer.remove(gid, GroupState.LOST)  # finished and leased after the snapshot
+                # finished and leased after the snapshot: delivered (domain/fate.py)
+                core.counters.delivered_tokens += g.generated_tokens + core.release_partials(gid)
+                buffer.remove(gid, GroupState.LOST)
         lost = {g: event.admissions[g] for g in lease.group_ids if g not in held}
         for admission in lost.values():
             core.sampler.skip(admission)
@@ -367,16 +389,22 @@ class Recovery:
         core = self.core
         if rerun_all and group.samples:
             async with core.barrier.mutation(MutationKind.RESTORE):
+                core.counters.regenerated_tokens += group.generated_tokens
                 core.buffer.drop_samples(group.group_id)
         missing = group.missing
-        found = {
-            i: self._partials.pop((group.group_id, i), None) for i in range(group.meta.group_size)
-        }
-        held = {i: p for i, p in found.items() if p is not None}
+        gid = group.group_id
+        held: dict[int, PartialSibling] = {}
+        for i in range(group.meta.group_size):
+            deltas = core.staging.pop((gid, i), None)
+            found = self._partials.pop((gid, i), None)
+            if deltas is not None:
+                held[i] = (
+                    found if found is not None else PartialSibling(gid, i, deltas, len(deltas))
+                )
         episodes = {
             i: merged(
                 held[i].episode_records if i in held else (),
-                self._episodes.pop((group.group_id, i), ()),
+                self._episodes.pop((gid, i), ()),
             )
             for i in missing
         }
@@ -397,6 +425,7 @@ class Recovery:
             self.generation.dispatch(group, missing, prefixes, episodes)
         total = sum(len(p) for p in held.values())
         reused = sum(len(p) for p in prefixes.values())
+        core.counters.regenerated_tokens += total - reused
         return Resumption(missing, sorted(prefixes), reused, total - reused)
 
 

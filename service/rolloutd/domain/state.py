@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
+from rolloutd.domain.fate import EngineState, TokenFate, drop_fate
 from rolloutd.domain.group import Position, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
@@ -43,19 +44,55 @@ class Counters:
     """``dropped_groups`` by reason (``Verdict.drop_reason``, or ``engine_error``,
     ``stage_failed``, ``undeliverable``, ``lease_expiries``)."""
     dropped_tokens: int = 0
-    """Generated tokens of the dropped groups' staged siblings."""
+    """Generated tokens of the dropped groups' siblings, staged or partial (fates ``dropped``
+    and ``failed``)."""
     committed_by_source: dict[str, int] = field(default_factory=dict)
     """``committed_groups`` by the name of the group's source (``submitted``: a submitted
     prompt's)."""
     committed_tokens_by_source: dict[str, int] = field(default_factory=dict)
     acked_by_source: dict[str, int] = field(default_factory=dict)
     """``acked_groups`` by source: what each source delivered to training."""
+    generated_tokens: int = 0
+    """Tokens the engine handed to the service: streamed to a sibling's staging, or returned in
+    a sample beyond what was streamed (domain/fate.py)."""
+    delivered_tokens: int = 0
+    """Tokens of acked groups (less those a ``Rewind`` made available again)."""
+    evicted_tokens: int = 0
+    failed_tokens: int = 0
+    """Of ``dropped_tokens``, those of groups dropped for a reason the service gives itself
+    (``fate.FAILURES``)."""
+    regenerated_tokens: int = 0
+    engine_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds of the engine's time by ``EngineState`` value while the controller ran."""
 
     def dropped(self, reason: str, tokens: int) -> None:
         """Counts one dropped group."""
         self.dropped_groups += 1
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
         self.dropped_tokens += tokens
+        if drop_fate(reason) is TokenFate.FAILED:
+            self.failed_tokens += tokens
+
+    def settled(self) -> dict[TokenFate, int]:
+        """Tokens by terminal fate (every fate but ``buffered``)."""
+        return {
+            TokenFate.DELIVERED: self.delivered_tokens,
+            TokenFate.EVICTED: self.evicted_tokens,
+            TokenFate.DROPPED: self.dropped_tokens - self.failed_tokens,
+            TokenFate.REGENERATED: self.regenerated_tokens,
+            TokenFate.FAILED: self.failed_tokens,
+        }
+
+    @property
+    def buffered_tokens(self) -> int:
+        """The generated tokens no terminal fate holds: what the buffer and the staging of
+        generating siblings hold, when the accounting is right."""
+        return self.generated_tokens - sum(self.settled().values())
+
+    def engine_time(self, state: EngineState, seconds: float) -> None:
+        """Adds ``seconds`` of the engine's time in ``state``."""
+        key = state.value
+        self.engine_seconds[key] = self.engine_seconds.get(key, 0.0) + seconds
 
     def committed(self, source: str, tokens: int) -> None:
         """Counts one committed group."""
@@ -80,6 +117,7 @@ class Counters:
             committed_by_source=dict(self.committed_by_source),
             committed_tokens_by_source=dict(self.committed_tokens_by_source),
             acked_by_source=dict(self.acked_by_source),
+            engine_seconds=dict(self.engine_seconds),
         )
 
 

@@ -20,7 +20,8 @@ What must hold, and how:
   continuation. A stop string that spans the boundary ends the sample where an uninterrupted run
   would (:mod:`rolloutd.engines.stop_boundary`).
 - **Counters** are cumulative and come from a ``StatLoggerBase`` given to the engine, which sees
-  every iteration's stats in the frontend process (:mod:`rolloutd.engines.vllm_stats`).
+  every iteration's stats in the frontend process (:mod:`rolloutd.engines.vllm_stats`); so do
+  each request's time to first token and end (:meth:`VLLMEngine.report_requests`).
 - **No orphans.** vLLM 0.32 leaves its engine-core process running when the parent is killed with
   SIGKILL; a small watchdog process (:mod:`rolloutd.engines.reaper`, driven through
   :mod:`rolloutd.engines.reaper_client`) ends it in that case.
@@ -66,6 +67,7 @@ from rolloutd.domain.engine import (
     EngineError,
     EngineStartError,
     GenerationRequest,
+    RequestObserver,
     RequestRefused,
 )
 from rolloutd.domain.group import Prompt, Sample
@@ -272,6 +274,10 @@ class VLLMEngine:
 
     def counters(self) -> EngineCounters:
         return self._tally.counters()
+
+    def report_requests(self, observer: RequestObserver) -> None:
+        """``ReportsRequests``: every request's first token and end, from the stat logger."""
+        self._tally.observer = observer
 
     def check_alive(self) -> None:
         """Raises :class:`EngineDeadError` once vLLM reports itself errored or an engine-core

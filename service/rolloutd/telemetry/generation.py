@@ -34,6 +34,10 @@ class GenAIAttr:
     """OpenTelemetry GenAI semantic-convention keys."""
 
     OPERATION_NAME = "gen_ai.operation.name"
+    PROVIDER_NAME = "gen_ai.provider.name"
+    """The engine (``vllm``, ``synthetic``) on the engine's metrics."""
+    TOKEN_TYPE = "gen_ai.token.type"
+    """``input`` or ``output`` on ``gen_ai.client.token.usage``."""
     REQUEST_MODEL = "gen_ai.request.model"
     REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
     REQUEST_TEMPERATURE = "gen_ai.request.temperature"

@@ -24,7 +24,8 @@ from opentelemetry.metrics import (
 )
 
 from rolloutd import __version__
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest
+from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.group import BUFFERED, ScoreStatus
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished
@@ -41,6 +42,7 @@ from rolloutd.telemetry.catalogue import (
     drop_reason,
     failure_label,
 )
+from rolloutd.telemetry.generation import OPERATION, GenAIAttr
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,13 @@ class MetricsObserver:
         self._scoring_failures = self._counter(cat.SCORING_FAILURES)
         self._dropped_groups = self._counter(cat.DROPPED_GROUPS)
         self._dropped_tokens = self._counter(cat.DROPPED_TOKENS)
+        self._first_token = self._histogram(cat.TIME_TO_FIRST_TOKEN)
+        self._per_output_token = self._histogram(cat.TIME_PER_OUTPUT_TOKEN)
+        self._request_duration = self._histogram(cat.REQUEST_DURATION)
+        self._token_usage = self._histogram(cat.TOKEN_USAGE)
+        self._gen_ai: tuple[Attributes, Attributes, Attributes] | None = None
+        """The GenAI metrics' attributes (the request's, its input's, its output's), once the
+        engine is known (:meth:`register_sources`); nothing is recorded before."""
 
         self._observable(cat.COMMITTED_TOKENS, self._observe_committed_tokens)
         self._observable(cat.COMMITTED_GROUPS, self._observe_committed_groups)
@@ -159,6 +168,11 @@ class MetricsObserver:
         self._observable(cat.PROMPTS_PENDING, self._observe_prompts_pending)
         self._observable(cat.ACKED_GROUPS, self._observe_acked_groups)
         self._observable(cat.TRAINER_STEP, self._observe_trainer_step)
+        self._observable(cat.TOKENS, self._observe_tokens)
+        self._observable(cat.ENGINE_TIME, self._observe_engine_time)
+        self._observable(cat.GOODPUT, self._observe_goodput)
+        self._observable(cat.ENGINE_PREEMPTIONS, self._observe_preemptions)
+        self._observable(cat.ENGINE_PREFIX_CACHE_HIT_RATIO, self._observe_prefix_cache)
 
         self._estimated = _Series(cat.COMMITTED_TOKENS)
         self._mutation_kind = _Series(cat.MUTATION_BLOCKED)
@@ -180,6 +194,10 @@ class MetricsObserver:
         self._group_outcome = _Series(cat.SAMPLE_REWARD)
         self._failure_kind = _Series(cat.SCORING_FAILURES)
         self._drop_reason = _Series(cat.DROPPED_GROUPS)
+        self._fate = _Series(cat.TOKENS)
+        self._engine_state = _Series(cat.ENGINE_TIME)
+        self._token_type = _Series(cat.TOKEN_USAGE)
+        self._gen_ai_operation = _Series(cat.REQUEST_DURATION)
 
         self._start_counters_at_zero()
 
@@ -213,6 +231,11 @@ class MetricsObserver:
             self._meter.create_observable_counter(
                 instrument.name, [callback], instrument.unit, instrument.description
             )
+        elif instrument.kind is Kind.OBSERVABLE_UP_DOWN_COUNTER:
+            self._created(instrument, Kind.OBSERVABLE_UP_DOWN_COUNTER)
+            self._meter.create_observable_up_down_counter(
+                instrument.name, [callback], instrument.unit, instrument.description
+            )
         else:
             self._created(instrument, Kind.OBSERVABLE_GAUGE)
             self._meter.create_observable_gauge(
@@ -244,13 +267,23 @@ class MetricsObserver:
         status: Callable[[], StatusSnapshot],
         checkpoint_state: Callable[[], CheckpointState],
         dataset_sources: Sequence[str] = (),
+        model: str | None = None,
     ) -> None:
         """Connects the observable instruments; the callbacks run on reader threads (see
         :mod:`rolloutd.telemetry.sources`). Calling again replaces the previous sources.
-        ``dataset_sources``: the names of the dataset's sources, counted from zero."""
+        ``dataset_sources``: the names of the dataset's sources, counted from zero; ``model``:
+        what the engine serves (``gen_ai.request.model``)."""
         self._sources = _Sources(engine_name, engine_counters, status, checkpoint_state)
         for name in dataset_sources:
             self._by_source.setdefault(name, [0, 0])
+        request = {**self._gen_ai_operation(OPERATION), GenAIAttr.PROVIDER_NAME: engine_name}
+        if model is not None:
+            request[GenAIAttr.REQUEST_MODEL] = model
+        self._gen_ai = (
+            MappingProxyType(request),
+            MappingProxyType({**self._token_type(OPERATION, "input"), **request}),
+            MappingProxyType({**self._token_type(OPERATION, "output"), **request}),
+        )
 
     # -- Observer -------------------------------------------------------------------------------
 
@@ -351,6 +384,22 @@ class MetricsObserver:
             if report.density is not None:
                 self._weights_density.record(report.density)
 
+    # -- the engine's requests (RequestObserver) -----------------------------------------------
+
+    def first_token(self, seconds: float) -> None:
+        if self._gen_ai is not None:
+            self._first_token.record(seconds, self._gen_ai[0])
+
+    def request_finished(self, request: FinishedRequest) -> None:
+        if self._gen_ai is None:
+            return
+        attributes, input_tokens, output_tokens = self._gen_ai
+        self._request_duration.record(request.duration_s, attributes)
+        if request.time_per_output_token_s is not None:
+            self._per_output_token.record(request.time_per_output_token_s, attributes)
+        self._token_usage.record(request.input_tokens, input_tokens)
+        self._token_usage.record(request.output_tokens, output_tokens)
+
     # -- observable callbacks (reader threads) --------------------------------------------------
 
     def _observe_committed_groups(self, _: CallbackOptions) -> Iterable[Observation]:
@@ -448,6 +497,36 @@ class MetricsObserver:
         if (status := self._status()) is None or status.trainer_step < 0:
             return []  # no trainer has acked yet: no value, rather than a step that never was
         return [Observation(status.trainer_step)]
+
+    def _observe_tokens(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        fates = status.token_fates
+        return [Observation(fates.get(f, 0), self._fate(f)) for f in TokenFate]
+
+    def _observe_engine_time(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        seconds = status.engine_seconds
+        return [Observation(seconds.get(s, 0.0), self._engine_state(s)) for s in EngineState]
+
+    def _observe_goodput(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None or not status.generated_tokens:
+            return []  # nothing generated: no ratio, rather than a zero that looks like waste
+        delivered = status.token_fates.get(TokenFate.DELIVERED, 0)
+        return [Observation(delivered / status.generated_tokens)]
+
+    def _observe_preemptions(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.preemptions, {ENGINE_ATTR: name})]
+
+    def _observe_prefix_cache(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.prefix_cache_hit_ratio, {ENGINE_ATTR: name})]
 
     def _checkpoint_state(self) -> CheckpointState | None:
         sources = self._sources

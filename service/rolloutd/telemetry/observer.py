@@ -17,7 +17,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from rolloutd import __version__
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupDropped, GroupFinished
 from rolloutd.domain.report import CheckpointReport, RestoreReport
@@ -62,11 +62,20 @@ class TelemetryObserver:
         dataset_sources: Sequence[str] = (),
     ) -> None:
         """See :meth:`MetricsObserver.register_sources`; ``model`` names the weights on the
-        generation spans (``gen_ai.request.model``)."""
+        generation spans and the GenAI metrics (``gen_ai.request.model``)."""
         self.metrics.register_sources(
-            engine_counters, engine_name, status, checkpoint_state, dataset_sources
+            engine_counters, engine_name, status, checkpoint_state, dataset_sources, model
         )
         self.generation.engine, self.generation.model = engine_name, model
+
+    def first_token(self, seconds: float) -> None:
+        """Implements :class:`rolloutd.domain.engine.RequestObserver` (the engine calls it)."""
+        with _never_raises("a first token"):
+            self.metrics.first_token(seconds)
+
+    def request_finished(self, request: FinishedRequest) -> None:
+        with _never_raises("a finished engine request"):
+            self.metrics.request_finished(request)
 
     def rpc_finished(self, method: str, status_code: int, seconds: float) -> None:
         with _never_raises("a finished RPC"):

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rolloutd.domain.controller import ControllerStatus
+from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.group import GroupState
 
 
@@ -34,6 +35,12 @@ class StatusSnapshot:
     """Groups acked by trainers, since the store began (cumulative)."""
     trainer_step: int = -1
     """The highest trainer step acked; -1 before the first ack."""
+    generated_tokens: int = 0
+    """Tokens the engine handed to the service, since the store began (domain/fate.py)."""
+    token_fates: Mapping[TokenFate, int] = field(default_factory=dict)
+    """``generated_tokens`` by fate; ``buffered`` is what the others leave."""
+    engine_seconds: Mapping[EngineState, float] = field(default_factory=dict)
+    """The engine's time by state, since the store began."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class CheckpointState:
 def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
     """The controller's status as the gauges read it."""
     b = status.buffer
+    c = status.counters
     return StatusSnapshot(
         groups={
             GroupState.GENERATING: b.generating,
@@ -66,4 +74,7 @@ def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
         requeued_groups=status.counters.requeued_groups,
         acked_groups=status.counters.acked_groups,
         trainer_step=status.trainer_step,
+        generated_tokens=c.generated_tokens,
+        token_fates={**c.settled(), TokenFate.BUFFERED: c.buffered_tokens},
+        engine_seconds={s: c.engine_seconds.get(s.value, 0.0) for s in EngineState},
     )

@@ -507,7 +507,7 @@ class SourceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., prompts: _Optional[int] = ..., exhausted: _Optional[bool] = ..., committed_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., delivered_groups: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups")
+    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups", "tokens", "engine_time")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +525,8 @@ class GetStatusResponse(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_DELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TIME_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     engine: str
     policy_version: int
@@ -542,4 +544,38 @@ class GetStatusResponse(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[SourceStatus]
     submitted_committed_groups: int
     submitted_delivered_groups: int
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ...) -> None: ...
+    tokens: TokenAccount
+    engine_time: EngineTime
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ..., tokens: _Optional[_Union[TokenAccount, _Mapping]] = ..., engine_time: _Optional[_Union[EngineTime, _Mapping]] = ...) -> None: ...
+
+class TokenAccount(_message.Message):
+    __slots__ = ("generated", "delivered", "evicted", "dropped", "regenerated", "failed", "buffered", "goodput")
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REGENERATED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    generated: int
+    delivered: int
+    evicted: int
+    dropped: int
+    regenerated: int
+    failed: int
+    buffered: int
+    goodput: float
+    def __init__(self, generated: _Optional[int] = ..., delivered: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., regenerated: _Optional[int] = ..., failed: _Optional[int] = ..., buffered: _Optional[int] = ..., goodput: _Optional[float] = ...) -> None: ...
+
+class EngineTime(_message.Message):
+    __slots__ = ("generating_seconds", "weight_update_seconds", "idle_no_work_seconds", "idle_buffer_full_seconds")
+    GENERATING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_NO_WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BUFFER_FULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generating_seconds: float
+    weight_update_seconds: float
+    idle_no_work_seconds: float
+    idle_buffer_full_seconds: float
+    def __init__(self, generating_seconds: _Optional[float] = ..., weight_update_seconds: _Optional[float] = ..., idle_no_work_seconds: _Optional[float] = ..., idle_buffer_full_seconds: _Optional[float] = ...) -> None: ...
