@@ -245,7 +245,14 @@ class Generation:
                 on_delta = self.staging[key].append
             try:
                 sample = await self.runner.run(
-                    SiblingJob(core.engine, request, on_delta, source, self.episodes.get(key))
+                    SiblingJob(
+                        core.engine,
+                        request,
+                        on_delta,
+                        source,
+                        self.episodes.get(key),
+                        core.observer,
+                    )
                 )
                 break
             except RequestRefused as exc:
