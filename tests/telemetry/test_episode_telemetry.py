@@ -8,8 +8,15 @@ controller (or the runner alone, for a restore from records), into in-memory exp
 
 from __future__ import annotations
 
+import json
+import re
+import time
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
+import grpc
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
@@ -37,7 +44,11 @@ from rolloutd.telemetry.generation import GENERATE_SPAN, GenAIAttr
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.observer import TelemetryObserver
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.v1 import rollout_pb2 as pb
+from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.domain.test_episodes import FAST, Env, RecordingJournal, job
+from tests.integration.proc import ServeProcess
+from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
 from tests.telemetry.reports import scripted_run
 from tests.telemetry.test_metrics import collect, points, value
 
@@ -241,3 +252,144 @@ def test_a_scripted_run_counts_episodes(metric_reader):
     assert (duration.count, duration.sum) == (2, pytest.approx(0.7))
     assert value(m["rolloutd.episode.step.failures"], reason="step_timeout") == 1
     assert value(m["rolloutd.episode.replay.mismatches"]) == 1
+
+
+# --- the real CLI: SIGKILLed mid-episode, restored, over OTLP and /metrics -----------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS, GROUP_SIZE, TURNS = 6, 2, 4
+"""About half a second a turn: episodes are under way at the first snapshots."""
+REUSED = re.compile(
+    r'^rolloutd_episode_recovered_turns_total\{[^}]*disposition="reused"[^}]*\} (\S+)$', re.M
+)
+
+
+def _episode_service(tmp: Path, receiver: OtlpReceiver, life: int, *args: str) -> ServeProcess:
+    calls = tmp / "calls.jsonl"
+    data = tmp / "tools.jsonl"
+    data.write_text(
+        "".join(json.dumps({"id": f"q{i}", "prompt": f"q{i}"}) + "\n" for i in range(PROMPTS))
+    )
+    config = tmp / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "dataset": {
+                    "sources": [
+                        {
+                            "name": "tools",
+                            "path": str(data),
+                            "environment": "tests.integration.episode_envs:ReplayedEnv",
+                            "environment_config": {"log": str(calls), "turns": TURNS},
+                        }
+                    ],
+                    "epochs": 1,
+                },
+                "group_size": GROUP_SIZE,
+                "engine": {
+                    "kind": "synthetic",
+                    "max_tokens": 16,
+                    "synthetic": {"tokens_per_s": 20},
+                },
+                "limits": {"max_in_flight": PROMPTS},
+                "episodes": {"max_turns": TURNS + 1},
+            }
+        )
+    )
+    p = ServeProcess(
+        [
+            "--config", str(config), "--grpc-port", "0", "--http-port", "0",
+            "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-interval", "0.5", *args,
+        ],
+        env={
+            "PYTHONPATH": f"{ROOT / 'service'}:{ROOT}",
+            "OTEL_SDK_DISABLED": "false",
+            "OTEL_SERVICE_NAME": f"rolloutd-episodes-{life}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint("grpc"),
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        },
+        cwd=tmp,
+        log_path=tmp / f"serve-{life}.log",
+    )  # fmt: skip
+    p.wait_listening()
+    return p
+
+
+def _live_steps(calls: Path) -> set[tuple[str, int]]:
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    found = [json.loads(line) for line in lines if line.strip()]
+    return {(c["episode"], c["turn"]) for c in found if c["call"] == "step" and not c["replay"]}
+
+
+@pytest.mark.process
+def test_a_restored_service_reports_reused_turns_in_metrics_and_traces(tmp_path):
+    receiver = OtlpReceiver().start()
+    first = _episode_service(tmp_path, receiver, 1)
+    calls = tmp_path / "calls.jsonl"
+    try:
+        assert first.http is not None
+
+        def snapshots() -> int:
+            url = f"http://{first.http}/v1/checkpoints"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return len(json.load(response))
+
+        deadline = time.monotonic() + 120
+        while not snapshots():  # a restore needs one; the journal holds the turns after it
+            assert time.monotonic() < deadline, "no snapshot"
+            time.sleep(0.05)
+        after = len(_live_steps(calls)) + 2
+        while len(_live_steps(calls)) < after:
+            assert time.monotonic() < deadline, "no live steps"
+            time.sleep(0.02)
+    finally:
+        first.kill()
+    durable = _live_steps(calls)  # a step is called once its turn is durable
+
+    second = _episode_service(tmp_path, receiver, 2, "--restore", "latest")
+    try:
+        assert second.grpc is not None and second.http is not None
+        delivered: set[str] = set()
+        with grpc.insecure_channel(second.grpc) as channel:
+            stub = pb_grpc.RolloutServiceStub(channel)
+            while len(delivered) < PROMPTS:
+                r = stub.FetchGroups(
+                    pb.FetchGroupsRequest(max_groups=8, wait_ms=30_000), timeout=60
+                )
+                delivered |= {g.prompt_id for g in r.groups}
+                if r.groups:
+                    stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1))
+        with urllib.request.urlopen(f"http://{second.http}/metrics", timeout=30) as response:
+            exposition = response.read().decode()
+        assert second.terminate() == 0, second.output
+    finally:
+        if second.proc.poll() is None:
+            second.kill()
+        receiver.stop()
+
+    [reused_total] = [float(v) for v in REUSED.findall(exposition)]
+    spans = receiver.spans("rolloutd-episodes-2")
+    agents = [s for s in spans if s.name == "invoke_agent tools"]
+    reused = {
+        (
+            attributes(s.attributes)[AgentAttr.CONVERSATION_ID],
+            attributes(e.attributes)[EpisodeAttr.TURN],
+        )
+        for s in agents
+        for e in s.events
+        if e.name == TURN_REUSED_EVENT
+    }
+    assert reused_total == len(reused) >= 1
+    assert sum(attributes(s.attributes)[EpisodeAttr.TURNS_REUSED] for s in agents) == len(reused)
+    assert reused <= durable  # only turns durable at the kill are reused
+    turns = [s for s in spans if s.name.startswith(TEXT_COMPLETION)]
+    generated = Counter(
+        (a[AgentAttr.CONVERSATION_ID], a[EpisodeAttr.TURN])
+        for a in (attributes(s.attributes) for s in turns)
+    )
+    assert not reused & set(generated), "a reused turn was traced as generated"
+    assert set(generated.values()) == {1}
+    by_id = {s.span_id: s for s in agents}
+    tools = [s for s in spans if s.name.startswith(EXECUTE_TOOL)]
+    assert turns and tools
+    assert all(s.parent_span_id in by_id for s in [*turns, *tools])
