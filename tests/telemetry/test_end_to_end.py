@@ -49,13 +49,14 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
     """Instruments that can have no data point after a run that started on an empty store,
     committed, leased and acked groups and completed at least two checkpoints.
 
-    Four: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
+    Five: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
     hold (microseconds), so the wait histogram has data exactly when the blocked counter (which
     starts at zero for every kind) counted something; such a run updates no weights, so the
     weight update durations, pauses and delta densities have none; a start that finds nothing to
-    restore records no restore; and it has no verifier, so nothing records rewards or scoring
-    times. Every other histogram is recorded by such a run, counters start at zero, synchronous
-    gauges are set by every completed checkpoint, and the observable ones report from start-up.
+    restore records no restore; it has no verifier, so nothing records rewards or scoring
+    times; and it runs no episodes, so no environment step is timed. Every other histogram is
+    recorded by such a run, counters start at zero, synchronous gauges are set by every
+    completed checkpoint, and the observable ones report from start-up.
     """
     if instrument in (
         cat.WEIGHTS_UPDATE_DURATION,
@@ -64,6 +65,7 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
         cat.RESTORE_DURATION,
         cat.SAMPLE_REWARD,
         cat.GROUP_SCORE_DURATION,
+        cat.EPISODE_STEP_DURATION,
     ):
         return True
     return instrument is cat.MUTATION_WAIT and blocked_mutations == 0

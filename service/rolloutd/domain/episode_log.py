@@ -109,6 +109,13 @@ class EpisodeLog:
     """Whether the current turn's tokens are captured (``recovery.granularity: token``)."""
     turn: int | None = None
     deltas: list[TokenDelta] = field(default_factory=list)
+    restored: int = field(init=False, default=0)
+    """How many of ``records`` came from a restore and were not yet taken by a run of the
+    episode: the first run reports them as recovered, a retry after an engine error does not
+    again."""
+
+    def __post_init__(self) -> None:
+        self.restored = len(self.records)
 
     def find(self, kind: RecordKind, turn: int) -> EpisodeRecord | None:
         for record in self.records:

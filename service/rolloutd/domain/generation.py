@@ -250,7 +250,14 @@ class Generation:
                 on_delta = self._sink(key)
             try:
                 sample = await self.runner.run(
-                    SiblingJob(core.engine, request, on_delta, source, self.episodes.get(key))
+                    SiblingJob(
+                        core.engine,
+                        request,
+                        on_delta,
+                        source,
+                        self.episodes.get(key),
+                        core.observer,
+                    )
                 )
                 break
             except RequestRefused as exc:
