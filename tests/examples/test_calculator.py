@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rolloutd.config import load_config
 from rolloutd.episodes import EpisodeStart, StepResult
 from rolloutd.episodes.loader import LocalEnvironment, load_environment
 
@@ -173,3 +174,23 @@ def test_the_dataset_holds_questions_whose_answers_are_right() -> None:
         expression = row["metadata"]["expression"]
         assert row["messages"][1]["content"] == f"What is {expression}?"
         assert evaluate(expression) == row["metadata"]["answer"]
+
+
+def test_its_configuration_loads_and_names_what_the_service_serves() -> None:
+    """``rolloutd.yaml`` as ``rolloutd serve --config`` reads it: every key known and valid, the
+    environment built from it as the service builds it, its dataset where it says."""
+    config = load_config(EXAMPLES / "calculator" / "rolloutd.yaml", environ={})
+    episodes = config.episodes
+    assert config.episodes_configured()
+    assert episodes.environment == "calculator.environment:Calculator"
+    assert episodes.durable_turns
+    assert config.engine.max_tokens < episodes.max_total_tokens
+    port = load_environment(
+        episodes.environment,
+        episodes.environment_config,
+        step_timeout_s=episodes.step_timeout_s,
+        retries=episodes.retries,
+    )
+    assert isinstance(port, LocalEnvironment) and port.has_state
+    assert config.dataset.path is not None
+    assert (EXAMPLES.parent / config.dataset.path).is_file()
