@@ -34,19 +34,23 @@ a function of the completion alone, every ``step`` call appended to a log file b
      token, mask for mask;
    - ``retokenization_mismatches``: summed over every delivered episode of both runs (target 0);
    - ``groups_delivered_twice``: group ids acked twice, or prompts delivered in two groups (0).
-2. **Throughput** (``durable_turns_on_vs_off``): completed episodes/s while a trainer fetches
-   and acks, ``episodes.durable_turns`` true versus false, one service per setting started side
-   by side, the one not being measured frozen (SIGSTOP of its process group). Each round
-   measures both back to back over a window after a warm-up; the figure is the median over
-   rounds of each round's ``on / off``, reported with the rounds and their spread (a ratio within
-   its spread of 1 is noise). Target >= 0.95.
+2. **Throughput** (``durable_turns_on_vs_off``): episodes/s while a trainer fetches and acks,
+   ``episodes.durable_turns`` true versus false, one service per setting, started beside the
+   control and crash runs and frozen (SIGSTOP of its process group) as soon as it listens and
+   whenever the other one is measured. Each round measures both back to back over a window
+   after a warm-up: the engine's generated tokens over the window divided by an episode's model
+   tokens (the control run's mean), since episodes finish in step with each other, in bursts a
+   short window may miss. The figure is the median over rounds of each round's ``on / off``,
+   reported with the rounds and their spread (a ratio within its spread of 1 is noise). Target
+   >= 0.95.
 
-``--quick`` (about three minutes): one kill, three rounds of 10 s windows. The full run: three
-kills, five rounds of 30 s windows.
+``--quick`` (about five minutes on an idle 2-core machine, mostly vLLM starts): one kill, three
+rounds of 20 s windows. The full run: three kills, five rounds of 60 s windows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -82,7 +86,7 @@ KILL_AFTER_STEPS = (6, 90)
 replacement from this range and sorted: the episodes' 96 steps (3 turns of 32 episodes, in step
 with each other) have their first turn's in flight at 6-31, and two turns durable at 64-90."""
 ROUNDS, ROUNDS_QUICK = 5, 3
-WINDOW_S, WINDOW_S_QUICK = 30.0, 10.0
+WINDOW_S, WINDOW_S_QUICK = 60.0, 20.0
 SEED = 27
 TARGET_ON_VS_OFF = 0.95
 RECOVERY_TURNS = re.compile(
@@ -335,6 +339,7 @@ def crash_figures(run: dict[str, Any]) -> dict[str, Any]:
         for s, c in zip(g.samples, control[p].samples, strict=True)
     )
     samples = [s for g in by_prompt.values() for s in g.samples]
+    controls = [s for g in run["control"] for s in g.samples]
     mismatches = sum(
         s.retokenization_mismatches for g in [*acked, *run["control"]] for s in g.samples
     )
@@ -380,6 +385,7 @@ def crash_figures(run: dict[str, Any]) -> dict[str, Any]:
     return {
         "episodes": len(samples),
         "turns_total": sum(_kinds(s).count("model") for s in samples),
+        "model_tokens_per_episode": sum(sum(s.loss_mask) for s in controls) / len(controls),
         "turns_reused_after_restore": sum(k["turns_reused"] for k in per_kill) if counter else None,
         "turns_rerun_after_restore": sum(k["turns_rerun"] for k in per_kill) if counter else None,
         "turns_generated_again": sum(k["turns_generated_again"] for k in per_kill),
@@ -414,7 +420,8 @@ def _kinds(sample: pb.Sample) -> list[str]:
 
 
 class Generator:
-    """A throughput service and its trainer; frozen (SIGSTOP) while the other one is measured."""
+    """A throughput service and its trainer; frozen (SIGSTOP) as soon as it listens, and while
+    the other one is measured. Its vLLM start overlaps the control and crash runs."""
 
     def __init__(self, work: Path, label: str, durable: bool) -> None:
         prompts = work / "prompts-throughput.jsonl"
@@ -424,9 +431,18 @@ class Generator:
         self.label = label
         self.service = Service(work, config, label)
         self.trainer: Trainer | None = None
+        self._listening = threading.Thread(target=self._freeze_once_listening, daemon=True)
+        self._listening.start()
+
+    def _freeze_once_listening(self) -> None:
+        with contextlib.suppress(SystemExit):  # start() says so
+            listening(self.service, f"durable turns {self.label}")
+            self.freeze()
 
     def start(self) -> None:
-        listening(self.service, f"durable turns {self.label}")
+        self._listening.join()
+        if not self.service.address:
+            common.fail(f"durable turns {self.label}: rolloutd did not start")
         self.trainer = Trainer(self.service.address)
 
     def freeze(self) -> None:
@@ -441,35 +457,42 @@ class Generator:
             self.trainer.stop()
         self.service.stop(120.0)
 
-    def measure(self, window_s: float) -> float:
-        """Completed episodes/s over ``window_s`` after a warm-up of a quarter of it."""
+    def measure(self, window_s: float, tokens_per_episode: float) -> float:
+        """Episodes/s over ``window_s`` after a warm-up of a quarter of it: the engine's
+        generated tokens over the window (a counter that moves with every engine step) divided
+        by an episode's model tokens. Episodes finish in step with each other, in bursts a
+        window of seconds may hold none of; what durable turns cost (the engine idle while a
+        turn is journaled and its step runs) shows in the token rate all the same."""
         time.sleep(window_s / 4)
         with RolloutClient(self.service.address) as client:
 
-            def committed() -> tuple[float, int]:
-                status = client.status_of(self.service.address)
-                return time.monotonic(), status.counters.committed_groups
+            def counters() -> tuple[float, int, int]:
+                c = client.status_of(self.service.address).counters
+                return time.monotonic(), c.generation_tokens, c.committed_groups
 
-            t0, g0 = committed()
+            t0, n0, g0 = counters()
             time.sleep(window_s)
-            t1, g1 = committed()
-        rate = (g1 - g0) * GROUP_SIZE / (t1 - t0)
-        common.progress(f"{self.label}: {rate:.2f} episodes/s over {t1 - t0:.0f} s")
+            t1, n1, g1 = counters()
+        rate = (n1 - n0) / tokens_per_episode / (t1 - t0)
+        common.progress(
+            f"{self.label}: {rate:.2f} episodes/s ({(n1 - n0) / (t1 - t0):.0f} tokens/s; "
+            f"{g1 - g0} groups committed) over {t1 - t0:.0f} s"
+        )
         return rate
 
 
-def throughput(work: Path, rounds: int, window_s: float) -> dict[str, list[float]]:
-    generators = [Generator(work, "off", False), Generator(work, "on", True)]
+def throughput(
+    generators: list[Generator], rounds: int, window_s: float, tokens_per_episode: float
+) -> dict[str, list[float]]:
     runs: dict[str, list[float]] = {g.label: [] for g in generators}
     try:
         for g in generators:
             g.start()
-            g.freeze()
         for r in range(rounds):
             order = generators if r % 2 == 0 else generators[::-1]  # neither always goes first
             for g in order:
                 g.thaw()
-                runs[g.label].append(g.measure(window_s))
+                runs[g.label].append(g.measure(window_s, tokens_per_episode))
                 g.freeze()
     finally:
         for g in generators:
@@ -486,8 +509,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rolloutd-episodes-") as tmp:
         work = Path(tmp)
         ensure_tiny_model(work / "cache")
-        figures = crash_figures(control_and_crash(work, kills))
-        runs = throughput(work, rounds, window_s)
+        generators = [Generator(work, "off", False), Generator(work, "on", True)]
+        try:
+            figures = crash_figures(control_and_crash(work, kills))
+        except BaseException:
+            for g in generators:
+                g.close()
+            raise
+        runs = throughput(generators, rounds, window_s, figures["model_tokens_per_episode"])
     paired = [on / off for on, off in zip(runs["on"], runs["off"], strict=True) if off]
     on_vs_off = common.median(paired) if paired else float("nan")
     f = figures
