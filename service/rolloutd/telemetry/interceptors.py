@@ -13,6 +13,7 @@ caller's trace id, at a fraction of a span's cost per call.
 from __future__ import annotations
 
 import collections
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, Protocol
@@ -137,7 +138,7 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
     """The instrumentation's aio server interceptor (built by its public
     ``aio_server_interceptor``), with conventional span names (it names spans by the raw method
     path, ``/package.Service/Method``), that builds no span while ``records()`` says none would
-    be recorded.
+    be recorded, nor for a streaming handler that writes its responses itself.
 
     The instrumentation makes its span current while the handler runs; the handler it is given
     renames that span first thing, before any span of the handler's own is started below it."""
@@ -154,15 +155,25 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         path: str = handler_call_details.method  # type: ignore[attr-defined]
-        if not self._records():
-            handler = await continuation(handler_call_details)
-            return None if handler is None else self._unrecorded(path, handler)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if not self._records() or _writes_its_responses(handler):
+            return self._unrecorded(path, handler)
+        named = self._named(path, handler)
 
-        async def named(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-            handler = await continuation(details)
-            return None if handler is None else self._named(path, handler)
+        async def resolved(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            return named
 
-        return await self._traced.intercept_service(named, handler_call_details)
+        return await self._traced.intercept_service(resolved, handler_call_details)
+
+
+def _writes_its_responses(handler: grpc.RpcMethodHandler) -> bool:
+    """A response-streaming handler written as a coroutine that sends with ``context.write``
+    (``grpc.health.v1.Health/Watch``), not as an async generator: the instrumentation iterates
+    the handler's result, which would fail such a call with UNKNOWN, so it gets no server span."""
+    behavior = handler.unary_stream or handler.stream_stream
+    return behavior is not None and not inspect.isasyncgenfunction(behavior)
 
 
 def server_interceptors(
