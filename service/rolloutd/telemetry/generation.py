@@ -14,17 +14,26 @@ the service stops has no span: it was never finished.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import (
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
 
 GENERATE_SPAN = "rolloutd.group.generate"
+TRACEPARENT = "traceparent"
 OPERATION = "text_completion"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -125,3 +134,33 @@ class GenerationSpans:
         span.set_attribute(GroupAttr.ABANDONED, reason)
         span.set_status(Status(StatusCode.ERROR, reason))
         span.end()
+
+
+def link_generations(traces: Callable[[], Iterable[tuple[int, Mapping[str, str]]]]) -> None:
+    """Links the current span (a ``FetchGroups`` server span) to the generation span of each
+    group ``traces()`` gives (group id, W3C headers of its ``rolloutd.group.generate``), so a
+    trainer's trace leads to how its samples were generated. ``traces`` is called only while
+    the current span records. A span holds at most ``OTEL_SPAN_LINK_COUNT_LIMIT`` links (128);
+    the SDK counts those beyond as dropped."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    for group_id, headers in traces():
+        context = _span_context(headers.get(TRACEPARENT, ""))
+        if context is not None:
+            span.add_link(context, {GroupAttr.ID: group_id})
+
+
+def _span_context(traceparent: str) -> SpanContext | None:
+    """The span context of a version-00 ``traceparent`` this service wrote (None if it is not
+    one: an engine's own header, say)."""
+    if len(traceparent) != 55 or not traceparent.startswith("00-"):
+        return None
+    try:
+        trace_id = int(traceparent[3:35], 16)
+        span_id = int(traceparent[36:52], 16)
+        flags = int(traceparent[53:55], 16)
+    except ValueError:
+        return None
+    context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags))
+    return context if context.is_valid else None

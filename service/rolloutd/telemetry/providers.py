@@ -288,6 +288,23 @@ def setup_telemetry(
     return build_telemetry(settings)
 
 
+TRAINER_SERVICE_NAME = "rolloutd-trainer"
+
+
+def trainer_tracing() -> Telemetry:
+    """The tracer provider of ``rolloutd trainer``, from the standard ``OTEL_*`` environment
+    (``service.name`` ``rolloutd-trainer`` unless ``OTEL_SERVICE_NAME`` says otherwise; no
+    metrics), set as the global one: its steps are spans, and the client's calls in them carry
+    their context to the service. Shut it down when the trainer ends."""
+    telemetry = setup_telemetry(
+        service_name=None if env("OTEL_SERVICE_NAME") else TRAINER_SERVICE_NAME,
+        metrics_exporters=(),
+    )
+    if telemetry.enabled:
+        trace.set_tracer_provider(telemetry.tracer_provider)
+    return telemetry
+
+
 def build_telemetry(settings: TelemetrySettings) -> Telemetry:
     registry = CollectorRegistry()
     if settings.disabled:
