@@ -43,7 +43,11 @@ from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
+from rolloutd.telemetry.otel_sdk import (
+    EncodingSpanExporter,
+    GatedTracerProvider,
+    ScrapeOnlyMeterProvider,
+)
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -109,9 +113,7 @@ def _span_exporter(
     if name is ExporterName.CONSOLE:
         return ConsoleSpanExporter()
     if export.protocol is OtlpProtocol.GRPC:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
+        return EncodingSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpSpanExporter,
     )
