@@ -103,8 +103,27 @@ async def test_client_spans_through_grpc_intercept_channel_record_failures_and_f
     assert clients[MISSING[1:]].status.status_code is StatusCode.ERROR
     assert dict(clients[MISSING[1:]].attributes or {})["rpc.grpc.status_code"] == 5
     assert clients[CHECKPOINT[1:]].status.status_code is StatusCode.UNSET
-    servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
-    assert {s.context.trace_id for s in servers} == {s.context.trace_id for s in clients.values()}
+    servers = {s.name: s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER}
+    assert {s.context.trace_id for s in servers.values()} == {
+        s.context.trace_id for s in clients.values()
+    }
+    # the instrumentation's attributes and statuses: a NOT_FOUND is the caller's doing
+    missing = dict(servers[MISSING[1:]].attributes or {})
+    assert missing["rpc.grpc.status_code"] == 5
+    assert servers[MISSING[1:]].status.status_code is StatusCode.UNSET
+    # the abort, once (the instrumentation recorded it twice)
+    assert [e.name for e in servers[MISSING[1:]].events] == ["exception"]
+    assert dict(servers[CHECKPOINT[1:]].attributes or {}) == {
+        "rpc.system": "grpc",
+        "rpc.grpc.status_code": 0,
+        "rpc.service": SERVICE,
+        "rpc.method": "Checkpoint",
+        "rpc.user_agent": missing["rpc.user_agent"],
+        "net.peer.ip": "127.0.0.1",
+        "net.peer.port": missing["net.peer.port"],
+        "net.peer.name": "localhost",
+    }
+    assert str(missing["rpc.user_agent"]).startswith("grpc-python")
 
 
 async def test_while_no_span_would_be_recorded_a_handler_logs_in_the_callers_trace(span_exporter):
