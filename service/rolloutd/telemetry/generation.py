@@ -14,11 +14,17 @@ the service stops has no span: it was never finished.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
+    NonRecordingSpan,
     Span,
     SpanContext,
     SpanKind,
@@ -27,16 +33,15 @@ from opentelemetry.trace import (
     TraceFlags,
     Tracer,
 )
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
 
 GENERATE_SPAN = "rolloutd.group.generate"
 TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+_ROOT = Context()
 OPERATION = "text_completion"
-
-_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class GenAIAttr:
@@ -69,19 +74,43 @@ class GroupAttr:
     """Why a group never committed (evicted, dropped)."""
 
 
+@dataclass
+class _Open:
+    """A group's generation span while it generates: what its finished span will hold."""
+
+    context: SpanContext
+    attributes: dict[str, AttributeValue]
+    start_ns: int
+
+
 class GenerationSpans:
-    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only)."""
+    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only).
+
+    A group generates for seconds, a hundred of them a second on a busy node, and the only thing
+    anything needs of its span meanwhile is its context (for the sibling requests, a score span
+    and fetch links). So no SDK span object is held open: the span's ids and sampling decision
+    are made at admission by the tracer's own id generator and sampler, and the finished span is
+    handed to the tracer's span processors (``on_end``) once, when the group commits or is
+    abandoned, which costs half of starting and ending an SDK span with these attributes.
+    Processors do not see these spans start (``on_start``). With a tracer that is not the SDK's
+    (telemetry off) nothing is traced."""
 
     def __init__(self, tracer: Tracer) -> None:
-        self._tracer = tracer
-        self._spans: dict[int, Span] = {}
+        self._sdk = tracer if isinstance(tracer, SdkTracer) else None
+        self._scope: InstrumentationScope | None = None
+        if self._sdk is not None and (info := self._sdk.instrumentation_info) is not None:
+            self._scope = InstrumentationScope(info.name, info.version, info.schema_url)
+        self._open: dict[int, _Open] = {}
         self.model: str | None = None
         self.engine: str | None = None
 
     def __len__(self) -> int:
-        return len(self._spans)
+        return len(self._open)
 
     def started(self, event: GenerationStarted) -> Mapping[str, str]:
+        sdk = self._sdk
+        if sdk is None:
+            return {}  # telemetry off: nothing to propagate, nothing to end
         attributes: dict[str, AttributeValue] = {
             GenAIAttr.OPERATION_NAME: OPERATION,
             GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
@@ -101,39 +130,69 @@ class GenerationSpans:
             attributes[GenAIAttr.REQUEST_MODEL] = self.model
         if self.engine is not None:
             attributes[GroupAttr.ENGINE] = self.engine
-        span = self._tracer.start_span(
-            GENERATE_SPAN,
-            context=Context(),
-            kind=SpanKind.INTERNAL,
-            attributes=attributes,
-            start_time=int(event.admitted_at * 1e9),
+        ids = sdk.id_generator
+        trace_id = ids.generate_trace_id()
+        sampling = sdk.sampler.should_sample(  # a root, whatever span is current
+            _ROOT, trace_id, GENERATE_SPAN, SpanKind.INTERNAL, attributes
         )
-        if not span.get_span_context().is_valid:
-            return {}  # telemetry off: nothing to propagate, nothing to end
-        self._spans[event.group_id] = span
-        headers: dict[str, str] = {}
-        _PROPAGATOR.inject(headers, trace.set_span_in_context(span))
+        flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
+        if ids.is_trace_id_random():
+            flags |= TraceFlags.RANDOM_TRACE_ID
+        context = SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags),
+            trace_state=sampling.trace_state,
+        )
+        if sampling.decision.is_recording():
+            self._open[event.group_id] = _Open(
+                context, dict(sampling.attributes or {}), int(event.admitted_at * 1e9)
+            )
+        # what the W3C propagator writes for this context
+        headers = {TRACEPARENT: f"00-{trace_id:032x}-{context.span_id:016x}-{flags:02x}"}
+        if context.trace_state:
+            headers[TRACESTATE] = context.trace_state.to_header()
         return headers
 
     def get(self, group_id: int) -> Span | None:
-        """The group's open span (None once it ended, or when it was never recorded)."""
-        return self._spans.get(group_id)
+        """The group's span, to start children under (None once it ended, or when it is not
+        recorded)."""
+        open_span = self._open.get(group_id)
+        return None if open_span is None else NonRecordingSpan(open_span.context)
 
     def committed(self, event: GroupCommitted) -> None:
-        span = self._spans.pop(event.group_id, None)
-        if span is None:
-            return  # committed at restore without generating, or telemetry off
-        span.set_attribute(GenAIAttr.USAGE_INPUT_TOKENS, event.prompt_tokens)
-        span.set_attribute(GenAIAttr.USAGE_OUTPUT_TOKENS, event.tokens)
-        span.end()
+        open_span = self._open.pop(event.group_id, None)
+        if open_span is None:
+            return  # committed at restore without generating, or not recorded
+        open_span.attributes[GenAIAttr.USAGE_INPUT_TOKENS] = event.prompt_tokens
+        open_span.attributes[GenAIAttr.USAGE_OUTPUT_TOKENS] = event.tokens
+        self._end(open_span, Status(StatusCode.UNSET))
 
     def abandoned(self, group_id: int, reason: str) -> None:
-        span = self._spans.pop(group_id, None)
-        if span is None:
+        open_span = self._open.pop(group_id, None)
+        if open_span is None:
             return
-        span.set_attribute(GroupAttr.ABANDONED, reason)
-        span.set_status(Status(StatusCode.ERROR, reason))
-        span.end()
+        open_span.attributes[GroupAttr.ABANDONED] = reason
+        self._end(open_span, Status(StatusCode.ERROR, reason))
+
+    def _end(self, open_span: _Open, status: Status) -> None:
+        sdk = self._sdk
+        assert sdk is not None
+        sdk.span_processor.on_end(
+            ReadableSpan(
+                GENERATE_SPAN,
+                context=open_span.context,
+                resource=sdk.resource,
+                attributes=open_span.attributes,
+                kind=SpanKind.INTERNAL,
+                instrumentation_info=sdk.instrumentation_info,
+                status=status,
+                start_time=open_span.start_ns,
+                end_time=time.time_ns(),
+                instrumentation_scope=self._scope,
+            )
+        )
 
 
 def link_generations(traces: Callable[[], Iterable[tuple[int, Mapping[str, str]]]]) -> None:
