@@ -14,17 +14,12 @@ the service stops has no span: it was never finished.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
-    NonRecordingSpan,
     Span,
     SpanContext,
     SpanKind,
@@ -36,6 +31,7 @@ from opentelemetry.trace import (
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.telemetry.light_spans import LightTracer
 
 GENERATE_SPAN = "rolloutd.group.generate"
 TRACEPARENT = "traceparent"
@@ -74,42 +70,22 @@ class GroupAttr:
     """Why a group never committed (evicted, dropped)."""
 
 
-@dataclass
-class _Open:
-    """A group's generation span while it generates: what its finished span will hold."""
-
-    context: SpanContext
-    attributes: dict[str, AttributeValue]
-    start_ns: int
-
-
 class GenerationSpans:
-    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only).
-
-    A group generates for seconds, a hundred of them a second on a busy node, and the only thing
-    anything needs of its span meanwhile is its context (for the sibling requests, a score span
-    and fetch links). So no SDK span object is held open: the span's ids and sampling decision
-    are made at admission by the tracer's own id generator and sampler, and the finished span is
-    handed to the tracer's span processors (``on_end``) once, when the group commits or is
-    abandoned, which costs half of starting and ending an SDK span with these attributes.
-    Processors do not see these spans start (``on_start``). With a tracer that is not the SDK's
-    (telemetry off) nothing is traced."""
+    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only): light spans
+    (:mod:`rolloutd.telemetry.light_spans`), a hundred of them a second on a busy node. With a
+    tracer that is not the SDK's (telemetry off) nothing is traced."""
 
     def __init__(self, tracer: Tracer) -> None:
-        self._sdk = tracer if isinstance(tracer, SdkTracer) else None
-        self._scope: InstrumentationScope | None = None
-        if self._sdk is not None and (info := self._sdk.instrumentation_info) is not None:
-            self._scope = InstrumentationScope(info.name, info.version, info.schema_url)
-        self._open: dict[int, _Open] = {}
+        self._tracer = LightTracer(tracer) if isinstance(tracer, SdkTracer) else None
+        self._spans: dict[int, Span] = {}
         self.model: str | None = None
         self.engine: str | None = None
 
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self._spans)
 
     def started(self, event: GenerationStarted) -> Mapping[str, str]:
-        sdk = self._sdk
-        if sdk is None:
+        if self._tracer is None:
             return {}  # telemetry off: nothing to propagate, nothing to end
         attributes: dict[str, AttributeValue] = {
             GenAIAttr.OPERATION_NAME: OPERATION,
@@ -130,69 +106,40 @@ class GenerationSpans:
             attributes[GenAIAttr.REQUEST_MODEL] = self.model
         if self.engine is not None:
             attributes[GroupAttr.ENGINE] = self.engine
-        ids = sdk.id_generator
-        trace_id = ids.generate_trace_id()
-        sampling = sdk.sampler.should_sample(  # a root, whatever span is current
-            _ROOT, trace_id, GENERATE_SPAN, SpanKind.INTERNAL, attributes
+        span = self._tracer.start(  # a root, whatever span is current
+            GENERATE_SPAN, _ROOT, SpanKind.INTERNAL, attributes, int(event.admitted_at * 1e9)
         )
-        flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
-        if ids.is_trace_id_random():
-            flags |= TraceFlags.RANDOM_TRACE_ID
-        context = SpanContext(
-            trace_id,
-            ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=TraceFlags(flags),
-            trace_state=sampling.trace_state,
-        )
-        if sampling.decision.is_recording():
-            self._open[event.group_id] = _Open(
-                context, dict(sampling.attributes or {}), int(event.admitted_at * 1e9)
-            )
-        # what the W3C propagator writes for this context
-        headers = {TRACEPARENT: f"00-{trace_id:032x}-{context.span_id:016x}-{flags:02x}"}
+        if span.is_recording():
+            self._spans[event.group_id] = span
+        # what the W3C propagator writes for the span's context
+        context = span.get_span_context()
+        headers = {
+            TRACEPARENT: f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+            f"{context.trace_flags:02x}"
+        }
         if context.trace_state:
             headers[TRACESTATE] = context.trace_state.to_header()
         return headers
 
     def get(self, group_id: int) -> Span | None:
-        """The group's span, to start children under (None once it ended, or when it is not
-        recorded)."""
-        open_span = self._open.get(group_id)
-        return None if open_span is None else NonRecordingSpan(open_span.context)
+        """The group's open span (None once it ended, or when it is not recorded)."""
+        return self._spans.get(group_id)
 
     def committed(self, event: GroupCommitted) -> None:
-        open_span = self._open.pop(event.group_id, None)
-        if open_span is None:
+        span = self._spans.pop(event.group_id, None)
+        if span is None:
             return  # committed at restore without generating, or not recorded
-        open_span.attributes[GenAIAttr.USAGE_INPUT_TOKENS] = event.prompt_tokens
-        open_span.attributes[GenAIAttr.USAGE_OUTPUT_TOKENS] = event.tokens
-        self._end(open_span, Status(StatusCode.UNSET))
+        span.set_attribute(GenAIAttr.USAGE_INPUT_TOKENS, event.prompt_tokens)
+        span.set_attribute(GenAIAttr.USAGE_OUTPUT_TOKENS, event.tokens)
+        span.end()
 
     def abandoned(self, group_id: int, reason: str) -> None:
-        open_span = self._open.pop(group_id, None)
-        if open_span is None:
+        span = self._spans.pop(group_id, None)
+        if span is None:
             return
-        open_span.attributes[GroupAttr.ABANDONED] = reason
-        self._end(open_span, Status(StatusCode.ERROR, reason))
-
-    def _end(self, open_span: _Open, status: Status) -> None:
-        sdk = self._sdk
-        assert sdk is not None
-        sdk.span_processor.on_end(
-            ReadableSpan(
-                GENERATE_SPAN,
-                context=open_span.context,
-                resource=sdk.resource,
-                attributes=open_span.attributes,
-                kind=SpanKind.INTERNAL,
-                instrumentation_info=sdk.instrumentation_info,
-                status=status,
-                start_time=open_span.start_ns,
-                end_time=time.time_ns(),
-                instrumentation_scope=self._scope,
-            )
-        )
+        span.set_attribute(GroupAttr.ABANDONED, reason)
+        span.set_status(Status(StatusCode.ERROR, reason))
+        span.end()
 
 
 def link_generations(traces: Callable[[], Iterable[tuple[int, Mapping[str, str]]]]) -> None:

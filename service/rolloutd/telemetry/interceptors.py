@@ -26,10 +26,12 @@ from opentelemetry import trace
 from opentelemetry.context import attach, detach
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, client_interceptor
 from opentelemetry.propagate import extract
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd import __version__
+from rolloutd.telemetry.light_spans import LightTracer
 
 TRACER_NAME = "rolloutd"
 
@@ -224,7 +226,9 @@ _ERROR_CODES = frozenset(
 
 
 def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
-    """``behavior`` in a server span of its own (see :class:`_ServerInterceptor`)."""
+    """``behavior`` in a server span of its own (see :class:`_ServerInterceptor`): a light one
+    (:mod:`rolloutd.telemetry.light_spans`) from an SDK tracer."""
+    start = LightTracer(tracer).start if isinstance(tracer, SdkTracer) else tracer.start_span
     name = span_name(path)
     service, _, method = name.partition("/")
     base: dict[str, AttributeValue] = {
@@ -241,7 +245,7 @@ def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
         attributes = {**base, **_peer_attributes(context.peer())}
         if (agent := carrier.get("user-agent")) is not None:
             attributes[RpcAttr.USER_AGENT] = agent
-        span = tracer.start_span(name, parent, SpanKind.SERVER, attributes)
+        span = start(name, parent, SpanKind.SERVER, attributes)
         token = attach(trace.set_span_in_context(span, parent))
         try:
             return await behavior(request, context)
