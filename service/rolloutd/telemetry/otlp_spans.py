@@ -215,4 +215,3 @@ def _any_value(value: Any) -> bytes:
     if kind is float:
         return b"\x21" + _DOUBLE.pack(value)
     raise Unencodable(kind.__name__)
-
