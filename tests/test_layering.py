@@ -78,7 +78,7 @@ ALLOWED: dict[str, set[str]] = {
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
     "client": {"v1", "telemetry", "grpc"},
-    "trainer": {"client", "v1", "grpc"},
+    "trainer": {"client", "v1", "grpc", "opentelemetry"},
     # the composition root and the command line
     "supervisor": set(),
     "server": {

@@ -186,7 +186,7 @@ class Generation:
         if group.group_id not in self._trace_headers:
             meta = group.meta
             p = core.params_of(meta)
-            self._trace_headers[group.group_id] = core.observer.generation_started(
+            group.trace = self._trace_headers[group.group_id] = core.observer.generation_started(
                 GenerationStarted(
                     group.group_id,
                     meta.prompt.prompt_id,
