@@ -266,6 +266,14 @@ class Sampler:
         elif admission.position >= self._cursors[admission.position.source]:
             self._skip.add(admission.position)
 
+    def taken(self, admission: Admission) -> None:
+        """This was admitted after the snapshot the sampler was restored from (a journal
+        replay builds its group again): never admit it again, from the readmit queue either."""
+        if admission in self._readmit:
+            self._readmit.remove(admission)
+        else:
+            self.skip(admission)
+
     def unskip(self, admission: Admission) -> None:
         """Undoes :meth:`skip` (the lease that held the group expired unacknowledged): admit the
         prompt again, at its place if the cursor has not reached it, else first."""
