@@ -35,9 +35,11 @@ _JSON = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def prompt_bytes(prompt: Prompt) -> int:
-    """What a prompt weighs against the submission budgets: its text, its messages' contents and
-    its metadata as JSON, in UTF-8 bytes."""
+    """What a prompt weighs against the submission budgets: its text, its messages' contents, and
+    its metadata and tools as JSON, in UTF-8 bytes."""
     size = len(prompt.text.encode()) + sum(len(m["content"].encode()) for m in prompt.messages)
+    if prompt.tools:
+        size += len(_JSON([dict(t) for t in prompt.tools]).encode())
     return size if prompt.metadata is None else size + len(_JSON(prompt.metadata).encode())
 
 
@@ -250,7 +252,7 @@ class Sampler:
             elif earlier != p:
                 differing = [
                     f
-                    for f in ("text", "messages", "metadata", "generation")
+                    for f in ("text", "messages", "metadata", "generation", "tools")
                     if getattr(earlier, f) != getattr(p, f)
                 ]
                 raise FailedPrecondition(
