@@ -46,6 +46,11 @@ class ReplayedEnv(_Logged):
     """No state of its own: a restore replays its durable steps."""
 
 
+class ServedEnv(ReplayedEnv):
+    """As :class:`ReplayedEnv`, served over HTTP (``python -m rolloutd.episodes.http``) in a
+    process of its own, which outlives the service's SIGKILLs."""
+
+
 class StatefulEnv(_Logged):
     """Keeps the answers so far per episode and saves them with ``state()``."""
 
