@@ -28,7 +28,7 @@ from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(2400)]
 """Five vLLM starts (a control run, the first run and three restarts): each took up to four
 minutes on 2 cores under load."""
 
@@ -144,7 +144,11 @@ def _serve(tmp: Path, cache_dir: Path, config: Path, *args: str) -> ServeProcess
         cwd=tmp,
         log_path=tmp / "serve.log",
     )
-    p.wait_listening(timeout=300)
+    try:
+        p.wait_listening(timeout=540)  # a vLLM start took 4 minutes and more on loaded cores
+    except BaseException:
+        p.kill()
+        raise
     return p
 
 
@@ -209,11 +213,14 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
     control_calls, calls = control_dir / "calls.jsonl", crash_dir / "calls.jsonl"
 
     served = ServedEnvironment(control_calls)
-    control = _serve(control_dir, tiny_model_cache, _config(control_dir, control_calls, served.url))
     try:
-        reference = _trajectories(_collect(control))
+        config = _config(control_dir, control_calls, served.url)
+        control = _serve(control_dir, tiny_model_cache, config)
+        try:
+            reference = _trajectories(_collect(control))
+        finally:
+            control.terminate()
     finally:
-        control.terminate()
         served.stop()
 
     served = ServedEnvironment(calls)
