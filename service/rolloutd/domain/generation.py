@@ -28,7 +28,7 @@ from rolloutd.domain.engine import (
     GenerationRequest,
     RequestRefused,
 )
-from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord
+from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord, GroupAdmission
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.fate import ENGINE_ERROR, REFUSED, STAGE_FAILED, EngineState
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
@@ -136,7 +136,7 @@ class Generation:
                 group = self._new_group(admission)
                 core.buffer.add(group)
                 core.counters.admitted_groups += 1
-            self.dispatch(group, group.missing)
+            self.dispatch(group, group.missing, fresh=True)
 
     async def _reserve_ids(self) -> None:
         """Journals the next block of ids before any of it is handed out."""
@@ -178,11 +178,15 @@ class Generation:
         indices: list[int],
         prefixes: Mapping[int, PartialSibling] | None = None,
         episodes: Mapping[int, list[EpisodeRecord]] | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
         """Starts the runner on each sibling of ``indices``, each with its own seed; a sibling
         with a prefix in ``prefixes`` continues from it, one with records in ``episodes``
-        continues its episode from them."""
+        continues its episode from them. A ``fresh`` group (just admitted, held by no snapshot
+        or journal record yet) has its admission journaled with its first episode record."""
         core = self.core
+        admission = GroupAdmission(group.meta) if fresh else None
         if group.group_id not in self._trace_headers:
             meta = group.meta
             p = core.params_of(meta)
@@ -214,6 +218,7 @@ class Generation:
                 core.journal if self.durable_turns else None,
                 list((episodes or {}).get(index, ())),
                 core.config.capture_partials,
+                admission=admission,
             )
             if prefix is not None and prefix.turn is not None:
                 log_.begin_turn(prefix.turn, prefix.deltas)
