@@ -5,8 +5,8 @@ the same completion, no group is delivered twice, the loss mask marks exactly th
 tokens, and re-rendering finds no mismatch. Three sources in one service: an environment restored
 by replaying its steps, one with ``state()``/``restore()``, and one served over HTTP by
 ``python -m rolloutd.episodes.http`` (a process the SIGKILLs spare, restored by replaying). Each
-kill waits until every replaying source still at work has an episode in flight past a durable
-step, so the replay path runs after each restart."""
+kill waits until a replaying source has an episode in flight past a durable step (one that no
+kill caught in flight yet, while such a one has work left), so the replay path runs for each."""
 
 from __future__ import annotations
 
@@ -162,25 +162,39 @@ def _live_steps(path: Path) -> int:
     return sum(1 for c in _calls(path) if c["call"] == "step" and not c["replay"])
 
 
-def _replay_in_flight(path: Path, since: int) -> bool:
-    """Whether every replaying environment with episodes still to finish has one in flight
-    that made a live step after line ``since`` of the log (the last restart): a kill now
-    leaves it a durable step to replay."""
+def _replaying_in_flight(path: Path, since: int) -> set[str]:
+    """The replaying environments with an episode in flight that made a live step after line
+    ``since`` of the log (the last restart): a kill now leaves it a durable step to replay."""
     calls = _calls(path)
-    steps = [c for c in calls if c["call"] == "step" and not c["replay"]]
-    done = {c["episode"] for c in steps if c["turn"] == TURNS - 1}
-    for env in REPLAYING:
-        finished = {c["episode"] for c in steps if c["env"] == env and c["turn"] == TURNS - 1}
-        if len(finished) == PROMPTS_PER_SOURCE * GROUP_SIZE:
-            continue
-        live = {
-            c["episode"]
-            for c in calls[since:]
-            if c["call"] == "step" and not c["replay"] and c["env"] == env
-        }
-        if not live - done:
-            return False
-    return True
+    live = [c for c in calls if c["call"] == "step" and not c["replay"]]
+    done = {c["episode"] for c in live if c["turn"] == TURNS - 1}
+    return {
+        c["env"]
+        for c in calls[since:]
+        if c["call"] == "step" and not c["replay"] and c["env"] in REPLAYING
+        if c["episode"] not in done
+    }
+
+
+def _finished(path: Path) -> set[str]:
+    """The environments whose every episode made its last step."""
+    last = {
+        (c["env"], c["episode"])
+        for c in _calls(path)
+        if c["call"] == "step" and not c["replay"] and c["turn"] == TURNS - 1
+    }
+    per_env = Counter(env for env, _ in last)
+    return {env for env, n in per_env.items() if n == PROMPTS_PER_SOURCE * GROUP_SIZE}
+
+
+def _kill_now(path: Path, since: int, at: int, covered: set[str]) -> bool:
+    """``at`` live steps reached, and a replaying environment is in flight: one no kill caught
+    in flight yet while any of those still has work, else any."""
+    if _live_steps(path) < at:
+        return False
+    flying = _replaying_in_flight(path, since)
+    wanted = set(REPLAYING) - covered - _finished(path)
+    return bool(flying & wanted) if wanted else bool(flying) or _finished(path) >= set(REPLAYING)
 
 
 def _collect(p: ServeProcess) -> list[pb.Group]:
@@ -230,16 +244,17 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
     try:
         p = _serve(crash_dir, tiny_model_cache, config)
         kills = []
+        covered: set[str] = set()
+        """Replaying environments a kill caught with an episode in flight."""
         for _ in range(3):
             since = len(_calls(calls))
             at = _live_steps(calls) + rng.randint(6, total // 6)
             kills.append(at)
             _wait(
-                lambda at=at, since=since: (
-                    _live_steps(calls) >= at and _replay_in_flight(calls, since)
-                ),
-                f"{at} live steps with replaying episodes in flight",
+                lambda at=at, since=since: _kill_now(calls, since, at, covered),
+                f"{at} live steps with a replaying episode in flight",
             )
+            covered.update(_replaying_in_flight(calls, since))
             p.kill()
             p = _serve(crash_dir, tiny_model_cache, config, "--restore", "latest")
         try:
@@ -284,6 +299,7 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
     assert all(c["env"] == "StatefulEnv" for c in restored)
     assert all(c["env"] in REPLAYING for c in replayed)
     # each replaying environment had episodes in flight at a kill: their durable steps replayed
-    assert {env: sum(1 for c in replayed if c["env"] == env) > 0 for env in REPLAYING} == {
+    assert covered == set(REPLAYING), (kills, covered)
+    assert {env: any(c["env"] == env for c in replayed) for env in REPLAYING} == {
         env: True for env in REPLAYING
     }, kills
