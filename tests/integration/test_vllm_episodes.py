@@ -163,15 +163,17 @@ def _live_steps(path: Path) -> int:
 
 
 def _replaying_in_flight(path: Path, since: int) -> set[str]:
-    """The replaying environments with an episode in flight that made a live step after line
-    ``since`` of the log (the last restart): a kill now leaves it a durable step to replay."""
+    """The replaying environments with an episode in flight that made a live step of turn 1 or
+    later after line ``since`` of the log (the last restart): the step before it is durable, so
+    a kill now leaves it a step to replay (a step 0 called may not be durable yet: it is then
+    called again, not replayed)."""
     calls = _calls(path)
     live = [c for c in calls if c["call"] == "step" and not c["replay"]]
     done = {c["episode"] for c in live if c["turn"] == TURNS - 1}
     return {
         c["env"]
         for c in calls[since:]
-        if c["call"] == "step" and not c["replay"] and c["env"] in REPLAYING
+        if c["call"] == "step" and not c["replay"] and c["env"] in REPLAYING and c["turn"] >= 1
         if c["episode"] not in done
     }
 
