@@ -17,9 +17,11 @@ class Deterministic:
     (its hash and length), so an interrupted episode and an uninterrupted one see the same
     answers for the same turns. Reward: the last completion's length modulo 7, over 6.
 
-    Every ``step`` appends one JSON line ``{"pid", "episode_id", "turn", "completion", "replay"}``
-    to ``log`` in one ``write`` (O_APPEND), before it answers: the line survives a SIGKILL of the
-    service right after. Without ``state()``, a restore replays the turns (``replay: true``)."""
+    Every call appends one JSON line to ``log`` in one ``write`` (O_APPEND), before it answers,
+    so that the line survives a SIGKILL of the service right after: ``reset`` writes ``{"call":
+    "reset", "pid", "episode_id", "prompt_id", "sibling"}``, ``step`` ``{"call": "step", "pid",
+    "episode_id", "turn", "completion", "replay"}``. Without ``state()``, a restore calls
+    ``reset`` again and replays the durable steps (``replay: true``)."""
 
     def __init__(self, log: str, turns: int = 3) -> None:
         self.turns = turns
@@ -27,19 +29,28 @@ class Deterministic:
         self._lock = threading.Lock()
 
     def reset(self, start: EpisodeStart) -> list[Message]:
+        self._write(
+            {"call": "reset", "pid": os.getpid(), "episode_id": start.episode_id,
+             "prompt_id": start.prompt_id, "sibling": start.sibling}
+        )  # fmt: skip
         return []
 
     def step(
         self, episode_id: str, turn: int, completion: str, *, replay: bool = False
     ) -> StepResult:
-        call = {"pid": os.getpid(), "episode_id": episode_id, "turn": turn}
-        line = json.dumps({**call, "completion": completion, "replay": replay}) + "\n"
-        with self._lock:
-            os.write(self._fd, line.encode())
+        self._write(
+            {"call": "step", "pid": os.getpid(), "episode_id": episode_id, "turn": turn,
+             "completion": completion, "replay": replay}
+        )  # fmt: skip
         digest = hashlib.sha256(completion.encode()).hexdigest()[:8]
         answer = {"role": "tool", "content": f"{digest} {len(completion)}"}
         done = turn + 1 >= self.turns
         return StepResult((answer,), done=done, reward=(len(completion) % 7) / 6 if done else None)
+
+    def _write(self, call: dict[str, object]) -> None:
+        line = json.dumps(call) + "\n"
+        with self._lock:
+            os.write(self._fd, line.encode())
 
     def close(self) -> None:
         os.close(self._fd)

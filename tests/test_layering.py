@@ -71,14 +71,16 @@ ALLOWED: dict[str, set[str]] = {
         "entrypoints",
         "scoring",
         "config_episodes",
+        "config_dataset",
     },
-    # the configuration's episodes section
+    # the configuration's episodes and dataset sections
     "config_episodes": {"pydantic", "domain"},
+    "config_dataset": {"pydantic", "domain", "config_episodes"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
     "client": {"v1", "telemetry", "grpc"},
-    "trainer": {"client", "v1", "grpc"},
+    "trainer": {"client", "v1", "grpc", "opentelemetry"},
     # the composition root and the command line
     "supervisor": set(),
     "server": {

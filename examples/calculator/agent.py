@@ -18,8 +18,11 @@ acks them, and prints
   every token the model did not sample, spans in order from offset 0, an ``episode:`` finish
   reason, no re-tokenization mismatch. It exits 1 when one fails.
 
-The tiny model is random: it rarely writes a ``<calc>`` call or the right answer, so most
-episodes end after one turn with reward 0. The point is the mechanics, not the score.
+The tiny model is random: it rarely writes a ``<calc>`` call or the right answer. The
+configuration makes the calculator ``strict``, so that a turn without a call or an
+``<answer>`` tag gets a reminder (a user message, mask 0) and the episode goes on to
+``max_turns``: the trajectories show turns and environment spans interleaved, with reward 0.
+The point is the mechanics, not the score.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Each model turn is read as either
   ``<answer>...</answer>``. The episode ends with reward 1.0 when it equals the prompt's
   ``metadata.answer``, else 0.0.
 
-After ``max_turns`` turns without an answer the episode ends with reward 0.0. Episode state (the
+With ``strict=True`` only ``<answer>...</answer>`` is a final answer: a turn with neither a call
+nor that tag gets a reminder of the format (a user message) and the episode goes on. After
+``max_turns`` turns without an answer the episode ends with reward 0.0. Episode state (the
 turns taken and the tool calls made) comes back after a restart through :meth:`state` /
 :meth:`restore`; the calculator has no side effects, so a replayed step simply computes again.
 """
@@ -163,14 +165,22 @@ class Episode:
     calls: list[str] = field(default_factory=list)
 
 
+REMINDER = (
+    "Call the calculator with <calc>EXPRESSION</calc> or answer with <answer>NUMBER</answer>."
+)
+"""What ``strict`` says to a turn that neither calls the tool nor answers."""
+
+
 class Calculator:
     """The environment (see the module docstring). ``max_turns``: model turns before an episode
-    without an answer ends (``episodes.max_turns`` bounds it too)."""
+    without an answer ends (``episodes.max_turns`` bounds it too); ``strict``: only an
+    ``<answer>`` tag ends an episode before that."""
 
-    def __init__(self, max_turns: int = 4) -> None:
+    def __init__(self, max_turns: int = 4, strict: bool = False) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         self.max_turns = max_turns
+        self.strict = strict
         self._episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()  # sync methods run in several threads at once
 
@@ -193,15 +203,24 @@ class Calculator:
                 content = show(evaluate(expression))
             except CalcError as exc:
                 content = f"error: {exc}"
-            done = episode.turns >= self.max_turns
             message = {"role": "tool", "name": "calculator", "content": content}
-            return StepResult(messages=(message,), done=done, reward=0.0 if done else None)
+            return self._goes_on(episode_id, episode, message)
+        if self.strict and not ANSWER.search(completion):
+            return self._goes_on(episode_id, episode, {"role": "user", "content": REMINDER})
         given, expected = final_answer(completion), episode.answer
         right = given is not None and expected is not None and math.isclose(given, expected)
         reward = 1.0 if right else 0.0
         with self._lock:
             del self._episodes[episode_id]
         return StepResult(done=True, reward=reward)
+
+    def _goes_on(self, episode_id: str, episode: Episode, message: Message) -> StepResult:
+        """``message`` back to the model, or the end without an answer after ``max_turns``."""
+        done = episode.turns >= self.max_turns
+        if done:
+            with self._lock:
+                del self._episodes[episode_id]
+        return StepResult(messages=(message,), done=done, reward=0.0 if done else None)
 
     def state(self, episode_id: str) -> bytes:
         with self._lock:

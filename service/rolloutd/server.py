@@ -192,11 +192,18 @@ class RolloutService:
             dataset_digest = {}
             for s in config.dataset.sources:
                 source, dataset_digest[s.name] = load_source(
-                    s.name, s.path, s.weight, s.generation.spec(), limits
+                    s.name,
+                    s.path,
+                    s.weight,
+                    s.generation.spec(),
+                    limits,
+                    config.limits.max_metadata_bytes,
                 )
                 sources.append(source)
         else:
-            prompts, dataset_digest = load_prompts(config.dataset.path, limits)
+            prompts, dataset_digest = load_prompts(
+                config.dataset.path, limits, config.limits.max_metadata_bytes
+            )
             sources.append(Source(DATASET, prompts))
         if engine is None:
             built = build_engine(

@@ -162,6 +162,7 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
                 assert page.locator(f"#area-{area} .empty").is_visible(), area
                 assert not page.locator(f"#area-{area} canvas").first.is_visible(), area
             assert "started fresh" in page.locator("#area-restore .empty").inner_text()
+            assert "episode turns reused vs rerun" in fresh["recovery"]["charts"]
             assert not fresh["generation"]["empty"]
             browser.close()
         with trainer(first.grpc):

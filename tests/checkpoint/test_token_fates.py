@@ -14,6 +14,8 @@ from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.engine import DeltaSink, EngineError, GenerationRequest, SamplingParams
+from rolloutd.domain.episode import EpisodeLimits
+from rolloutd.domain.episode_runner import EpisodeRunner
 from rolloutd.domain.fate import EngineState, TokenAccount, TokenFate
 from rolloutd.domain.finishing import COMMIT, FinishingGroup, Verdict
 from rolloutd.domain.group import Prompt, Sample
@@ -21,10 +23,13 @@ from rolloutd.domain.partial import TokenDelta
 from rolloutd.domain.report import Outcome, Trigger
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
+from tests.checkpoint.test_checkpointer import nodes  # noqa: F401  (the fixture)
+from tests.checkpoint.test_episode_replay import GatedEnv
 from tests.fakes import settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(200)]
 FINGERPRINT = {"model": "synthetic", "group_size": 2}
+FAST_EPISODES = SyntheticConfig(tokens_per_s=0, min_tokens=4)
 
 
 @dataclass
@@ -203,3 +208,34 @@ async def test_a_snapshot_from_before_the_accounting_starts_it_at_the_restore(tm
     # the partial siblings it held are generated again (granularity sibling)
     wasted = b.counters.dropped_tokens + b.counters.regenerated_tokens
     assert account.generated == buffered + acked + wasted
+
+
+async def test_a_restored_episode_mid_turn_keeps_the_account(nodes):  # noqa: F811
+    """An episode counts when its sample is staged: the tokens of a model turn a snapshot caught
+    mid-generation were never counted, so a restore neither holds them buffered nor, when the
+    turn is generated again, counts them regenerated."""
+    env = GatedEnv()
+    runner = EpisodeRunner({}, env, EpisodeLimits(max_turns=5))
+    slow = SyntheticEngine(SyntheticConfig(tokens_per_s=150, min_tokens=32))
+    a = nodes(engine=slow, runner=runner, max_in_flight=2, buffer_capacity=4)
+    a.controller.start()
+    episodes = a.controller.generation.episodes
+    # some episodes staged (counted), others mid-turn (their tokens not counted yet)
+    await settle(
+        lambda: (
+            a.controller.counters.generated_tokens > 0
+            and sum(len(e.deltas) for e in episodes.values()) >= 2
+        )
+    )
+    await a.checkpoint()
+    await a.controller.stop()
+    exact(a.controller)
+
+    for granularity in (Granularity.SIBLING, Granularity.TOKEN):
+        b = nodes(engine=SyntheticEngine(FAST_EPISODES), runner=runner, max_in_flight=2)
+        await b.restore(granularity=granularity)
+        exact(b.controller)
+        b.controller.start()
+        await settle(lambda: b.controller.counters.committed_groups >= 2)  # noqa: B023
+        await b.controller.stop()
+        assert exact(b.controller).generated > 0

@@ -34,7 +34,7 @@ PRIMARY_ROWS = (
 )
 """The primary dashboard, in order, and the catalogue areas each row shows in full."""
 
-DRILL_DOWN_AREAS = {Area.DRILL_DOWN, Area.LATENCY}
+DRILL_DOWN_AREAS = {Area.DRILL_DOWN, Area.LATENCY, Area.EPISODES}
 
 
 @pytest.fixture(scope="module")

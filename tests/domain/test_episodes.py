@@ -33,6 +33,7 @@ class Env:
     """Answers each turn with the completion's length; done after ``turns`` steps. Records
     every call (and, through ``events``, its order with the journal's writes)."""
 
+    name = "tests:Env"
     has_state = False
 
     def __init__(

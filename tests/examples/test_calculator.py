@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rolloutd.config import load_config
 from rolloutd.episodes import EpisodeStart, StepResult
 from rolloutd.episodes.loader import LocalEnvironment, load_environment
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from calculator.environment import (
     MAX_DIGITS,
+    REMINDER,
     TOOL,
     CalcError,
     Calculator,
@@ -136,6 +138,20 @@ def test_an_episode_without_an_answer_ends_after_max_turns() -> None:
     assert (last.done, last.reward, last.messages[0]["content"]) == (True, 0.0, "4")
 
 
+def test_a_strict_calculator_reminds_a_turn_that_neither_calls_nor_answers() -> None:
+    env = Calculator(max_turns=3, strict=True)
+    env.reset(start())
+    reminded = env.step("g1-s0", 0, "so 5049 + 55 = 5104")  # a number, but not in <answer>
+    assert reminded == StepResult(messages=({"role": "user", "content": REMINDER},), done=False)
+    assert env.step("g1-s0", 1, "<calc>51 * 99 + 55</calc>").messages[0]["content"] == "5104"
+    assert env.step("g1-s0", 2, "<answer>5104</answer>") == StepResult(done=True, reward=1.0)
+    env.reset(start("g1-s1"))
+    env.step("g1-s1", 0, "hmm")
+    env.step("g1-s1", 1, "hmm")
+    last = env.step("g1-s1", 2, "hmm")
+    assert (last.done, last.reward, env.state("g1-s1")) == (True, 0.0, b"")
+
+
 def test_state_brings_an_episode_back_in_a_new_process() -> None:
     before = Calculator()
     before.reset(start())
@@ -173,3 +189,24 @@ def test_the_dataset_holds_questions_whose_answers_are_right() -> None:
         expression = row["metadata"]["expression"]
         assert row["messages"][1]["content"] == f"What is {expression}?"
         assert evaluate(expression) == row["metadata"]["answer"]
+
+
+def test_its_configuration_loads_and_names_what_the_service_serves() -> None:
+    """``rolloutd.yaml`` as ``rolloutd serve --config`` reads it: every key known and valid, the
+    environment built from it as the service builds it, its dataset where it says."""
+    config = load_config(EXAMPLES / "calculator" / "rolloutd.yaml", environ={})
+    episodes = config.episodes
+    assert config.episodes_configured()
+    assert episodes.environment == "calculator.environment:Calculator"
+    assert episodes.environment_config == {"max_turns": 4, "strict": True}
+    assert episodes.durable_turns
+    assert config.engine.max_tokens < episodes.max_total_tokens
+    port = load_environment(
+        episodes.environment,
+        episodes.environment_config,
+        step_timeout_s=episodes.step_timeout_s,
+        retries=episodes.retries,
+    )
+    assert isinstance(port, LocalEnvironment) and port.has_state
+    assert config.dataset.path is not None
+    assert (EXAMPLES.parent / config.dataset.path).is_file()

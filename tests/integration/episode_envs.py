@@ -29,7 +29,7 @@ class _Logged:
             os.close(fd)
 
     def reset(self, start: EpisodeStart) -> list[dict[str, str]]:
-        self._note(call="reset", episode=start.episode_id)
+        self._note(call="reset", episode=start.episode_id, tools=list(start.tools))
         return [{"role": "system", "content": "Use the tool; it answers with a checksum."}]
 
     def step(self, episode_id: str, turn: int, completion: str, *, replay: bool = False):  # type: ignore[no-untyped-def]
@@ -44,6 +44,11 @@ class _Logged:
 
 class ReplayedEnv(_Logged):
     """No state of its own: a restore replays its durable steps."""
+
+
+class ServedEnv(ReplayedEnv):
+    """As :class:`ReplayedEnv`, served over HTTP (``python -m rolloutd.episodes.http``) in a
+    process of its own, which outlives the service's SIGKILLs."""
 
 
 class StatefulEnv(_Logged):

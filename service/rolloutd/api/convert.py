@@ -10,7 +10,12 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from rolloutd.domain.controller import ControllerStatus
-from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
+from rolloutd.domain.encoder import (
+    MAX_METADATA_DEPTH,
+    Undeliverable,
+    metadata_too_deep,
+    tools_problem,
+)
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.fate import EngineState, TokenAccount, TokenFate
 from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus, TurnKind
@@ -215,7 +220,34 @@ def prompt_from_proto(p: pb.Prompt, i: int, max_metadata_bytes: float = math.inf
         metadata=metadata,
         messages=messages,
         generation=spec_from_proto(p.generation) if p.HasField("generation") else GenerationSpec(),
+        tools=_tools(p, field, max_metadata_bytes),
     )
+
+
+def _tools(p: pb.Prompt, field: str, max_bytes: float) -> tuple[dict[str, Any], ...]:
+    """``tools_json`` as a list of JSON objects (none when empty); bounded before it is parsed
+    and checked after (shape, depth, size) as metadata is."""
+    if not p.tools_json:
+        return ()
+    where = f"{field}.tools_json"
+    if len(p.tools_json) > max_bytes:  # characters: at most the bytes of UTF-8
+        raise InvalidArgument(
+            where,
+            f"of prompt {p.prompt_id!r}: {len(p.tools_json)} characters, more than "
+            f"limits.max_metadata_bytes={int(max_bytes)}",
+        )
+    try:
+        tools = json.loads(p.tools_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(where, f"not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(
+            where, f"of prompt {p.prompt_id!r}: nested deeper than {MAX_METADATA_DEPTH} levels"
+        ) from None
+    problem = tools_problem(tools, max_bytes)
+    if problem is not None:
+        raise InvalidArgument(where, f"of prompt {p.prompt_id!r}: {problem}")
+    return tuple(tools)
 
 
 def _metadata(p: pb.Prompt, field: str, max_bytes: float) -> Any:

@@ -1,7 +1,7 @@
 """The journal: what a client was told is durable, before the RPC returns.
 
 Kinds of record, one sequence of positions: acks, lease grants, accepted submissions,
-rewinds, reservations of group ids, drops, and episode records (``episode_reset``,
+rewinds, reservations of group ids, drops, and episode records (``admit``, ``episode_reset``,
 ``episode_turn``, ``episode_step``: docs/design.md, "Episodes") (``kind`` in each record; a
 record without one is an ack). A snapshot records the last position it includes
 (``acks_through``) and restore replays the records after it, on top of nothing when there is
@@ -53,7 +53,7 @@ from rolloutd.checkpoint.backends import (
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.journal_frames import Damage, JournalEntry, Scan, encode, scan
 from rolloutd.domain.buffer import AckRecord, Lease
-from rolloutd.domain.group import Prompt
+from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import (
     Journaled,
@@ -568,6 +568,10 @@ class Journal:
         """Queues an episode record (a model turn, a step's result); the future resolves once
         it is durable."""
         return self.enqueue(records.episode(group_id, index, record))
+
+    def admit(self, meta: GroupMeta) -> asyncio.Future[int]:
+        """Queues an episode group's admission; the future resolves once it is durable."""
+        return self.enqueue(records.admission(meta))
 
     def events_after(self, after: int) -> list[Journaled]:
         """The events journaled after position ``after``, in order."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from rolloutd.domain.barrier import MutationBarrier
@@ -270,6 +270,16 @@ class Controller:
     @property
     def inflight_samples(self) -> int:
         return self.generation.inflight_samples
+
+    def generation_traces(self, group_ids: Iterable[int]) -> list[tuple[int, Mapping[str, str]]]:
+        """(group id, trace context of its generation) of each of ``group_ids`` still buffered
+        whose generation was traced (``Group.trace``)."""
+        groups = self.core.buffer.groups
+        return [
+            (gid, group.trace)
+            for gid in group_ids
+            if (group := groups.get(gid)) is not None and group.trace
+        ]
 
     def settings_of(self, group: Group) -> tuple[str, SamplingParams]:
         """A group's source name and the sampling settings it was generated with."""

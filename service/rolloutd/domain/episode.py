@@ -135,6 +135,8 @@ class EnvironmentPort(Protocol):
     ``episodes.step_timeout_s``, results validated), in process or over HTTP. Failures raise
     :class:`EnvironmentFailure`."""
 
+    name: str
+    """What traces call the environment (its spec or URL)."""
     has_state: bool
     """Whether ``state``/``restore`` are available (else a restore replays)."""
 

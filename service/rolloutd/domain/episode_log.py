@@ -10,6 +10,7 @@ a restore joins them (:func:`merged`).
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from array import array
 from collections.abc import Awaitable, Iterable, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rolloutd.domain.episode import Message
-from rolloutd.domain.group import SamplePart
+from rolloutd.domain.group import GroupMeta, SamplePart
 from rolloutd.domain.partial import TokenDelta
 
 
@@ -89,6 +90,26 @@ class EpisodeJournal(Protocol):
 
     def episode(self, group_id: int, index: int, record: EpisodeRecord) -> Awaitable[int]: ...
 
+    def admit(self, meta: GroupMeta) -> Awaitable[int]: ...
+
+
+@dataclass(eq=False)
+class GroupAdmission:
+    """A newly admitted group's metadata, journaled once, just before the first episode record
+    of any of its siblings (in the same group commit): episode records are keyed by group id,
+    and a restore whose snapshot does not hold the group needs it to build the group again
+    under that id rather than admit its prompt again under a new one. Shared by the group's
+    episode logs."""
+
+    meta: GroupMeta
+    durable: Awaitable[int] | None = None
+    """The admission record's write, once queued."""
+
+    def journal(self, journal: EpisodeJournal) -> Awaitable[int]:
+        if self.durable is None:
+            self.durable = asyncio.ensure_future(journal.admit(self.meta))
+        return self.durable
+
 
 @dataclass(eq=False)
 class EpisodeLog:
@@ -109,6 +130,16 @@ class EpisodeLog:
     """Whether the current turn's tokens are captured (``recovery.granularity: token``)."""
     turn: int | None = None
     deltas: list[TokenDelta] = field(default_factory=list)
+    admission: GroupAdmission | None = None
+    """The group's admission, to journal with its first record (None: a snapshot or the
+    journal holds the group already: it was restored)."""
+    restored: int = field(init=False, default=0)
+    """How many of ``records`` came from a restore and were not yet taken by a run of the
+    episode: the first run reports them as recovered, a retry after an engine error does not
+    again."""
+
+    def __post_init__(self) -> None:
+        self.restored = len(self.records)
 
     def find(self, kind: RecordKind, turn: int) -> EpisodeRecord | None:
         for record in self.records:
@@ -121,7 +152,10 @@ class EpisodeLog:
         (a capture taken meanwhile holds it; a restore keeps one copy of it)."""
         self.records.append(record)
         if self.journal is not None:
+            admitted = None if self.admission is None else self.admission.journal(self.journal)
             await self.journal.episode(self.group_id, self.index, record)
+            if admitted is not None:
+                await admitted  # durable already (queued first): only its error is news
 
     def begin_turn(self, turn: int, prefix: Sequence[TokenDelta]) -> None:
         """Model turn ``turn`` starts, continuing from ``prefix`` (its tokens before a restart)."""

@@ -13,6 +13,11 @@ environment's state comes back through ``restore(start, state)`` when it has one
 replaying the durable steps with ``replay=True``, whose messages are checked against the
 recorded ones); a step without a durable result is called again with the same completion; a
 model turn caught mid-generation continues token by token from the snapshot's partial tokens.
+
+What an episode did is reported to ``job.observer`` as it happens (:class:`EpisodeStarted`, a
+:class:`EpisodeTurn` per model turn, an :class:`EnvironmentCalled` per call, one
+:class:`EpisodeEnded`): telemetry turns them into spans and counters. A turn a restore found
+durable is reported as recovered (``REUSED``), never as generated.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from rolloutd.domain.conversation import Conversation
 from rolloutd.domain.engine import ChatRenderer
@@ -34,7 +40,15 @@ from rolloutd.domain.episode import (
 )
 from rolloutd.domain.episode_log import EnvironmentReply, EpisodeLog, ModelTurn, RecordKind
 from rolloutd.domain.group import Sample, SamplePart, TurnKind, TurnSpan
-from rolloutd.domain.partial import join_parts
+from rolloutd.domain.observer import (
+    EnvironmentCall,
+    EnvironmentCalled,
+    EpisodeEnded,
+    EpisodeStarted,
+    EpisodeTurn,
+)
+from rolloutd.domain.partial import PartialSibling, join_parts
+from rolloutd.domain.report import Disposition
 from rolloutd.domain.runner import EngineRunner, SiblingJob
 
 log = logging.getLogger(__name__)
@@ -44,20 +58,11 @@ FINISH_PREFIX = "episode:"
 
 
 @dataclass
-class EpisodeCounts:
-    """Cumulative over the process: what episodes did (telemetry reads them)."""
+class _Call:
+    """What a call to the environment answered, as far as its report needs."""
 
-    episodes: int = 0
-    turns: int = 0
-    turns_reused: int = 0
-    """Model turns a restore found durable and reused."""
-    turns_rerun: int = 0
-    """Model turns a restore found unfinished and generated (continued or again)."""
-    steps_replayed: int = 0
-    replay_mismatches: int = 0
-    steps_failed: dict[str, int] = field(default_factory=dict)
-    step_seconds: list[float] = field(default_factory=list)
-    """Durations of live steps since telemetry last took them."""
+    done: bool = False
+    mismatch: bool = False
 
 
 def is_episode(sample: Sample) -> bool:
@@ -83,7 +88,6 @@ class EpisodeRunner:
         self.environments = dict(environments)
         self.default = default
         self.limits = limits
-        self.counts = EpisodeCounts()
         self._plain = EngineRunner()
 
     def environment_of(self, source: str) -> EnvironmentPort | None:
@@ -120,7 +124,7 @@ class _Episode:
             episode,
         )
         self.limits = runner.limits
-        self.counts = runner.counts
+        self.observer = job.observer
         self.start = EpisodeStart(
             episode_id=r.request_id,
             group_id=r.group_id,
@@ -131,7 +135,14 @@ class _Episode:
             tools=tuple(prompt.tools),
         )
         self.conversation = Conversation(renderer, messages, prompt.tools)
-        self.restored = bool(episode.records)
+        recovered = episode.records[: episode.restored]
+        episode.restored = 0  # a retry of this sibling recovers nothing more
+        self.recovered_turns = {r.turn for r in recovered if r.kind is RecordKind.TURN}
+        """Turns a restore found durable: reported as reused."""
+        self.restored = bool(recovered)
+        """The next turn generated is the first after a restore (reported as rerun)."""
+        self.turns = 0
+        self.model_tokens = 0
         self.tokens = array("i")
         self.logprobs = array("f")
         self.spans: list[TurnSpan] = []
@@ -143,11 +154,24 @@ class _Episode:
 
     async def run(self) -> Sample:
         started = time.time()
-        end = await self._episode()
-        self.counts.episodes += 1
-        if end.failed:
-            self.counts.steps_failed[end.value] = self.counts.steps_failed.get(end.value, 0) + 1
-        mismatches = await self.conversation.mismatches(self.ended_by, self.final)
+        self.observer.episode_started(
+            EpisodeStarted(
+                self.start.group_id,
+                self.start.sibling,
+                self.start.episode_id,
+                self.job.source,
+                self.env.name,
+                time.time_ns(),
+                self.restored,
+            )
+        )
+        try:
+            end = await self._episode()
+            mismatches = await self.conversation.mismatches(self.ended_by, self.final)
+        except BaseException as exc:  # reported, then raised as it was
+            self._ended(None, 0, f"{type(exc).__name__}: {exc}")
+            raise
+        self._ended(end, mismatches)
         version = self.parts[0].policy_version if self.parts else self.job.engine.policy_version
         return Sample(
             index=self.job.request.index,
@@ -164,6 +188,59 @@ class _Episode:
             turns=tuple(self.spans),
             episode_reward=self.reward,
             retokenization_mismatches=mismatches,
+        )
+
+    def _ended(self, end: EpisodeEnd | None, mismatches: int, error: str = "") -> None:
+        model = self.model_tokens
+        self.observer.episode_ended(
+            EpisodeEnded(
+                self.start.episode_id,
+                time.time_ns(),
+                end,
+                self.turns,
+                len(self.prompt_ids),
+                model,
+                len(self.tokens) - model,
+                self.reward,
+                mismatches,
+                error,
+            )
+        )
+
+    @contextmanager
+    def _calling(
+        self, call: EnvironmentCall, turn: int = -1, *, replay: bool = False
+    ) -> Iterator[_Call]:
+        """Times a call to the environment (the body) and reports it, failed or not."""
+        began = time.time_ns()
+        answer = _Call()
+        try:
+            yield answer
+        except EnvironmentFailure as exc:
+            self.observer.environment_called(
+                EnvironmentCalled(
+                    self.start.episode_id,
+                    call,
+                    turn,
+                    began,
+                    time.time_ns(),
+                    replay,
+                    failure=exc.end,
+                    detail=exc.detail,
+                )
+            )
+            raise
+        self.observer.environment_called(
+            EnvironmentCalled(
+                self.start.episode_id,
+                call,
+                turn,
+                began,
+                time.time_ns(),
+                replay,
+                answer.mismatch,
+                answer.done,
+            )
         )
 
     async def _episode(self) -> EpisodeEnd:
@@ -193,9 +270,10 @@ class _Episode:
     async def _reset(self) -> None:
         found = self.log.find(RecordKind.RESET, -1)
         if found is None:
-            messages = await self.env.reset(self.start)
+            with self._calling(EnvironmentCall.RESET):
+                messages = await self.env.reset(self.start)
+                state = await self.env.state(self.start.episode_id) if self.env.has_state else None
             ids = await self.conversation.add_environment(messages)
-            state = await self.env.state(self.start.episode_id) if self.env.has_state else None
             await self.log.append(EnvironmentReply(-1, tuple(messages), ids, state=state))
         else:
             assert isinstance(found, EnvironmentReply)
@@ -213,19 +291,23 @@ class _Episode:
             last = steps[-1] if steps else reset
             assert isinstance(last, EnvironmentReply)
             if last.state is not None:
-                await self.env.restore(self.start, last.state)
+                with self._calling(EnvironmentCall.RESTORE):
+                    await self.env.restore(self.start, last.state)
                 return
-        messages = await self.env.reset(self.start)
-        if tuple(messages) != reset.messages:
-            self.counts.replay_mismatches += 1
+        with self._calling(EnvironmentCall.RESET, replay=True) as answer:
+            messages = await self.env.reset(self.start)
+            answer.mismatch = tuple(messages) != reset.messages
         for step in steps:
             assert isinstance(step, EnvironmentReply)
             turn = self.log.find(RecordKind.TURN, step.turn)
             assert isinstance(turn, ModelTurn)
-            again = await self.env.step(self.start.episode_id, step.turn, turn.text, replay=True)
-            self.counts.steps_replayed += 1
-            if tuple(again.messages) != step.messages:
-                self.counts.replay_mismatches += 1
+            with self._calling(EnvironmentCall.STEP, step.turn, replay=True) as answer:
+                again = await self.env.step(
+                    self.start.episode_id, step.turn, turn.text, replay=True
+                )
+                answer.done = again.done
+                answer.mismatch = tuple(again.messages) != step.messages
+            if answer.mismatch:
                 log.warning(
                     "episode %s: replayed step %d answered other messages than recorded; the "
                     "recorded ones are kept",
@@ -235,14 +317,30 @@ class _Episode:
 
     async def _model_turn(self, turn: int) -> ModelTurn:
         found = self.log.find(RecordKind.TURN, turn)
+        context = len(self.prompt_ids) + len(self.tokens)
         if found is not None:
             assert isinstance(found, ModelTurn)
-            self.counts.turns_reused += 1
             model = found
+            if turn in self.recovered_turns:
+                now = time.time_ns()
+                self._turn_durable(model, now, now, context, Disposition.REUSED)
         else:
-            model = await self._generate(turn)
+            recovered = Disposition.RERUN if self.restored else None
+            self.restored = False  # only the first turn generated after a restore is recovered
+            request = self.job.request
+            prefix = (
+                request.prefix
+                if request.prefix is not None and request.prefix.turn == turn
+                else None
+            )
+            began = time.time_ns()
+            model = await self._generate(turn, prefix)
+            generated = time.time_ns()
             await self.log.append(model)
-        self.counts.turns += 1
+            resumed = len(prefix) if prefix is not None else 0
+            self._turn_durable(model, began, generated, context, recovered, resumed)
+        self.turns += 1
+        self.model_tokens += len(model.token_ids)
         offset = len(self.tokens)
         self.spans.append(TurnSpan(offset, TurnKind.MODEL))
         for p in model.parts:
@@ -253,14 +351,31 @@ class _Episode:
         self.conversation.add_model()
         return model
 
-    async def _generate(self, turn: int) -> ModelTurn:
-        request = self.job.request
-        prefix = (
-            request.prefix if request.prefix is not None and request.prefix.turn == turn else None
+    def _turn_durable(
+        self,
+        model: ModelTurn,
+        began: int,
+        ended: int,
+        context: int,
+        recovered: Disposition | None,
+        resumed: int = 0,
+    ) -> None:
+        self.observer.episode_turn(
+            EpisodeTurn(
+                self.start.episode_id,
+                model.turn,
+                began,
+                ended,
+                context,
+                len(model.token_ids),
+                model.finish_reason,
+                recovered,
+                resumed,
+            )
         )
-        if self.restored:
-            self.counts.turns_rerun += 1
-            self.restored = False  # only the first turn generated after a restore is recovered
+
+    async def _generate(self, turn: int, prefix: PartialSibling | None) -> ModelTurn:
+        request = self.job.request
         used = len(self.prompt_ids) + len(self.tokens)
         max_tokens = min(request.params.max_tokens, self.limits.max_total_tokens - used)
         self.log.begin_turn(turn, prefix.deltas if prefix is not None else ())
@@ -288,10 +403,10 @@ class _Episode:
     async def _step(self, turn: int, model: ModelTurn) -> EnvironmentReply:
         found = self.log.find(RecordKind.STEP, turn)
         if found is None:
-            began = time.perf_counter()
-            result = await self.env.step(self.start.episode_id, turn, model.text)
-            self.counts.step_seconds.append(time.perf_counter() - began)
-            state = await self.env.state(self.start.episode_id) if self.env.has_state else None
+            with self._calling(EnvironmentCall.STEP, turn) as answer:
+                result = await self.env.step(self.start.episode_id, turn, model.text)
+                state = await self.env.state(self.start.episode_id) if self.env.has_state else None
+                answer.done = result.done
             ids = await self._environment_tokens(result.messages, model, result.done)
             reply = EnvironmentReply(
                 turn, tuple(result.messages), ids, result.done, result.reward, state

@@ -28,7 +28,7 @@ from rolloutd.domain.engine import (
     GenerationRequest,
     RequestRefused,
 )
-from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord
+from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord, GroupAdmission
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.fate import ENGINE_ERROR, REFUSED, STAGE_FAILED, EngineState
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
@@ -85,7 +85,7 @@ class Generation:
         """Trace context of each group whose generation the observer was told about."""
         self.episodes: dict[tuple[int, int], EpisodeLog] = {}
         """(group id, index) -> the episode records of a generating sibling (a restore's first)
-        and its current turn's tokens; kept and removed as ``Core.staging`` is."""
+        and its current turn's tokens; kept and removed as its staged tokens are."""
         self.durable_turns = True
         """Whether episode records are journaled (``episodes.durable_turns``)."""
         self._updating = False
@@ -136,7 +136,7 @@ class Generation:
                 group = self._new_group(admission)
                 core.buffer.add(group)
                 core.counters.admitted_groups += 1
-            self.dispatch(group, group.missing)
+            self.dispatch(group, group.missing, fresh=True)
 
     async def _reserve_ids(self) -> None:
         """Journals the next block of ids before any of it is handed out."""
@@ -178,15 +178,19 @@ class Generation:
         indices: list[int],
         prefixes: Mapping[int, PartialSibling] | None = None,
         episodes: Mapping[int, list[EpisodeRecord]] | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
         """Starts the runner on each sibling of ``indices``, each with its own seed; a sibling
         with a prefix in ``prefixes`` continues from it, one with records in ``episodes``
-        continues its episode from them."""
+        continues its episode from them. A ``fresh`` group (just admitted, held by no snapshot
+        or journal record yet) has its admission journaled with its first episode record."""
         core = self.core
+        admission = GroupAdmission(group.meta) if fresh else None
         if group.group_id not in self._trace_headers:
             meta = group.meta
             p = core.params_of(meta)
-            self._trace_headers[group.group_id] = core.observer.generation_started(
+            group.trace = self._trace_headers[group.group_id] = core.observer.generation_started(
                 GenerationStarted(
                     group.group_id,
                     meta.prompt.prompt_id,
@@ -214,6 +218,7 @@ class Generation:
                 core.journal if self.durable_turns else None,
                 list((episodes or {}).get(index, ())),
                 core.config.capture_partials,
+                admission=admission,
             )
             if prefix is not None and prefix.turn is not None:
                 log_.begin_turn(prefix.turn, prefix.deltas)
@@ -250,7 +255,14 @@ class Generation:
                 on_delta = self._sink(key)
             try:
                 sample = await self.runner.run(
-                    SiblingJob(core.engine, request, on_delta, source, self.episodes.get(key))
+                    SiblingJob(
+                        core.engine,
+                        request,
+                        on_delta,
+                        source,
+                        self.episodes.get(key),
+                        core.observer,
+                    )
                 )
                 break
             except RequestRefused as exc:

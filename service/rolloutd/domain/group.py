@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequenc
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import repeat
+from types import MappingProxyType
 from typing import Any
 
 from rolloutd.domain.errors import InvariantError
@@ -323,6 +324,11 @@ class Group:
     samples: MutableMapping[int, Sample] = field(default_factory=dict)
     """Staged siblings by index: a dict, or after a restore a finished group's
     :class:`KeptSamples`."""
+    trace: Mapping[str, str] = field(default_factory=dict)
+    """The W3C trace context (``traceparent``) of the span of its generation, which a fetch
+    that leases the group links to; empty when that was not traced. Not in snapshots: a group
+    restored finished has none, one restored unfinished gets the span of its resumed
+    generation."""
 
     @property
     def group_id(self) -> int:
@@ -472,6 +478,7 @@ class RestoredGroup(Group):
 
     _table: GroupTable
     _row: int
+    trace: Mapping[str, str] = MappingProxyType({})  # built without __init__: no trace yet
 
     @cached_property
     def meta(self) -> GroupMeta:  # type: ignore[override]

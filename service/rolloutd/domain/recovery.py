@@ -11,7 +11,9 @@ controller starts. ``recover`` times its own phases (``replay_metadata``, ``reco
   journal's replay) when they are too stale;
 * what was journaled after the snapshot is applied in journal order: acks and rewinds through
   the one ack and rewind paths, live lease grants granted again, accepted prompts queued again,
-  the id counter moved past every reserved and journaled id;
+  the id counter moved past every reserved and journaled id, episode groups the snapshot does
+  not hold built again from their journaled admission (same id; their prompt is not admitted
+  again);
 * unfinished groups resume: staged siblings are reused and missing ones continue from the tokens
   the snapshot held (granularity ``token``), start again (``sibling``), or the whole group is
   generated again (``group``); a FINISHING group goes to the finishing stage again.
@@ -33,7 +35,7 @@ from rolloutd.domain.delivery import Delivery
 from rolloutd.domain.episode_log import EpisodeRecord, RecordKind, merged
 from rolloutd.domain.errors import InvariantError, RestoreRefused
 from rolloutd.domain.generation import ID_BITS, Generation, local_id
-from rolloutd.domain.group import UNFINISHED, Group, GroupState, GroupTable
+from rolloutd.domain.group import UNFINISHED, Group, GroupMeta, GroupState, GroupTable
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import (
@@ -43,11 +45,13 @@ from rolloutd.domain.report import (
     RestorePhase,
     TokenDisposition,
 )
+from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import (
     ControllerState,
     IdReservation,
     Journaled,
     JournaledAck,
+    JournaledAdmission,
     JournaledDrop,
     JournaledEpisode,
     JournaledLease,
@@ -128,6 +132,8 @@ class Recovery:
         count as buffered (domain/fate.py); an episode's are counted with its sample."""
         self._episodes: dict[tuple[int, int], list[EpisodeRecord]] = {}
         """Episode records the journal held after the snapshot, until their group resumes."""
+        self._rebuilt: list[int] = []
+        """Groups no snapshot held that the journal's admission records built again."""
 
     # --- out -------------------------------------------------------------------------------
 
@@ -173,12 +179,18 @@ class Recovery:
         of the controller.
 
         Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
-        position (admission would create a second group for a buffered position).
+        position that it does not skip (admission would create a second group for a buffered
+        position).
         """
         groups = restored_groups(state.buffer.groups)
+        # a position the sampler skips (an episode group built again from the journal) is
+        # never admitted again either
+        skipped = set(state.sampler.skip)
         for cursor in state.sampler.cursors or (state.sampler.cursor,):
             ahead = sorted(
-                map(str, groups.positions_from(cursor.epoch, cursor.offset, cursor.source))
+                str(p)
+                for p in groups.positions_from(cursor.epoch, cursor.offset, cursor.source)
+                if p not in skipped
             )
             if ahead:
                 raise RestoreRefused(
@@ -198,6 +210,9 @@ class Recovery:
         if state is None:
             with clock.phase(RestorePhase.RECOVERY_LEDGER):
                 counts.events = await self._replay(recovered.journal)
+            if self._rebuilt:
+                with clock.phase(RestorePhase.REDISPATCH):
+                    await self._resume(self._rebuilt, recovered.granularity, counts)
             return counts
         table = restored_groups(state.buffer.groups)
         counts.groups = _found(table)
@@ -210,9 +225,10 @@ class Recovery:
             await self.generation.evict_stale()
         with clock.phase(RestorePhase.REDISPATCH):
             started = time.perf_counter()
-            # a journal replay can end a group's generation (never start one): the snapshot's
-            # unfinished groups are all there is to look at
-            await self._resume(table.unfinished(), recovered.granularity, counts)
+            # a journal replay can end a group's generation and start only the episode groups
+            # it builds again: with the snapshot's unfinished groups, that is all to look at
+            unfinished = table.unfinished() + self._rebuilt
+            await self._resume(unfinished, recovered.granularity, counts)
             counts.redispatch_s = time.perf_counter() - started
         return counts
 
@@ -271,6 +287,9 @@ class Recovery:
                 elif isinstance(event, JournaledDrop):
                     self._bump_ids([event.group_id])
                     self._replay_drop(event)
+                elif isinstance(event, JournaledAdmission):
+                    self._bump_ids([event.meta.group_id])
+                    self._replay_admission(event.meta)
                 elif isinstance(event, JournaledEpisode):
                     key = (event.group_id, event.index)
                     self._episodes.setdefault(key, []).append(event.record)
@@ -320,6 +339,20 @@ class Recovery:
             drop.admission.prompt.prompt_id,
             drop.reason,
         )
+
+    def _replay_admission(self, meta: GroupMeta) -> None:
+        """An episode group admitted after the snapshot: built again under its id when the
+        snapshot does not hold it, so that the episode records journaled for it are reused,
+        and its prompt is never admitted again (inside the RESTORE mutation). What the journal
+        holds after this (a drop, a lease, an ack) applies to it as to a group the snapshot
+        held."""
+        core = self.core
+        if meta.group_id in core.buffer.groups:
+            return
+        core.buffer.add(Group(meta))
+        core.sampler.taken(Admission(meta.prompt, meta.position))
+        core.counters.admitted_groups += 1
+        self._rebuilt.append(meta.group_id)
 
     def _bump_ids(self, group_ids: Iterable[int]) -> None:
         core = self.core
@@ -380,6 +413,7 @@ class Recovery:
         }
         self._partials = {}
         self._episodes = {}
+        self._rebuilt = []
 
     async def resume_group(
         self, group: Group, *, rerun_all: bool, from_tokens: bool = False
@@ -405,7 +439,7 @@ class Recovery:
         episodes = {
             i: merged(
                 held[i].episode_records if i in held else (),
-                self._episodes.pop((group.group_id, i), ()),
+                self._episodes.pop((gid, i), ()),
             )
             for i in missing
         }

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.fate import EngineState, TokenFate, drop_fate
-from rolloutd.domain.group import Position, Prompt
+from rolloutd.domain.group import GroupMeta, Position, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
 
@@ -230,6 +230,15 @@ class JournaledDrop:
 
 
 @dataclass(frozen=True)
+class JournaledAdmission:
+    """An episode group's admission, journaled with the first episode record of any of its
+    siblings: a restore whose snapshot does not hold the group builds it again under the same
+    id (so its journaled turns are reused) and never admits its prompt again."""
+
+    meta: GroupMeta
+
+
+@dataclass(frozen=True)
 class JournaledEpisode:
     """An episode record of sibling ``index`` of group ``group_id`` (``domain/episode_log.py``),
     journaled after the snapshot."""
@@ -246,6 +255,7 @@ Journaled = (
     | JournaledRewind
     | IdReservation
     | JournaledDrop
+    | JournaledAdmission
     | JournaledEpisode
 )
 """One event of the journal, in the order it was made durable."""
@@ -283,6 +293,11 @@ class DeliveryJournal(Protocol):
         resolves once it is durable."""
         ...
 
+    def admit(self, meta: GroupMeta) -> asyncio.Future[int]:
+        """Queues an episode group's admission (:class:`JournaledAdmission`) without I/O; the
+        future resolves once it is durable."""
+        ...
+
 
 def _kept() -> asyncio.Future[int]:
     """A future already resolved: what the null journal keeps is kept at once."""
@@ -313,4 +328,7 @@ class NullJournal:
         return None
 
     def episode(self, group_id: int, index: int, record: Any) -> asyncio.Future[int]:
+        return _kept()
+
+    def admit(self, meta: GroupMeta) -> asyncio.Future[int]:
         return _kept()

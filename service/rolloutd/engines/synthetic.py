@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import math
 import os
 import time
@@ -238,8 +239,10 @@ class SyntheticEngine:
         tools: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
     ) -> str:
-        """The tiny model's template (``engines/tiny_model.py``), tools as a system line."""
-        head = f"<|tools|>\n{tools!r}<|end|>\n" if tools else ""
+        """The tiny model's template (``engines/tiny_model.py``): tools in a system turn first,
+        one JSON object a line."""
+        listed = "".join(json.dumps(dict(t), ensure_ascii=False) + "\n" for t in tools)
+        head = f"<|system|>\n# Tools\n{listed}<|end|>\n" if tools else ""
         body = "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages)
         return "<|bos|>" + head + body + ("<|assistant|>\n" if add_generation_prompt else "")
 

@@ -90,6 +90,7 @@ class HttpEnvironment:
         key: str = "episodes.environment",
     ) -> None:
         self.url = url.rstrip("/")
+        self.name = self.url
         self._timeout_s = timeout_s
         self._retries = retries
         self._backoff_s = backoff_s

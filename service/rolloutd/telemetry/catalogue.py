@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rolloutd.domain.encoder import UNDELIVERABLE
+from rolloutd.domain.episode import EpisodeEnd
 from rolloutd.domain.fate import (
     ENGINE_ERROR,
     LEASE_EXPIRIES,
@@ -99,6 +100,7 @@ class Area(enum.Enum):
     REWARDS = "rewards"
     EFFICIENCY = "efficiency"
     ENGINE = "engine"
+    EPISODES = "episodes"
 
 
 VERSION_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -277,6 +279,43 @@ RECOVERY_TOKENS = Instrument(
     "Partial tokens of unfinished siblings at restore: continued from, or generated again.",
     Area.RECOVERY, attributes={"disposition": _values(TokenDisposition)},
 )  # fmt: skip
+
+STEP_FAILURES: tuple[str, ...] = tuple(e.value for e in EpisodeEnd if e.failed)
+"""The ways an environment call fails: the failure values of ``EpisodeEnd``."""
+RECOVERY_TURNS = Instrument(
+    "rolloutd.episode.recovered.turns", Kind.COUNTER, "{turn}",
+    "Model turns of episodes a restore brought back: durable turns reused (never generated "
+    "again), and the first turn each restored episode generated (rerun: under way at the crash, "
+    "continued from its captured tokens or generated again).",
+    Area.RECOVERY, attributes={"disposition": _values(Disposition)},
+)  # fmt: skip
+EPISODE_TURNS = Instrument(
+    "rolloutd.episode.turns", Kind.COUNTER, "{turn}",
+    "Model turns of episodes generated and made durable, reruns after a restore included (a "
+    "turn reused from a restore is counted in rolloutd.episode.recovered.turns only).",
+    Area.EPISODES,
+)  # fmt: skip
+EPISODES = Instrument(
+    "rolloutd.episodes", Kind.COUNTER, "{episode}",
+    "Episodes finished, by how they ended (their samples' finish reason is episode:<end>).",
+    Area.EPISODES, attributes={"end": _values(EpisodeEnd)},
+)  # fmt: skip
+EPISODE_STEP_DURATION = Instrument(
+    "rolloutd.episode.step.duration", Kind.HISTOGRAM, "s",
+    "Duration of each live step of an environment (with its state() when it has one), failed "
+    "ones too; steps replayed after a restore are left out.", Area.EPISODES,
+)  # fmt: skip
+EPISODE_STEP_FAILURES = Instrument(
+    "rolloutd.episode.step.failures", Kind.COUNTER, "{call}",
+    "Environment calls (reset, step, restore) that failed and ended their episode, by reason.",
+    Area.EPISODES, attributes={"reason": STEP_FAILURES},
+)  # fmt: skip
+EPISODE_REPLAY_MISMATCHES = Instrument(
+    "rolloutd.episode.replay.mismatches", Kind.COUNTER, "{call}",
+    "Environment calls replayed after a restore (an environment without state) that answered "
+    "other messages than the recorded ones; the recorded ones are kept.", Area.EPISODES,
+)  # fmt: skip
+
 CHECKPOINT_ROWS = Instrument(
     "rolloutd.checkpoint.rows", Kind.GAUGE, "{row}",
     "Rows of the last completed snapshot: new in its delta, removed since the previous, live.",

@@ -126,6 +126,7 @@ SERIES: tuple[Series, ...] = (
     Series("recovery_groups", cat.RECOVERY_GROUPS, split_by=("state",)),
     Series("recovery_siblings", cat.RECOVERY_SIBLINGS, split_by=("disposition",)),
     Series("recovery_tokens", cat.RECOVERY_TOKENS, split_by=("disposition",)),
+    Series("recovery_turns", cat.RECOVERY_TURNS, split_by=("disposition",)),
     Series("rows", cat.CHECKPOINT_ROWS, split_by=("kind",)),
     Series("size_bytes", cat.CHECKPOINT_SIZE, split_by=("part",)),
     Series("buffer_groups", cat.BUFFER_GROUPS, split_by=("state",)),

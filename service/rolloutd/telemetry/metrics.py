@@ -8,7 +8,6 @@ catches and logs that, so the domain never sees it.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,14 @@ from rolloutd.domain.engine import EngineCounters, FinishedRequest
 from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.group import BUFFERED, ScoreStatus
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished
+from rolloutd.domain.observer import (
+    EnvironmentCalled,
+    EpisodeEnded,
+    EpisodeTurn,
+    GroupCommitted,
+    GroupDropped,
+    GroupFinished,
+)
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
 from rolloutd.domain.sampler import SUBMITTED
 from rolloutd.domain.weights import WeightsOutcome, WeightsReport
@@ -42,7 +48,9 @@ from rolloutd.telemetry.catalogue import (
     drop_reason,
     failure_label,
 )
+from rolloutd.telemetry.episode_metrics import EpisodeMetrics
 from rolloutd.telemetry.generation import OPERATION, GenAIAttr
+from rolloutd.telemetry.series import CatalogueSeries as _Series
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 logger = logging.getLogger(__name__)
@@ -52,34 +60,6 @@ ENGINE_ATTR = "engine"
 
 Attributes = Mapping[str, str]
 ObservableCallback = Callable[[CallbackOptions], Iterable[Observation]]
-
-
-class _Series:
-    """The attribute sets of one instrument, built once from the catalogue.
-
-    Looked up by attribute values in the catalogue's key order (enums or their string values);
-    a combination the catalogue does not declare raises ``KeyError``.
-    """
-
-    def __init__(self, instrument: Instrument):
-        self.instrument = instrument
-        keys = tuple(instrument.attributes)
-        self._sets: dict[tuple[str, ...], Attributes] = {
-            tuple(s[k] for k in keys): MappingProxyType(s) for s in instrument.attribute_sets()
-        }
-
-    def __call__(self, *values: enum.Enum | str) -> Attributes:
-        key = tuple(v.value if isinstance(v, enum.Enum) else v for v in values)
-        try:
-            return self._sets[key]
-        except KeyError:
-            given = dict(zip(self.instrument.attributes, key, strict=False))
-            raise KeyError(
-                f"{self.instrument.name}: attributes {given} are not in the catalogue"
-            ) from None
-
-    def all(self) -> Iterable[Attributes]:
-        return self._sets.values()
 
 
 @dataclass(frozen=True)
@@ -105,6 +85,7 @@ class MetricsObserver:
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self.created: list[str] = []
         """Names of the instruments created, in catalogue order (a test checks one-to-one)."""
+        self.episodes = EpisodeMetrics(self._counter, self._histogram)
         self._sources: _Sources | None = None
         self._last_completed_ns: int | None = None
         self._committed_groups = 0
@@ -369,6 +350,15 @@ class MetricsObserver:
             self._recovery_siblings.add(siblings, self._disposition(disposition))
         for token_disposition, tokens in report.tokens.items():
             self._recovery_tokens.add(tokens, self._token_disposition(token_disposition))
+
+    def episode_turn(self, event: EpisodeTurn) -> None:
+        self.episodes.turn(event)
+
+    def environment_called(self, event: EnvironmentCalled) -> None:
+        self.episodes.called(event)
+
+    def episode_ended(self, event: EpisodeEnded) -> None:
+        self.episodes.ended(event)
 
     def weights_updated(self, report: WeightsReport) -> None:
         for phase in report.phases:

@@ -43,7 +43,11 @@ from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
+from rolloutd.telemetry.otel_sdk import (
+    EncodingSpanExporter,
+    GatedTracerProvider,
+    ScrapeOnlyMeterProvider,
+)
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -109,9 +113,7 @@ def _span_exporter(
     if name is ExporterName.CONSOLE:
         return ConsoleSpanExporter()
     if export.protocol is OtlpProtocol.GRPC:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
+        return EncodingSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpSpanExporter,
     )
@@ -286,6 +288,23 @@ def setup_telemetry(
         log_interval_s=log_interval_s,
     )
     return build_telemetry(settings)
+
+
+TRAINER_SERVICE_NAME = "rolloutd-trainer"
+
+
+def trainer_tracing() -> Telemetry:
+    """The tracer provider of ``rolloutd trainer``, from the standard ``OTEL_*`` environment
+    (``service.name`` ``rolloutd-trainer`` unless ``OTEL_SERVICE_NAME`` says otherwise; no
+    metrics), set as the global one: its steps are spans, and the client's calls in them carry
+    their context to the service. Shut it down when the trainer ends."""
+    telemetry = setup_telemetry(
+        service_name=None if env("OTEL_SERVICE_NAME") else TRAINER_SERVICE_NAME,
+        metrics_exporters=(),
+    )
+    if telemetry.enabled:
+        trace.set_tracer_provider(telemetry.tracer_provider)
+    return telemetry
 
 
 def build_telemetry(settings: TelemetrySettings) -> Telemetry:

@@ -91,20 +91,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json", "generation")
+    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json", "generation", "tools_json")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     metadata: _struct_pb2.Struct
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     metadata_json: str
     generation: GenerationSpec
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class GenerationSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "group_size")

@@ -121,12 +121,13 @@
     },
     {
       id: "recovery", title: "Recovery efficiency",
-      what: "What restores found (totals): complete groups back as they were; siblings of unfinished groups reused versus generated again; partial tokens of unfinished siblings continued from versus generated again.",
+      what: "What restores found (totals): complete groups back as they were; siblings of unfinished groups reused versus generated again; partial tokens of unfinished siblings continued from versus generated again; model turns of episodes reused versus rerun (the first turn each restored episode generated).",
       empty: "Nothing recovered: no restore in this history found groups to bring back.",
       charts: [
         { title: "groups restored, by state", series: ["committed", "leased", "acked", "unfinished"].map((s) => ({ label: s, kind: "value", key: `recovery_groups/${s}` })) },
         { title: "siblings reused vs rerun", series: ["reused", "rerun"].map((s) => ({ label: s, kind: "value", key: `recovery_siblings/${s}` })) },
         { title: "partial tokens reused vs regenerated", series: ["reused", "regenerated"].map((s) => ({ label: s, kind: "value", key: `recovery_tokens/${s}` })) },
+        { title: "episode turns reused vs rerun", series: ["reused", "rerun"].map((s) => ({ label: s, kind: "value", key: `recovery_turns/${s}` })) },
       ],
     },
     {
