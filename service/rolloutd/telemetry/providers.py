@@ -272,8 +272,10 @@ def setup_telemetry(
     sampler: Sampler | None = None,
     resource_attributes: Mapping[str, str] | None = None,
     log_interval_s: float | None = None,
+    announce: bool = True,
 ) -> Telemetry:
-    """Builds the service's providers; see :func:`resolve_settings` for the arguments."""
+    """Builds the service's providers; see :func:`resolve_settings` for the arguments.
+    ``announce=False`` logs the one line that says what is exported only when something is."""
     settings = resolve_settings(
         disabled=disabled,
         service_name=service_name,
@@ -287,7 +289,7 @@ def setup_telemetry(
         resource_attributes=resource_attributes,
         log_interval_s=log_interval_s,
     )
-    return build_telemetry(settings)
+    return build_telemetry(settings, announce=announce)
 
 
 TRAINER_SERVICE_NAME = "rolloutd-trainer"
@@ -301,13 +303,14 @@ def trainer_tracing() -> Telemetry:
     telemetry = setup_telemetry(
         service_name=None if env("OTEL_SERVICE_NAME") else TRAINER_SERVICE_NAME,
         metrics_exporters=(),
+        announce=False,  # a trainer that exports nothing keeps its stderr for its own errors
     )
     if telemetry.enabled:
         trace.set_tracer_provider(telemetry.tracer_provider)
     return telemetry
 
 
-def build_telemetry(settings: TelemetrySettings) -> Telemetry:
+def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Telemetry:
     registry = CollectorRegistry()
     if settings.disabled:
         logger.info(
@@ -346,7 +349,9 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
     )
     # Exporter modules imported above register their loggers only now.
     throttle.install(settings.log_interval_s)
-    logger.info(
+    exports = bool(settings.traces.exporters or settings.metrics.exporters)
+    logger.log(
+        logging.INFO if announce or exports else logging.DEBUG,
         "telemetry: service.name=%s traces=%s metrics=%s (+prometheus)",
         settings.service_name,
         _describe(settings.traces),
