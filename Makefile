@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup run test test-fast lint format bench bench-quick example proto docs clean distclean
+.PHONY: setup run test test-fast lint format bench bench-quick example example-agent proto docs clean distclean
 
 $(STAMP): pyproject.toml constraints.txt scripts/setup.sh
 	@scripts/setup.sh $(VENV)
@@ -42,6 +42,11 @@ bench-quick: $(STAMP)
 EXAMPLE_ARGS ?= --quick
 example: $(STAMP)
 	$(PY) examples/grpo.py $(EXAMPLE_ARGS)
+
+# episodes of the calculator tool environment on the tiny model, one trajectory with its mask
+AGENT_ARGS ?=
+example-agent: $(STAMP)
+	$(PY) examples/calculator/agent.py $(AGENT_ARGS)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py

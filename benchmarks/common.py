@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where ``run_all.py`` asks each benchmark to write, and where its summary goes."""
@@ -125,14 +125,15 @@ def machine() -> dict[str, Any]:
 
 
 def revision() -> dict[str, Any]:
-    """The commit measured, and files of the service that differ from it (uncommitted work)."""
+    """The commit measured, and files of the service and of the benchmarks that differ from it
+    (uncommitted work; results the benchmarks write are not counted)."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return done.stdout if done.returncode == 0 else ""
 
-    status = git("status", "--porcelain", "--", "service")
+    status = git("status", "--porcelain", "--", "service", "benchmarks", ":!benchmarks/results")
     return {
         "commit": git("rev-parse", "--short", "HEAD").strip(),
         "uncommitted": [line[3:] for line in status.splitlines() if line.strip()],
@@ -284,7 +285,7 @@ def publish(
         progress(f"{item['name']}: {fmt(item['value'])} {item['unit']} (target {item['target']})")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(1)
 

@@ -1,7 +1,8 @@
 """Token-level recovery: what a SIGKILL mid-generation costs with ``recovery.granularity: token``.
 
-The real ``rolloutd serve`` runs vLLM on the tiny model on CPU, greedy (temperature 0, float32),
-with a ``max_tokens`` long enough that siblings are mid-way when the process is killed:
+The real ``rolloutd serve`` runs vLLM on the tiny model on CPU (eager: see ``Service``), greedy
+(temperature 0, float32), with a ``max_tokens`` long enough that siblings are mid-way when the
+process is killed:
 
 1. **Crash run** (granularity ``token``, checkpoints every 2 s). Once a snapshot holds partial
    siblings at least 60% of ``max_tokens`` long, the process is SIGKILLed 1 s after that
@@ -9,47 +10,44 @@ with a ``max_tokens`` long enough that siblings are mid-way when the process is 
    every 50 ms for the engine's cumulative generation tokens, so the tokens generated between the
    snapshot's cut and the kill (``lost_after_snapshot``: lost whatever the granularity) are known
    from the counter.
-2. The store is copied; one copy is restored with granularity ``token``, the other with
-   ``sibling``. Each restore logs what it did with the partial tokens the snapshot held.
+2. **Restores.** The store is copied once per setting, and each copy is restored by a service of
+   its own, all started side by side: ``on`` (granularity ``token``, checkpoints every 2 s),
+   ``off`` (granularity ``sibling``, no checkpoints) and, in the full run, ``streaming``
+   (``token``, no checkpoints). Each logs what it did with the partial tokens the snapshot held,
+   and a trainer fetches and acks what each delivers until every group of the snapshot is back.
    - ``token_reuse_fraction``: partial tokens of unfinished siblings the token restore continued
      from, over those the snapshot held.
    - ``regenerated_vs_sibling_mode``: tokens generated again after the restart, token over
      sibling mode, each ``lost_after_snapshot`` plus the partial tokens that restore discarded.
-   - ``greedy_resume_identical``: the token restore delivers each resumed sibling; the same
-     prompts, submitted again to that service, are generated without a crash; every resumed
-     sibling must equal its uninterrupted twin token for token (and start with exactly the
-     snapshot's tokens).
-3. **Throughput** (``checkpoint_on_vs_off``): committed tokens/s while a trainer fetches and acks,
-   over a window after warm-up that runs from one commit to another and spans at least three
-   waves of the groups in flight, with partial capture and checkpoints every 2 s, versus
-   granularity ``sibling`` and no checkpoints. The cost of streaming alone (granularity
-   ``token``, no checkpoints) is measured in the full run. Each round runs every setting once,
-   back to back (off, on, off, on, ...); the figure is the median over rounds of each round's
-   ``on / off``, so a window that outside load slowed is compared with its neighbour rather than
-   with a quiet one. Each run also reports the CPU seconds per 1,000 committed tokens of the
+   - ``greedy_resume_identical``: every sibling ``on`` resumed starts with exactly the
+     snapshot's tokens and logprobs, and equals token for token its twin, the same sibling
+     (group, seed, settings) that ``off`` generated again from its start, uninterrupted.
+3. **Throughput** (``checkpoint_on_vs_off``): the same services, restored from the same
+   snapshot and past the same groups, go on with the dataset (shorter siblings) while their
+   trainers fetch and ack: committed tokens/s, ``on`` versus ``off``. One service runs at a
+   time; the others are frozen (SIGSTOP of the process group: the service and vLLM's engine
+   processes take no CPU). A window thaws its service, warms up for one wave of commits (the
+   groups the freeze caught mid-way), and runs from one commit to another over at least
+   ``WAVES`` waves of the groups in flight and ``window_s``. A round measures every setting
+   once, the order reversed every other round (off, on; on, off; ...), so that a round compares
+   neighbouring windows and neither side always comes first after a switch; the figure is the
+   median over rounds of each round's ``on / off``. ``streaming / off`` (full run) is the cost
+   of streaming alone. Each window also gives the CPU seconds per 1,000 committed tokens of the
    service process and of vLLM's engine processes.
 
-``--quick`` (meant to take about three minutes): siblings of at most 960 tokens (240 in the
-throughput runs) and three rounds over 8 s windows, with one service per setting for all rounds:
-both start side by side, and the one not being measured is frozen (SIGSTOP of its process group)
-so that it takes no CPU; each window has its warm-up after the thaw. That makes five vLLM starts
-in three steps (the crash run, the two restores side by side, the two throughput services side
-by side) instead of nine one after another. The full run keeps 1920 tokens, starts a fresh
-service for every 45 s window (three rounds) and also measures streaming alone. The 2 cores are
-shared with other work: single windows vary by ±10-25% here, so every ratio is reported with its
-rounds and their spread (``*_noise`` in the JSON): a ratio whose distance from 1 is within its
-spread is noise, not a result.
+``--quick`` (meant to take about three minutes, most of it the vLLM starts of the crash run and
+of the restores): siblings of at most 960 tokens, 120 in the throughput windows, four rounds over
+windows of at least 4 s. The full run keeps 1920 tokens (960 in the windows), 45 s windows, and
+adds ``streaming``. The 2 cores are shared with other work: single windows vary by ±10-25% here,
+so every ratio is reported with its rounds and their spread (``*_noise`` in the JSON): a ratio
+whose distance from 1 is within its spread is noise, not a result. The crash is one, so
+``regenerated_vs_sibling_mode`` (which depends on how much was generated between the cut and
+the kill) and ``token_reuse_fraction`` come from one round and have no spread to show.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import json
-import os
-import re
-import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -58,7 +56,7 @@ from typing import Any
 
 import common
 import grpc
-import psutil
+from _recovery_services import OFF, ON, STREAMING, Restored, Service, drain, throughput
 
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.engines.tiny_model import ensure_tiny_model
@@ -66,66 +64,23 @@ from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
 NAME = "recovery"
-RESTORED = re.compile(r"restored snapshot (\d+) .* tokens (\{.*?\})")
+CACHE = Path(__file__).resolve().parent.parent / ".rolloutd" / "cache"
+"""Where the tiny model is built once and kept, as ``throughput.py`` does."""
 MAX_TOKENS = 1920
 MAX_TOKENS_QUICK = 960
 KILL_AFTER_S = 1.0
 """The SIGKILL lands this long after a snapshot: the middle of the 2 s checkpoint interval."""
-IN_FLIGHT = 16
-"""``limits.max_in_flight``: groups generated at once."""
 WAVES = 3
 """A throughput window spans at least this many waves of ``IN_FLIGHT`` committed groups."""
-ROUNDS_QUICK = 3
+ROUNDS_QUICK = 4
 ROUNDS_FULL = 3
-"""Rounds of throughput runs; each round runs every setting once, in the same order."""
+"""Rounds of throughput windows; each round measures every setting once."""
 TARGETS = {
     "token_reuse_fraction": 0.99,
     "regenerated_vs_sibling_mode": 0.2,
     "checkpoint_on_vs_off_quick": 0.97,
     "checkpoint_on_vs_off": 0.99,
 }
-
-
-class Service(common.Serve):
-    """``rolloutd serve`` with vLLM on the tiny model, its log in a file."""
-
-    def __init__(
-        self,
-        work: Path,
-        label: str,
-        store: Path,
-        *,
-        granularity: str,
-        interval_s: float,
-        max_tokens: int,
-        restore: str = "none",
-    ) -> None:
-        env = {
-            "OTEL_SDK_DISABLED": "true",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "ROLLOUTD_ENGINE__CACHE_DIR": str(work / "cache"),
-            "ROLLOUTD_ENGINE__VLLM__DTYPE": "float32",
-            "ROLLOUTD_ENGINE__VLLM__KV_CACHE_MEMORY_GIB": "1",
-            "ROLLOUTD_ENGINE__VLLM__MAX_MODEL_LEN": "2048",
-            "ROLLOUTD_ENGINE__VLLM__LOG_PATH": str(work / f"vllm-{label}.log"),
-            "ROLLOUTD_ENGINE__TEMPERATURE": "0",
-            "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": str(IN_FLIGHT),
-            "ROLLOUTD_RECOVERY__GRANULARITY": granularity,
-        }
-        args = [
-            "--engine", "vllm", "--dataset", str(work / "prompts.jsonl"), "--group-size", "2",
-            "--max-tokens", str(max_tokens), "--grpc-port", "0", "--http-port", "0",
-            "--checkpoint-dir", str(store), "--checkpoint-interval", str(interval_s),
-            "--restore", restore,
-        ]  # fmt: skip
-        super().__init__(args, env, work, work / f"serve-{label}.log")
-
-    def restored(self) -> dict[str, int]:
-        m = RESTORED.search(self.log_path.read_text())
-        if m is None:
-            common.fail(f"no restore line in {self.log_path}")
-        tokens: dict[str, int] = ast.literal_eval(m[2])
-        return tokens
 
 
 def write_prompts(path: Path, n: int) -> None:
@@ -171,12 +126,10 @@ class StatusPoller:
         return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
 
 
-def crash(work: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
+def crash(work: Path, cache: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
     """The crash run: returns the snapshot's figures and the tokens lost after it."""
     store_dir = work / "crash-store"
-    service = Service(
-        work, "crash", store_dir, granularity="token", interval_s=2.0, max_tokens=max_tokens
-    )
+    service = Service(work, cache, "crash", store_dir, ON, max_tokens=max_tokens)
     service.wait_listening(600.0, poll_s=0.2)
     common.progress(f"crash run: service up at {service.address}; waiting for partial siblings")
     poller = StatusPoller(service.address)
@@ -228,252 +181,50 @@ def crash(work: Path, max_tokens: int, min_prefix: int) -> dict[str, Any]:
     }
 
 
-def start_restore(
-    work: Path, crashed: dict[str, Any], granularity: str, max_tokens: int
-) -> Service:
-    """A service restoring a copy of the crash run's store with ``granularity``; not waited for,
-    so that two restores start side by side."""
-    store_dir = work / f"{granularity}-store"
-    shutil.copytree(crashed["store"], store_dir)
-    return Service(
-        work,
-        f"restore-{granularity}",
-        store_dir,
-        granularity=granularity,
-        interval_s=0,
-        max_tokens=max_tokens,
-        restore="latest",
-    )
-
-
-def restore_token(service: Service, crashed: dict[str, Any]) -> dict[str, Any]:
-    """The token restore (see :func:`start_restore`): compares resumed siblings with
-    uninterrupted ones (the same prompts submitted again)."""
-    service.wait_listening(600.0, poll_s=0.2)
-    tokens = service.restored()
-    common.progress(f"token restore: {tokens}; fetching resumed siblings and their twins")
-    held, groups = crashed["held"], crashed["groups"]
-    prompts = {
-        groups[p.group_id]["prompt"]["id"]: groups[p.group_id]["prompt"]["text"] for p in held
-    }
-    try:
-        with grpc.insecure_channel(service.address) as channel:
-            stub = pb_grpc.RolloutServiceStub(channel)
-            stub.SubmitPrompts(
-                pb.SubmitPromptsRequest(
-                    prompts=[pb.Prompt(prompt_id=f"ref-{i}", text=t) for i, t in prompts.items()]
-                ),
-                timeout=30,
-            )
-            seen: dict[int, pb.Group] = {}
-            twins: dict[str, pb.Group] = {}
-            wanted = {p.group_id for p in held}
-            while not (wanted <= set(seen) and len(twins) == len(prompts)):
-                r = stub.FetchGroups(
-                    pb.FetchGroupsRequest(max_groups=16, wait_ms=60_000), timeout=300
-                )
-                if not r.lease_id:
-                    continue  # nothing ready within the wait (generation is slow under load)
-                seen.update({g.group_id: g for g in r.groups})
-                twins.update({g.prompt_id: g for g in r.groups if g.prompt_id.startswith("ref-")})
-                stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30)
-    finally:
-        service.stop(120.0)
+def compare(crashed: dict[str, Any], on: Restored, off: Restored) -> dict[str, int]:
+    """Each sibling ``on`` resumed from the snapshot's partial tokens against its twin, the same
+    sibling ``off`` generated again from its start."""
     identical = prefix_exact = 0
-    for p in held:
-        [s] = [s for s in seen[p.group_id].samples if s.index == p.index]
-        twin = twins[f"ref-{groups[p.group_id]['prompt']['id']}"].samples[p.index]
+    for p in crashed["held"]:
+        [s] = [s for s in on.delivered[p.group_id].samples if s.index == p.index]
+        [twin] = [s for s in off.delivered[p.group_id].samples if s.index == p.index]
         n = len(p)
         prefix_exact += (
             s.resumed_at == n
             and list(s.token_ids[:n]) == p.token_ids().tolist()
             and list(s.logprobs[:n]) == p.logprobs().tolist()
         )
-        identical += list(s.token_ids) == list(twin.token_ids)
-    return {"tokens": tokens, "identical": identical, "prefix_exact": prefix_exact}
+        identical += twin.resumed_at == 0 and list(s.token_ids) == list(twin.token_ids)
+    return {"identical": identical, "prefix_exact": prefix_exact}
 
 
-def restore_sibling(service: Service) -> dict[str, int]:
-    """The sibling restore (see :func:`start_restore`): only its restore line is needed."""
-    service.wait_listening(600.0, poll_s=0.2)
-    tokens = service.restored()
-    service.stop(120.0)
-    common.progress(f"sibling restore: {tokens}")
-    return tokens
-
-
-class Generator:
-    """A throughput service with a trainer fetching and acking; :meth:`measure` reads one window.
-
-    ``--quick`` keeps one generator per setting for all rounds and freezes (SIGSTOP, the whole
-    process group: the service and vLLM's engine processes) the one not being measured, so a
-    round costs no vLLM start; the full run starts a fresh one for every window."""
-
-    def __init__(
-        self, work: Path, label: str, granularity: str, interval_s: float, max_tokens: int
-    ) -> None:
-        self.label = label
-        self.service = Service(
-            work,
-            label,
-            work / f"{label}-store",
-            granularity=granularity,
-            interval_s=interval_s,
-            max_tokens=max_tokens,
-        )
-        self._active = threading.Event()
-        self._idle = threading.Event()
-        self._closed = threading.Event()
-        self._trainer = threading.Thread(target=self._train, daemon=True)
-        self._main: psutil.Process | None = None
-        self._engine: list[psutil.Process] = []
-
-    def start(self) -> None:
-        """Waits until the service listens; the trainer runs from then on."""
-        self.service.wait_listening(600.0, poll_s=0.2)
-        self._main = psutil.Process(self.service.proc.pid)
-        # vLLM's engine core and worker; the reaper only waits on its stdin.
-        self._engine = [
-            p
-            for p in self._main.children(recursive=True)
-            if "rolloutd.engines.reaper" not in p.cmdline()
-        ]
-        self._active.set()
-        self._trainer.start()
-
-    def _train(self) -> None:
-        with grpc.insecure_channel(self.service.address) as channel:
-            stub = pb_grpc.RolloutServiceStub(channel)
-            while not self._closed.is_set():
-                if not self._active.is_set():
-                    self._idle.set()
-                    self._active.wait(0.1)
-                    continue
-                r = stub.FetchGroups(pb.FetchGroupsRequest(max_groups=16, wait_ms=500), timeout=30)
-                if r.lease_id:
-                    stub.AckGroups(
-                        pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1), timeout=30
-                    )
-
-    def freeze(self) -> None:
-        """Stops the trainer between two calls, then the service's process group."""
-        self._idle.clear()
-        self._active.clear()
-        if self._trainer.is_alive() and not self._idle.wait(60):
-            common.fail(f"{self.label}: the trainer did not pause within 60 s")
-        os.killpg(self.service.proc.pid, signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        os.killpg(self.service.proc.pid, signal.SIGCONT)
-        self._active.set()
-
-    def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.service.proc.pid, signal.SIGCONT)
-        self._closed.set()
-        self._active.set()
-        if self._trainer.is_alive():
-            self._trainer.join()
-        self.service.stop(120.0)
-
-    def measure(self, label: str, window_s: float) -> dict[str, float]:
-        """Committed tokens/s over ``window_s`` after a warm-up, and the CPU seconds per 1,000
-        committed tokens of the service process and of vLLM's engine processes over the same
-        window (less sensitive to other work on the machine than the rate)."""
-        main_proc = self._main
-        assert main_proc is not None
-        with grpc.insecure_channel(self.service.address) as channel:
-            stub = pb_grpc.RolloutServiceStub(channel)
-
-            def committed() -> tuple[float, int, int, float, float]:
-                status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-                return (
-                    time.monotonic(),
-                    status.counters.committed_tokens,
-                    status.counters.committed_groups,
-                    _cpu_s(main_proc),
-                    sum(map(_cpu_s, self._engine)),
-                )
-
-            def commit_after(
-                groups: int, not_before: float
-            ) -> tuple[float, int, int, float, float]:
-                """The first reading just after a commit (within 0.1 s) that has at least
-                ``groups`` committed, from ``not_before``."""
-                deadline = time.monotonic() + 600
-                before = committed()
-                while True:
-                    time.sleep(0.1)
-                    now = committed()
-                    if now[2] > before[2] and now[2] >= groups and now[0] >= not_before:
-                        return now
-                    if now[0] > deadline:
-                        common.fail(f"{label}: {groups} groups not committed within 600 s")
-                    before = now
-
-            time.sleep(window_s / 4)  # warm-up (after a start, or after a thaw)
-            # Groups commit in waves (a group when its last sibling ends), so the window runs
-            # from one commit to another: WAVES waves of the groups in flight, and window_s.
-            t0, c0, g0, s0, e0 = commit_after(committed()[2] + 1, 0.0)
-            t1, c1, _, s1, e1 = commit_after(g0 + WAVES * IN_FLIGHT, t0 + window_s)
-        tokens = c1 - c0
-        run = {
-            "tokens_per_s": tokens / (t1 - t0),
-            "service_cpu_s_per_ktok": 1000 * (s1 - s0) / tokens,
-            "engine_cpu_s_per_ktok": 1000 * (e1 - e0) / tokens,
-        }
-        common.progress(
-            f"{label}: {run['tokens_per_s']:.0f} committed tokens/s over {t1 - t0:.0f} s; CPU s "
-            f"per 1k tokens: service {run['service_cpu_s_per_ktok']:.3f}, "
-            f"engine {run['engine_cpu_s_per_ktok']:.3f}"
-        )
-        return run
-
-
-def throughput(
+def restore_and_measure(
     work: Path,
-    settings: list[tuple[str, str, float]],
-    rounds: int,
-    max_tokens: int,
+    crashed: dict[str, Any],
+    quick: bool,
+    tokens: int,
     window_s: float,
-    *,
-    shared: bool,
-) -> dict[str, list[dict[str, float]]]:
-    """``rounds`` rounds, each measuring every setting once in order; ``shared``: one generator
-    per setting, started side by side and frozen between its windows (see :class:`Generator`)."""
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in settings}
-    if not shared:
-        for r in range(rounds):
-            for label, granularity, interval in settings:
-                g = Generator(work, f"{label}-{r}", granularity, interval, max_tokens)
-                try:
-                    g.start()
-                    runs[label].append(g.measure(g.label, window_s))
-                finally:
-                    g.close()
-        return runs
-    generators = [
-        Generator(work, label, gran, interval, max_tokens) for label, gran, interval in settings
-    ]
+) -> tuple[dict[str, dict[str, int]], dict[str, int], dict[str, list[dict[str, float]]]]:
+    """Step 2 and 3: what each restore did with the partial tokens, the twins compared, and the
+    throughput windows of every setting."""
+    settings = [OFF, ON] if quick else [OFF, STREAMING, ON]
+    groups = set(crashed["groups"])
+    services = [Restored(work, CACHE, crashed["store"], groups, s, tokens) for s in settings]
     try:
-        for g in generators:
-            g.start()
-            g.freeze()
-        common.progress(f"throughput: {len(generators)} services up, frozen until measured")
-        for r in range(rounds):
-            for g in generators:
-                g.thaw()
-                runs[g.label].append(g.measure(f"{g.label}-{r}", window_s))
-                g.freeze()
+        restored = {s.setting.label: s.start() for s in services}
+        common.progress(f"restores: {restored}; delivering the snapshot's {len(groups)} groups")
+        drain(services)
+        twins = compare(crashed, services[-1], services[0])
+        common.progress(
+            f"{twins['identical']} of {len(crashed['held'])} resumed siblings equal their twin; "
+            "throughput windows"
+        )
+        rounds = ROUNDS_QUICK if quick else ROUNDS_FULL
+        runs = throughput(services, rounds, window_s, WAVES)
     finally:
-        for g in generators:
-            g.close()
-    return runs
-
-
-def _cpu_s(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
+        for s in services:
+            s.close()
+    return restored, twins, runs
 
 
 def main() -> None:
@@ -484,36 +235,31 @@ def main() -> None:
     # the kill lands when they are well into them, as it would for minutes-long rollouts.
     max_tokens = MAX_TOKENS_QUICK if quick else MAX_TOKENS
     min_prefix = int(max_tokens * 0.6)
-    window_s = 8.0 if quick else 45.0
-    # Siblings of the throughput runs: several commit waves fit in a quick run's window.
-    throughput_tokens = max_tokens // 4 if quick else max_tokens // 2
+    window_s = 4.0 if quick else 45.0
+    # Siblings of the throughput windows: a quick window's waves take about two seconds each.
+    throughput_tokens = max_tokens // 8 if quick else max_tokens // 2
+    ensure_tiny_model(CACHE)
     with tempfile.TemporaryDirectory(prefix="rolloutd-recovery-") as tmp:
         work = Path(tmp)
         write_prompts(work / "prompts.jsonl", 256)
-        ensure_tiny_model(work / "cache")
-        crashed = crash(work, max_tokens, min_prefix)
-        # Both restores start at once: their vLLM starts overlap.
-        token_service = start_restore(work, crashed, "token", max_tokens)
-        sibling = restore_sibling(start_restore(work, crashed, "sibling", max_tokens))
-        token = restore_token(token_service, crashed)
-        settings = [("off", "sibling", 0.0), ("on", "token", 2.0)]
-        if not quick:
-            settings.insert(1, ("streaming", "token", 0.0))
-        rounds = ROUNDS_QUICK if quick else ROUNDS_FULL
-        runs = throughput(work, settings, rounds, throughput_tokens, window_s, shared=quick)
+        crashed = crash(work, CACHE, max_tokens, min_prefix)
+        restored, twins, runs = restore_and_measure(
+            work, crashed, quick, throughput_tokens, window_s
+        )
+    token, sibling = restored["on"], restored["off"]
     held = sum(map(len, crashed["held"]))
     lost = crashed["lost_after_snapshot"]
-    reused = token["tokens"]["reused"]
+    reused = token["reused"]
     reuse_fraction = reused / held if held else float("nan")
-    regenerated_token = lost + token["tokens"]["regenerated"]
+    regenerated_token = lost + token["regenerated"]
     regenerated_sibling = lost + sibling["regenerated"]
     vs_sibling = regenerated_token / regenerated_sibling
     n_held = len(crashed["held"])
-    identical = token["identical"] == n_held and token["prefix_exact"] == n_held
+    identical = twins["identical"] == n_held and twins["prefix_exact"] == n_held
     rates = {label: [r["tokens_per_s"] for r in v] for label, v in runs.items()}
     rate = {label: common.median(v) for label, v in rates.items()}
-    # Each round runs every setting back to back, so a round's ratio compares windows measured
-    # under the same outside load; the median over rounds drops a round that load disturbed.
+    # A round's sides are neighbouring windows, so its ratio compares windows measured under the
+    # same outside load; the median over rounds drops a round that load disturbed.
     paired = {
         label: [a / b for a, b in zip(v, rates["off"], strict=True)]
         for label, v in rates.items()
@@ -521,23 +267,25 @@ def main() -> None:
     }
     on_vs_off = common.median(paired["on"])
     target_on = TARGETS["checkpoint_on_vs_off_quick" if quick else "checkpoint_on_vs_off"]
+    once = "one crash: 1 round, no spread"
     headline = [
         common.headline(
             "token_reuse_fraction", reuse_fraction, "", f">= {TARGETS['token_reuse_fraction']}",
             reuse_fraction >= TARGETS["token_reuse_fraction"],
-            f"{reused} of {held} partial tokens held by the snapshot",
+            f"{reused} of {held} partial tokens held by the snapshot; {once}",
         ),
         common.headline(
             "regenerated_vs_sibling_mode", vs_sibling, "",
             f"<= {TARGETS['regenerated_vs_sibling_mode']}",
             vs_sibling <= TARGETS["regenerated_vs_sibling_mode"],
             f"{regenerated_token:.0f} vs {regenerated_sibling:.0f} tokens "
-            f"({lost:.0f} generated after the cut, lost in both)",
+            f"({lost:.0f} generated after the cut, lost in both); {once}",
         ),
         common.headline(
             "greedy_resume_identical", float(identical), "", "true", identical,
-            f"{token['identical']} of {n_held} resumed siblings equal their twin; "
-            f"{token['prefix_exact']} start with exactly the snapshot's tokens and logprobs",
+            f"{twins['identical']} of {n_held} resumed siblings equal their twin generated "
+            f"again from its start; {twins['prefix_exact']} start with exactly the snapshot's "
+            "tokens and logprobs",
         ),
         common.headline(
             "checkpoint_on_vs_off", on_vs_off, "", f">= {target_on}", on_vs_off >= target_on,
@@ -560,7 +308,7 @@ def main() -> None:
             "partial_tokens_held": held,
             "lost_after_snapshot": lost,
             "kill_after_snapshot_s": crashed["kill_after_snapshot_s"],
-            "token_restore": token["tokens"],
+            "token_restore": token,
             "sibling_restore": sibling,
         },
         "throughput_tokens_per_s": rates,
@@ -570,7 +318,11 @@ def main() -> None:
         "streaming_vs_off_noise": (
             common.noise(paired["streaming"]) if "streaming" in paired else None
         ),
+        "token_reuse_fraction_noise": once,
+        "regenerated_vs_sibling_mode_noise": once,
         "window_s": window_s,
+        "waves": WAVES,
+        "throughput_max_tokens": throughput_tokens,
         "runs": runs,
         "cpu_s_per_ktok": {
             label: {
@@ -633,9 +385,12 @@ def markdown(result: dict[str, Any]) -> str:
         + common.markdown_table(
             ["setting", *(f"round {i + 1}" for i in range(rounds)), "median", "spread"], rows
         )
-        + "\n\nEach round runs the settings back to back in this order; a ratio row divides a "
-        "setting's rate by the same round's `off`, and its spread is (highest - lowest) / "
-        "median over the rounds: a ratio within its spread of 1 is noise.\n\n"
+        + "\n\nA round measures each setting once, one window after another, in this order and "
+        "in the reverse order every other round; a ratio row divides a setting's rate by the "
+        "same round's `off`, and its spread is (highest - lowest) / median over the rounds: a "
+        "ratio within its spread of 1 is noise. Windows of at least "
+        f"{result['window_s']:.0f} s and {result['waves']} waves of commits, siblings of "
+        f"{result['throughput_max_tokens']} tokens.\n\n"
         "## CPU seconds per 1,000 committed tokens (median of rounds)\n\n"
         + common.markdown_table(
             ["setting", "service process", "vLLM engine processes"],

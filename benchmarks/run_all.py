@@ -28,6 +28,7 @@ KNOWN = (
     "weights",
     "recovery",
     "scoring",
+    "episodes",
     "admission",
 )
 """Run first, in this order; any other benchmark script found runs after them."""

@@ -1,25 +1,32 @@
-"""Telemetry overhead: committed tokens/s through the real service, telemetry fully on versus off.
+"""Telemetry's own cost: the service's CPU per 1,000 committed tokens with every span and metric
+on and exported over OTLP, against telemetry off, measured side by side.
 
-Every run starts the real CLI (``rolloutd serve``, synthetic engine) as a subprocess, with the same
-load: 1,024 requests in flight generating at 100 tokens/s each, like a busy multi-GPU node. The
-engine is not instant, so it cannot be what saturates, and the service's own work (admission,
-staging, commits, leases, acks, gRPC encoding, periodic checkpoints, and telemetry when on) is
-what takes the CPU; the synthetic engine makes its token ids in the service's process, so its CPU
-time counts too. A trainer thread in this process leases and acks groups as fast as they come.
-After a warm-up, committed tokens/s is the service's own counter (``GetStatus``
-``counters.committed_tokens``) over a measured window; the CPU time the service process used in
-that window is reported per million committed tokens.
+Two services run at once, each the real CLI (``rolloutd serve``, synthetic engine) in a process of
+its own with the same load: 1,024 requests in flight generating at 100 tokens/s each, like a busy
+multi-GPU node, and checkpoints every 2 s. The engine is not instant, so it cannot be what
+saturates; the service's own work (admission, staging, commits, leases, acks, gRPC encoding,
+checkpoints, and telemetry when on) is what takes its CPU, the synthetic engine's token ids
+included. Each service has a trainer, in a process of its own, leasing and acking groups as fast
+as they come.
 
-- **on**: ``OTEL_SDK_DISABLED=false``; traces (a span per RPC and per checkpoint phase) and the
-  metric catalogue exported over OTLP/gRPC to a sink, metrics every second; the admin
-  ``/metrics`` endpoint scraped every second (both 15 times as often as the deployment's 15 s).
-  The sink and the scraper run in processes of their own, as a collector and Prometheus would.
-- **off**: ``OTEL_SDK_DISABLED=true``.
+- **on**: ``OTEL_SDK_DISABLED=false``; every span (one per RPC, per group's generation, per
+  checkpoint phase; fetches linked to the generations they lease) and every metric of the
+  catalogue, exported over OTLP/gRPC to a receiver at the deployment's cadence (metrics every
+  15 s, ``k8s/base/config/otel.env``; spans in the SDK's batches), and ``/metrics`` scraped every
+  15 s (``otel/prometheus.yml``).
+- **off**: ``OTEL_SDK_DISABLED=true`` (``/metrics`` stays served, and nobody scrapes it).
 
-Runs alternate in ABBA order (on, off, off, on, ...) so a drift in the machine's load over the
-invocation weighs on both modes alike. ``telemetry_on_vs_off`` (target >= 0.99) is the median,
-over the pairs of neighbouring runs, of on / off committed tokens/s; ``on_tokens_per_s`` and
-``off_tokens_per_s`` are the means of each mode.
+The receiver (an OTLP/gRPC sink that counts spans and data points) and the scraper run in
+processes of their own, as a collector and Prometheus would: their CPU is not the service's, and
+the receiver's is reported apart.
+
+Every ``window_s`` the CPU time each service's process tree used (``/proc``, all its threads)
+and the tokens it committed (``GetStatus`` ``counters.committed_tokens``) are read, one service
+right after the other. A window's ratio is on / off CPU per committed token: both services lived
+through the same seconds of the machine's load, so its drift (other users of the two cores)
+weighs on both alike. Sessions swap which service starts first and is read first.
+``service_cpu_per_1k_tokens_on_vs_off`` (target <= 1.02) is the median of the windows' ratios,
+reported with their spread.
 
 Usage: ``python benchmarks/telemetry_overhead.py [--quick] [--json FILE]``.
 """
@@ -29,7 +36,6 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import tempfile
-import threading
 import time
 from concurrent import futures
 from dataclasses import asdict, dataclass
@@ -39,19 +45,20 @@ from typing import Any
 import common
 import grpc
 import httpx
+import psutil
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from rolloutd.client import RolloutClient
-from rolloutd.v1 import rollout_pb2 as pb
 
 NAME = "telemetry_overhead"
-TARGET = 0.99
+TARGET = 1.02
+MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
 class Load:
-    """The workload every run serves, on and off alike."""
+    """The workload each service serves, on and off alike."""
 
     group_size: int = 8
     max_in_flight: int = 128
@@ -64,25 +71,27 @@ class Load:
     checkpoint_interval_s: float = 2.0
     fetch_groups: int = 16
     """Groups one trainer fetch asks for."""
-    metric_export_interval_ms: int = 1000
-    scrape_interval_s: float = 1.0
+    metric_export_interval_ms: int = 15_000
+    scrape_interval_s: float = 15.0
 
 
 @dataclass(frozen=True)
 class Plan:
-    pairs: int = 6
-    """Runs of each mode."""
-    warmup_s: float = 3.0
-    """Served before the window opens (generation in flight reaches its steady state)."""
-    window_s: float = 10.0
+    sessions: int = 6
+    """Pairs of services started; they alternate which one starts (and is read) first. Each
+    process has a speed of its own (windows of one session resemble each other more than those
+    of two), so more sessions of fewer windows average more of it out."""
+    warmup_s: float = 10.0
+    """Served before the first window (generation in flight reaches its steady state)."""
+    windows: int = 5
+    """Windows measured per session."""
+    window_s: float = 15.0
+    """One metric export and one scrape per window."""
 
 
 FULL = Plan()
-QUICK = Plan(pairs=3, warmup_s=1.5, window_s=3.0)
-QUICK_CHANGES = (
-    "quick: 3 runs of each mode, 3 s windows after 1.5 s of warm-up (full: 6, 10 s, 3 s)"
-)
-
+QUICK = Plan(sessions=2, warmup_s=8.0, windows=4)
+QUICK_CHANGES = "quick: 2 sessions of 4 windows of 15 s (full: 6 sessions of 5)"
 
 # --- the telemetry backends: an OTLP sink and a Prometheus scraper, each in its own process ------
 #
@@ -147,6 +156,10 @@ class OtlpSink:
 
     def totals(self) -> tuple[int, int]:
         return self._spans.value, self._points.value
+
+    def cpu_s(self) -> float:
+        assert self._process.pid is not None
+        return tree_cpu_s(self._process.pid)
 
     def __enter__(self) -> OtlpSink:
         self._process.start()
@@ -214,13 +227,13 @@ class Scraper:
         return int(self._scrapes.value), int(self._series.value)
 
 
-# --- the service and the trainer -------------------------------------------------------------
+# --- the services and their trainers -----------------------------------------------------------
 
 
 class Service(common.Serve):
     """The real CLI in a subprocess; its log goes to a file, its ports are read from the log."""
 
-    def __init__(self, load: Load, env: dict[str, str], workdir: Path, log_path: Path):
+    def __init__(self, mode: str, load: Load, sink_port: int, workdir: Path):
         args = [
             "--engine", "synthetic",
             "--grpc-port", "0",
@@ -231,171 +244,196 @@ class Service(common.Serve):
             "--checkpoint-interval", str(load.checkpoint_interval_s),
             "--restore", "none",
         ]  # fmt: skip
-        full_env = {
+        telemetry = (
+            {
+                "OTEL_SDK_DISABLED": "false",
+                "OTEL_SERVICE_NAME": "rolloutd-bench",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_METRIC_EXPORT_INTERVAL": str(load.metric_export_interval_ms),
+            }
+            if mode == "on"
+            else {"OTEL_SDK_DISABLED": "true"}
+        )
+        env = {
+            "PYTHONHASHSEED": "0",  # one source of a process's own speed the same in both
             "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": str(load.tokens_per_s),
             "ROLLOUTD_LIMITS__MAX_IN_FLIGHT": str(load.max_in_flight),
             "ROLLOUTD_LIMITS__BUFFER_CAPACITY": str(max(256, 8 * load.max_in_flight)),
-            **env,
+            **telemetry,
         }
-        super().__init__(args, full_env, workdir, log_path)
+        workdir.mkdir(parents=True)
+        super().__init__(args, env, workdir, workdir / "rolloutd.log")
+        self.mode = mode
+        self._status: RolloutClient | None = None
+
+    def committed_tokens(self) -> int:
+        if self._status is None:
+            self._status = RolloutClient(self.address, interceptors=(), timeout_s=30)
+        return self._status.status_of(self.address).counters.committed_tokens
+
+    def tree_cpu_s(self) -> float:
+        return tree_cpu_s(self.proc.pid)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.close()
 
 
-class Trainer(threading.Thread):
-    """Leases and acks groups as fast as they come; counts the tokens it received."""
-
-    def __init__(self, address: str, fetch_groups: int):
-        super().__init__(name="trainer", daemon=True)
-        self._client = RolloutClient(address, interceptors=(), timeout_s=30)
-        self._fetch_groups = fetch_groups
-        self._halt = threading.Event()
-        self.tokens = 0
-        self.groups = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        step = 0
+def tree_cpu_s(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` (all its threads) and its child processes."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in (root, *root.children(recursive=True)):
         try:
-            while not self._halt.is_set():
-                lease = self._client.fetch(self._fetch_groups, wait_ms=200)
-                if lease is None:
-                    continue
-                step += 1
-                self.groups += len(lease.groups)
-                self.tokens += sum(len(s.token_ids) for g in lease.groups for s in g.samples)
-                self._client.ack(lease, step)
-        except grpc.RpcError as exc:
-            if not self._halt.is_set():
-                self.error = exc
-        finally:
-            self._client.close()
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
-    def status(self) -> pb.GetStatusResponse:
-        return next(iter(self._client.status().values()))
+
+def _train(address: str, fetch_groups: int, stop: Any, failed: Any) -> None:
+    """A trainer process: leases and acks groups as fast as they come, until ``stop``."""
+    step = 0
+    with RolloutClient(address, interceptors=(), timeout_s=30) as client:
+        try:
+            while not stop.is_set():
+                lease = client.fetch(fetch_groups, wait_ms=200)
+                if lease is not None:
+                    step += 1
+                    client.ack(lease, step)
+        except grpc.RpcError as exc:
+            if not stop.is_set():
+                failed.value = 1
+                raise SystemExit(f"the trainer failed: {exc}") from exc
+
+
+class Trainer:
+    def __init__(self, address: str, fetch_groups: int):
+        self._stop = SPAWN.Event()
+        self._failed = SPAWN.Value("i", 0)
+        self._process = SPAWN.Process(
+            target=_train,
+            args=(address, fetch_groups, self._stop, self._failed),
+            name="trainer",
+            daemon=True,
+        )
+        self._process.start()
 
     def stop(self) -> None:
-        self._halt.set()
-        self.join(30)
+        self._stop.set()
+        self._process.join(30)
+        if self._failed.value:
+            common.fail("a trainer failed (its error is above)")
 
 
-# --- one run, and the alternation ------------------------------------------------------------
+# --- one session: two services side by side, measured window by window -------------------------
 
 
 @dataclass(frozen=True)
-class Sample:
-    """The counters a window is measured between."""
+class Reading:
+    """A service's counters at one instant."""
 
     at: float
-    committed_tokens: int
-    ready_groups: int
-    """Committed groups waiting for the trainer (many: the trainer, not the service, limits)."""
-    trainer_tokens: int
     cpu_s: float
+    committed_tokens: int
 
     @classmethod
-    def take(cls, trainer: Trainer, service: Service) -> Sample:
-        status = trainer.status()
-        return cls(
-            time.monotonic(),
-            status.counters.committed_tokens,
-            status.buffer.committed,
-            trainer.tokens,
-            service.cpu_s(),
-        )
+    def take(cls, service: Service) -> Reading:
+        return cls(time.monotonic(), service.tree_cpu_s(), service.committed_tokens())
 
 
-@dataclass(frozen=True)
-class Backends:
-    """Where telemetry goes in "on" runs."""
-
-    sink: OtlpSink
-    scraper: Scraper
+def read_all(services: list[Service]) -> dict[str, Reading]:
+    return {s.mode: Reading.take(s) for s in services}
 
 
-def run_once(mode: str, load: Load, plan: Plan, to: Backends, workdir: Path) -> dict[str, Any]:
-    on = mode == "on"
-    env = (
-        {
-            "OTEL_SDK_DISABLED": "false",
-            "OTEL_SERVICE_NAME": "rolloutd-bench",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{to.sink.port}",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_METRIC_EXPORT_INTERVAL": str(load.metric_export_interval_ms),
-        }
-        if on
-        else {"OTEL_SDK_DISABLED": "true"}
-    )
-    spans0, points0 = to.sink.totals()
-    scrapes = series = 0
-    service = Service(load, env, workdir, workdir / "rolloutd.log")
-    service.wait_listening(60.0)
-    trainer = Trainer(service.address, load.fetch_groups)
-    trainer.start()
-    if on:
-        to.scraper.start(service.http)
+def window_figures(
+    before: dict[str, Reading], after: dict[str, Reading], receiver_cpu_s: float
+) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for mode in MODES:
+        a, b = before[mode], after[mode]
+        tokens = b.committed_tokens - a.committed_tokens
+        cpu = b.cpu_s - a.cpu_s
+        if tokens <= 0:
+            common.fail(f"the {mode} service committed nothing in a window")
+        figures[f"{mode}_cpu_ms_per_1k_tokens"] = cpu / tokens * 1e6
+        figures[f"{mode}_tokens_per_s"] = tokens / (b.at - a.at)
+        figures[f"{mode}_cpu_share"] = cpu / (b.at - a.at)
+        figures[f"{mode}_tokens"] = tokens
+        figures[f"{mode}_cpu_s"] = cpu
+    figures["ratio"] = figures["on_cpu_ms_per_1k_tokens"] / figures["off_cpu_ms_per_1k_tokens"]
+    figures["receiver_cpu_ms_per_1k_tokens"] = receiver_cpu_s / figures["on_tokens"] * 1e6
+    return figures
+
+
+def run_session(
+    index: int, load: Load, plan: Plan, sink: OtlpSink, scraper: Scraper, workdir: Path
+) -> list[dict[str, Any]]:
+    order = list(MODES) if index % 2 == 0 else list(reversed(MODES))
+    services = [Service(mode, load, sink.port, workdir / mode) for mode in order]
+    trainers: list[Trainer] = []
+    windows: list[dict[str, Any]] = []
+    spans0, points0 = sink.totals()
     try:
+        for service in services:
+            service.wait_listening(60.0)
+        on = next(s for s in services if s.mode == "on")
+        trainers = [Trainer(s.address, load.fetch_groups) for s in services]
+        scraper.start(on.http)
         time.sleep(plan.warmup_s)
-        start = Sample.take(trainer, service)
-        time.sleep(plan.window_s)
-        end = Sample.take(trainer, service)
+        before, receiver_before = read_all(services), sink.cpu_s()
+        next_at = time.monotonic()
+        for w in range(plan.windows):
+            next_at += plan.window_s
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            after, receiver_after = read_all(services), sink.cpu_s()
+            figures = window_figures(before, after, receiver_after - receiver_before)
+            windows.append({"session": index, "window": w, "first": order[0], **figures})
+            common.progress(
+                f"session {index + 1}/{plan.sessions} window {w + 1}/{plan.windows}: "
+                f"CPU per 1k tokens on {figures['on_cpu_ms_per_1k_tokens']:.2f} ms, "
+                f"off {figures['off_cpu_ms_per_1k_tokens']:.2f} ms, "
+                f"on/off {figures['ratio']:.3f}; tokens/s on {figures['on_tokens_per_s']:,.0f}, "
+                f"off {figures['off_tokens_per_s']:,.0f}"
+            )
+            before, receiver_before = after, receiver_after
     finally:
-        if on:
-            scrapes, series = to.scraper.pause()
-        trainer.stop()
-        code = service.stop(60.0)
-    if trainer.error is not None:
-        common.fail(f"the trainer failed: {trainer.error}")
-    if code != 0:
-        common.fail(f"rolloutd exited with {code}:\n{service.log_path.read_text()[-4000:]}")
-    spans1, points1 = to.sink.totals()  # the service flushed its telemetry as it stopped
-    if on and not (spans1 > spans0 and points1 > points0 and series):
-        common.fail(f"telemetry was not on: {service.log_path.read_text()[-4000:]}")
-    seconds = end.at - start.at
-    committed = end.committed_tokens - start.committed_tokens
-    cpu_s = end.cpu_s - start.cpu_s
-    return {
-        "mode": mode,
-        "tokens_per_s": committed / seconds,
-        "trainer_tokens_per_s": (end.trainer_tokens - start.trainer_tokens) / seconds,
-        "service_cpu_s_per_mtok": cpu_s / committed * 1e6 if committed else None,
-        "service_cpu_share": cpu_s / seconds,
-        "window_s": seconds,
-        "ready_groups_at_end": end.ready_groups,
-        "spans_exported": spans1 - spans0,
-        "metric_points_exported": points1 - points0,
-        "scrapes": scrapes,
-        "scraped_series": series,
-    }
+        scrapes, series = scraper.pause()
+        for trainer in trainers:
+            trainer.stop()
+        codes = {s.mode: s.stop(60.0) for s in services}
+        for s in services:
+            s.close()
+    for s in services:
+        if codes[s.mode] != 0:
+            common.fail(f"rolloutd ({s.mode}) exited with {codes[s.mode]}:\n"
+                        f"{s.log_path.read_text()[-4000:]}")  # fmt: skip
+    spans1, points1 = sink.totals()  # the "on" service flushed its telemetry as it stopped
+    if not (spans1 > spans0 and points1 > points0 and scrapes and series):
+        common.fail("telemetry was not on: nothing exported or scraped")
+    for w in windows:
+        w.update(session_spans=spans1 - spans0, session_points=points1 - points0, scrapes=scrapes)
+    return windows
 
 
-def schedule(pairs: int) -> list[str]:
-    """ABBA: on, off, off, on, on, off, ..."""
-    return [m for i in range(pairs) for m in (("on", "off") if i % 2 == 0 else ("off", "on"))]
-
-
-def pair_ratios(runs: list[dict[str, Any]]) -> list[float]:
-    """on / off committed tokens/s of each pair of neighbouring runs (the schedule's pairs)."""
-    ratios = []
-    for a, b in zip(runs[::2], runs[1::2], strict=True):
-        on, off = (a, b) if a["mode"] == "on" else (b, a)
-        ratios.append(on["tokens_per_s"] / off["tokens_per_s"])
-    return ratios
+# --- results ---------------------------------------------------------------------------------
 
 
 def assemble(
-    runs: list[dict[str, Any]], load: Load, plan: Plan, quick: bool, started: float
+    windows: list[dict[str, Any]], load: Load, plan: Plan, quick: bool, started: float
 ) -> dict[str, Any]:
-    def mean_of(mode: str, key: str) -> float:
-        values = [r[key] for r in runs if r["mode"] == mode and r[key] is not None]
-        return sum(values) / len(values)
-
-    # Neighbouring runs share the machine's conditions, and the schedule puts "on" first in
-    # half of the pairs: the median of the pair ratios cancels drift and shrugs off a run that
-    # a burst of load elsewhere on the machine slowed down.
-    ratios = pair_ratios(runs)
+    ratios = [w["ratio"] for w in windows]
     ratio = common.median(ratios)
-    on, off = mean_of("on", "tokens_per_s"), mean_of("off", "tokens_per_s")
-    cpu_on = mean_of("on", "service_cpu_s_per_mtok")
-    cpu_off = mean_of("off", "service_cpu_s_per_mtok")
+    cpu = {m: sum(w[f"{m}_cpu_s"] for w in windows) for m in MODES}
+    tokens = {m: sum(w[f"{m}_tokens"] for w in windows) for m in MODES}
+    per_1k = {m: cpu[m] / tokens[m] * 1e6 for m in MODES}
+    speed = [w["on_tokens_per_s"] / w["off_tokens_per_s"] for w in windows]
+    receiver = sum(w["receiver_cpu_ms_per_1k_tokens"] * w["on_tokens"] for w in windows)
+    receiver_per_1k = receiver / tokens["on"]
+    sessions = sorted({w["session"] for w in windows})
+    spans = sum(next(w["session_spans"] for w in windows if w["session"] == s) for s in sessions)
     return {
         "benchmark": NAME,
         "quick": quick,
@@ -403,42 +441,68 @@ def assemble(
         "conditions": common.conditions(started),
         "load": asdict(load),
         "plan": asdict(plan),
-        "telemetry_on_vs_off": ratio,
-        "ratio_statistic": "median over the pairs of neighbouring runs of on / off tokens/s",
-        "on_tokens_per_s": on,
-        "off_tokens_per_s": off,
-        "ratio_of_means": on / off,
-        "pair_ratios": ratios,
-        "telemetry_on_vs_off_noise": common.noise(ratios),
-        "on_service_cpu_s_per_mtok": cpu_on,
-        "off_service_cpu_s_per_mtok": cpu_off,
-        "cpu_per_token_on_vs_off": cpu_on / cpu_off,
-        "runs": runs,
+        "service_cpu_per_1k_tokens_on_vs_off": ratio,
+        "ratio_statistic": "median over the windows of on / off service CPU per committed token",
+        "service_cpu_per_1k_tokens_on_vs_off_noise": common.noise(ratios),
+        "ratio_of_totals": per_1k["on"] / per_1k["off"],
+        "on_cpu_ms_per_1k_tokens": per_1k["on"],
+        "off_cpu_ms_per_1k_tokens": per_1k["off"],
+        "receiver_cpu_ms_per_1k_tokens": receiver_per_1k,
+        "telemetry_on_vs_off": common.median(speed),
+        "telemetry_on_vs_off_noise": common.noise(speed),
+        "on_tokens_per_s": sum(w["on_tokens_per_s"] for w in windows) / len(windows),
+        "off_tokens_per_s": sum(w["off_tokens_per_s"] for w in windows) / len(windows),
+        "spans_exported": spans,
+        "windows": windows,
         "headline": [
             common.headline(
-                "telemetry_on_vs_off (committed tokens/s)", ratio, "", f">= {TARGET}",
-                ratio >= TARGET,
-                f"{common.noise_note(ratios)}; mean on {on:,.0f}, off {off:,.0f} tokens/s",
+                "service CPU per 1,000 committed tokens, telemetry on / off", ratio, "",
+                f"<= {TARGET}", ratio <= TARGET,
+                f"{common.noise_note(ratios)}; on {per_1k['on']:.3g}, off {per_1k['off']:.3g} "
+                f"CPU-ms per 1k tokens; receiver {receiver_per_1k:.3g} apart",
             ),
             common.headline(
-                "service CPU per committed token, on / off", cpu_on / cpu_off, "", "", None,
-                f"on {cpu_on:.3g}, off {cpu_off:.3g} CPU-s per million tokens",
+                "committed tokens/s, telemetry on / off", common.median(speed), "", "", None,
+                f"{common.noise_note(speed)}; engine-bound, so the CPU is the figure",
             ),
         ],
     }  # fmt: skip
 
 
-def table(runs: list[dict[str, Any]]) -> str:
+def table(windows: list[dict[str, Any]]) -> str:
     return common.markdown_table(
-        ["#", "mode", "committed tok/s", "trainer tok/s", "ready groups", "CPU-s/Mtok", "service CPU",
-         "spans exported", "metric points exported", "scrapes"],
+        ["session", "window", "first", "on CPU-ms/1k tok", "off CPU-ms/1k tok", "on / off",
+         "on tok/s", "off tok/s", "on CPU", "off CPU", "receiver CPU-ms/1k tok"],
         [
-            (i + 1, r["mode"], r["tokens_per_s"], r["trainer_tokens_per_s"], r["ready_groups_at_end"],
-             r["service_cpu_s_per_mtok"], f"{r['service_cpu_share']:.0%}",
-             r["spans_exported"], r["metric_points_exported"], r["scrapes"])
-            for i, r in enumerate(runs)
+            (w["session"] + 1, w["window"] + 1, w["first"], w["on_cpu_ms_per_1k_tokens"],
+             w["off_cpu_ms_per_1k_tokens"], w["ratio"], w["on_tokens_per_s"],
+             w["off_tokens_per_s"], f"{w['on_cpu_share']:.0%}", f"{w['off_cpu_share']:.0%}",
+             w["receiver_cpu_ms_per_1k_tokens"])
+            for w in windows
         ],
     )  # fmt: skip
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = common.pyplot()
+    windows = result["windows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    x = list(range(1, len(windows) + 1))
+    left.plot(x, [w["on_cpu_ms_per_1k_tokens"] for w in windows], "o-", label="telemetry on")
+    left.plot(x, [w["off_cpu_ms_per_1k_tokens"] for w in windows], "s-", label="telemetry off")
+    left.set_xlabel("window (sessions in turn)")
+    left.set_ylabel("service CPU-ms per 1,000 committed tokens")
+    left.set_ylim(bottom=0)
+    left.legend()
+    right.plot(x, [w["ratio"] for w in windows], "o", label="window")
+    right.axhline(result["service_cpu_per_1k_tokens_on_vs_off"], color="C1", label="median")
+    right.axhline(TARGET, color="C3", linestyle="--", label=f"target {TARGET}")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set_xlabel("window")
+    right.set_ylabel("CPU per token, on / off")
+    right.legend()
+    fig.suptitle("Telemetry's cost in service CPU (synthetic engine, side by side)")
+    common.save_figure(fig, path)
 
 
 def main() -> None:
@@ -447,34 +511,30 @@ def main() -> None:
     if args.quick:
         common.progress(QUICK_CHANGES)
     common.progress(
-        f"load: {load.max_in_flight} groups x {load.group_size} requests at "
-        f"{load.tokens_per_s:g} tokens/s each, up to {load.max_tokens} tokens"
+        f"load per service: {load.max_in_flight} groups x {load.group_size} requests at "
+        f"{load.tokens_per_s:g} tokens/s each, up to {load.max_tokens} tokens; metrics exported "
+        f"every {load.metric_export_interval_ms / 1000:g} s, scraped every "
+        f"{load.scrape_interval_s:g} s"
     )
     started = time.time()
-    runs: list[dict[str, Any]] = []
-    modes = schedule(plan.pairs)
+    windows: list[dict[str, Any]] = []
     with (
         OtlpSink() as sink,
         Scraper(load.scrape_interval_s) as scraper,
         tempfile.TemporaryDirectory(prefix="rolloutd-bench-") as tmp,
     ):
-        for i, mode in enumerate(modes):
-            workdir = Path(tmp) / f"run-{i}"
-            workdir.mkdir()
-            r = run_once(mode, load, plan, Backends(sink, scraper), workdir)
-            runs.append(r)
-            common.progress(
-                f"run {i + 1}/{len(modes)} {mode:>3}: {r['tokens_per_s']:,.0f} committed tokens/s, "
-                f"service CPU {r['service_cpu_share']:.0%}, "
-                f"{r['spans_exported']:,} spans and {r['metric_points_exported']:,} metric points "
-                f"exported, {r['scrapes']} scrapes"
-            )
-    result = assemble(runs, load, plan, args.quick, started)
+        for i in range(plan.sessions):
+            windows += run_session(i, load, plan, sink, scraper, Path(tmp) / f"session-{i}")
+    result = assemble(windows, load, plan, args.quick, started)
     print()
-    print(table(runs))
+    print(table(windows))
     print(common.headline_table(result["headline"]))
     common.publish(
-        result, args.json, NAME, table(runs) + "\n" + common.headline_table(result["headline"])
+        result,
+        args.json,
+        NAME,
+        table(windows) + "\n" + common.headline_table(result["headline"]),
+        plot,
     )
 
 

@@ -47,6 +47,7 @@ _KIND_WORDS = {
     Kind.HISTOGRAM: "histogram",
     Kind.GAUGE: "gauge",
     Kind.OBSERVABLE_COUNTER: "counter (observable)",
+    Kind.OBSERVABLE_UP_DOWN_COUNTER: "up-down counter (observable)",
     Kind.OBSERVABLE_GAUGE: "gauge (observable)",
 }
 
@@ -66,8 +67,13 @@ def _attribute_lines(instrument: Instrument) -> list[str]:
     lines = []
     for key, values in instrument.attributes.items():
         label = prometheus_label(key)
-        shown = ", ".join(f"`{v}`" for v in values)
-        lines.append(f"- `{key}` (label `{label}`): {shown}")
+        meant = [v for v in values if v in instrument.meanings]
+        if not meant:
+            shown = ", ".join(f"`{v}`" for v in values)
+            lines.append(f"- `{key}` (label `{label}`): {shown}")
+            continue
+        lines.append(f"- `{key}` (label `{label}`):")
+        lines += [f"  - `{v}`: {instrument.meanings.get(v, '')}".rstrip() for v in values]
     for key in instrument.open_attributes:
         lines.append(f"- `{key}` (label `{prometheus_label(key)}`): any value")
     return lines
@@ -276,8 +282,10 @@ def render_configuration() -> str:
         "",
         "A dataset (`--dataset`, `dataset.path`) is JSONL or Parquet with one prompt a row:",
         "`prompt` (text) or `messages` (chat, rendered with the tokenizer's template), an optional",
-        "`id` (else the prompt's position in the file, counted from 0) and optional `metadata` (any",
-        "JSON, returned with the group, e.g. the reference answer a reward function needs). A",
+        "`id` (else the prompt's position in the file, counted from 0), optional `metadata` (any",
+        "JSON, returned with the group, e.g. the reference answer a reward function needs) and",
+        "optional `tools` (a list of JSON objects, the tool schemas an episode's chat template is",
+        "rendered with and its environment is told; at most `limits.max_metadata_bytes` as JSON). A",
         "problem in the file is named by its line (JSONL) or row (Parquet), counted from 1 as an",
         "editor counts them.",
         "",
@@ -285,6 +293,7 @@ def render_configuration() -> str:
         '{"id": "q1", "prompt": "What is 2 + 3?", "metadata": {"answer": 5}}',
         '{"id": "q2", "messages": [{"role": "user", "content": "What is 7 - 4?"}]}',
         '{"id": "q3", "prompt": "Prove it.", "generation": {"temperature": 0.6, "max_tokens": 512}}',
+        '{"id": "q4", "prompt": "17 * 23?", "tools": [{"type": "function", "function": {"name": "c"}}]}',
         "```",
         "",
         "### Generation settings and sources",

@@ -34,3 +34,23 @@ def test_a_prompt_without_an_id_is_named_by_its_position_from_0(tmp_path: Path):
     path.write_text("\n".join(json.dumps({"prompt": p}) for p in ("a", "b")) + "\n")
     prompts, _ = load_prompts(str(path))
     assert [p.prompt_id for p in prompts] == ["0", "1"]
+
+
+def test_a_rows_tools_are_a_list_of_objects_in_jsonl_and_parquet(tmp_path: Path):
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "tools": tools}) + "\n" + '{"prompt": "b"}\n')
+    prompts, _ = load_prompts(str(path))
+    assert [list(p.tools) for p in prompts] == [tools, []]
+    table = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "tools": [tools, None]}), table)
+    prompts, _ = load_prompts(str(table))
+    assert [list(p.tools) for p in prompts] == [tools, []]
+    for bad, problem in (
+        ({"name": "calc"}, "must be a list of JSON objects"),
+        ([{"name": "calc"}, "calc"], "item 1 must be a JSON object"),
+        ([{"description": "x" * 100}], "121 bytes as JSON, more than limits.max_metadata_bytes=50"),
+    ):
+        path.write_text('{"prompt": "a"}\n' + json.dumps({"prompt": "b", "tools": bad}) + "\n")
+        with pytest.raises(DatasetError, match=rf"line 2: 'tools' {problem}"):
+            load_prompts(str(path), max_tools_bytes=50)

@@ -40,6 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     # verifiers behind the finishing stage port: worker processes, HTTP reward models
     "scoring": {"domain", "entrypoints", "httpx"},
+    # environments behind the episode runner's port: user classes, environments served over HTTP
+    "episodes": {"domain", "entrypoints", "httpx", "fastapi", "uvicorn", "pydantic"},
     # new weights: staged, checked against the served model, then loaded through the controller
     "weights": {"domain", "fsspec", "botocore", "aiohttp", "numpy", "zstandard", "torch"},
     "v1": {"google", "grpc"},
@@ -60,16 +62,30 @@ ALLOWED: dict[str, set[str]] = {
         "weights",
     },
     # leaves used by the composition root
-    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints", "scoring"},
+    "config": {
+        "pydantic",
+        "yaml",
+        "domain",
+        "checkpoint",
+        "engines",
+        "entrypoints",
+        "scoring",
+        "config_episodes",
+        "config_dataset",
+    },
+    # the configuration's episodes and dataset sections
+    "config_episodes": {"pydantic", "domain"},
+    "config_dataset": {"pydantic", "domain", "config_episodes"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
     "client": {"v1", "telemetry", "grpc"},
-    "trainer": {"client", "v1", "grpc"},
+    "trainer": {"client", "v1", "grpc", "opentelemetry"},
     # the composition root and the command line
     "supervisor": set(),
     "server": {
         "scoring",
+        "episodes",
         "startup",
         "supervisor",
         "api",

@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
         )
+        from rolloutd.telemetry.providers import trainer_tracing
+
+        tracing = trainer_tracing()
         try:
             run(cfg, out=lambda line: print(line, flush=True))
         except (ServiceNotReady, RequestFailed) as exc:
@@ -281,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        finally:
+            tracing.shutdown()
         return 0
     if args.command == "tiny-model":
         from rolloutd.engines.tiny_model import build_tiny_model

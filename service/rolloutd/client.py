@@ -239,7 +239,8 @@ class RolloutClient:
         return self._call(lease.endpoint, lambda s: s.AckGroups(request, **self._kw()))
 
     def submit_prompts(self, prompts: Sequence[dict[str, Any]]) -> pb.SubmitPromptsResponse:
-        """Prompts as dicts ``{prompt_id, text | messages, metadata}``, spread over the endpoints."""
+        """Prompts as dicts ``{prompt_id, text | messages, metadata, tools}``, spread over the
+        endpoints."""
         n = len(self.endpoints)
         accepted = duplicates = 0
         for i, ep in enumerate(self.endpoints):
@@ -480,12 +481,15 @@ def _varint(n: int) -> bytes:
 
 
 def _prompt(p: dict[str, Any]) -> pb.Prompt:
-    """Metadata travels as JSON text (``metadata_json``), so it comes back exactly."""
+    """Metadata travels as JSON text (``metadata_json``), so it comes back exactly; ``tools``
+    (a list of tool schemas) as ``tools_json``."""
     metadata = p.get("metadata")
+    tools = p.get("tools")
     return pb.Prompt(
         prompt_id=str(p["prompt_id"]),
         text=p.get("text", ""),
         metadata_json="" if metadata is None else json.dumps(metadata),
+        tools_json=json.dumps(list(tools)) if tools else "",
         messages=[
             pb.ChatMessage(role=m["role"], content=m["content"]) for m in p.get("messages", ())
         ],

@@ -35,10 +35,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
+from rolloutd.config_dataset import DatasetConfig
+from rolloutd.config_episodes import EpisodesSettings
 from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
-from rolloutd.domain.spec import GenerationSpec, SpecError, SpecLimits, check
+from rolloutd.domain.spec import SpecError, SpecLimits, check
 from rolloutd.engines.factory import EngineFactoryConfig
 from rolloutd.engines.synthetic import SyntheticConfig
 from rolloutd.engines.vllm_config import VLLMConfig
@@ -100,6 +102,7 @@ class SyntheticSettings(_Section):
     latency_s: float = owned(SyntheticConfig, "latency_s", ge=0)
     latency_sigma: float = owned(SyntheticConfig, "latency_sigma", ge=0)
     min_tokens: int = owned(SyntheticConfig, "min_tokens", gt=0)
+    kv_cache_sequences: int = owned(SyntheticConfig, "kv_cache_sequences", ge=0)
 
 
 class VLLMSettings(_Section):
@@ -134,62 +137,6 @@ class EngineConfig(_Section):
     stop: tuple[str, ...] = owned(SamplingParams, "stop")
     synthetic: SyntheticSettings = SyntheticSettings()
     vllm: VLLMSettings = VLLMSettings()
-
-
-class GenerationSettings(_Section):
-    """Generation settings of a source's prompts (a row's own ``generation`` wins); each one unset
-    here comes from ``engine.*`` and ``group_size``."""
-
-    temperature: float | None = Field(None, ge=0)
-    """Sampling temperature (0: greedy); unset: ``engine.temperature``."""
-    top_p: float | None = Field(None, gt=0, le=1)
-    """Nucleus sampling threshold; unset: ``engine.top_p``."""
-    top_k: int | None = Field(None, ge=0)
-    """Sample among this many most likely tokens (0: all); unset: ``engine.top_k``."""
-    min_p: float | None = Field(None, ge=0, le=1)
-    """Minimum probability relative to the most likely token; unset: ``engine.min_p``."""
-    max_tokens: int | None = Field(None, gt=0)
-    """Longest completion of one sibling; unset: ``engine.max_tokens``."""
-    stop: tuple[str, ...] | None = None
-    """Strings that end a completion; unset: ``engine.stop``."""
-    seed: int | None = Field(None, ge=0, lt=2**31 - 1)
-    """Seed of every group of the source (each sibling's derives from it and its index);
-    unset: derived from ``dataset.seed`` and the group's id."""
-    group_size: int | None = Field(None, gt=0)
-    """Siblings of each group; unset: ``group_size``."""
-
-    def spec(self) -> GenerationSpec:
-        return GenerationSpec(**self.model_dump())
-
-
-class SourceSettings(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-    """The source's name: a metric label and what delivered groups carry (letters, digits,
-    ``_ . -``; at most 63)."""
-    path: str | None = None
-    """JSONL or Parquet prompt file (``bundled:arithmetic``: the bundled set)."""
-    weight: float = Field(1.0, ge=0)
-    """Share of admissions drawn from this source, relative to the others' weights (0: none
-    for now). May change at a restore; each source keeps its cursor."""
-    generation: GenerationSettings = GenerationSettings()
-    verifier: str | None = None
-    """Verifier of this source's groups, as ``scoring.verifier`` (unset: ``scoring.verifier``)."""
-
-
-class DatasetConfig(_Section):
-    path: str | None = None
-    """JSONL or Parquet prompt file; unset uses the bundled arithmetic prompt set. Exclusive
-    with ``sources``."""
-    sources: tuple[SourceSettings, ...] = ()
-    """Several prompt files, each with a weight and its own generation settings: admission
-    draws a source by weight (deterministically from ``seed``), and each keeps its own epoch
-    and cursor. ``[{name, path, weight, generation, verifier}]``."""
-    seed: int = 0
-    """Seed of the per-epoch permutation and of the siblings' seeds."""
-    shuffle: bool = True
-    """Permute the prompts anew in every epoch."""
-    epochs: int | None = Field(None, gt=0)
-    """Stop admitting after this many passes; unset: unbounded."""
 
 
 class LimitsConfig(_Section):
@@ -422,6 +369,7 @@ class Config(_Section):
     pipeline: PipelineConfig = PipelineConfig()
     scoring: ScoringSettings = ScoringSettings()
     filter: FilterSettings = FilterSettings()
+    episodes: EpisodesSettings = EpisodesSettings()
     weights: WeightsConfig = WeightsConfig()
     restore: str = "latest"
     """Snapshot to restore at start: latest, none, a sequence number or a tag."""
@@ -479,6 +427,7 @@ class Config(_Section):
             self.scoring.verifier
             or self.scoring.group_verifier
             or any(s.verifier for s in self.dataset.sources)
+            or self.episodes_configured()
         ):
             raise ValueError(
                 "filter.zero_variance needs rewards: set scoring.verifier or scoring.group_verifier"
@@ -492,14 +441,6 @@ class Config(_Section):
                 f"group_size {self.group_size} exceeds limits.max_group_size "
                 f"{self.limits.max_group_size}"
             )
-        if self.dataset.sources:
-            if self.dataset.path is not None:
-                raise ValueError("dataset.path and dataset.sources exclude each other: use one")
-            names = [s.name for s in self.dataset.sources]
-            if len(set(names)) != len(names):
-                raise ValueError(f"dataset.sources: names must be unique, got {names}")
-            if not any(s.weight > 0 for s in self.dataset.sources):
-                raise ValueError("dataset.sources: at least one source needs a weight above 0")
         for i, source in enumerate(self.dataset.sources):
             try:
                 check(source.generation.spec(), self.spec_limits())
@@ -510,6 +451,11 @@ class Config(_Section):
                     f"dataset.sources[{i}].verifier: pipeline.finishing_stage replaces the "
                     "scoring stage"
                 )
+        if self.episodes_configured() and self.pipeline.sibling_runner:
+            raise ValueError(
+                "pipeline.sibling_runner replaces the episode runner: unset it or "
+                "episodes.environment"
+            )
         if self.fleet.replica >= self.fleet.replicas:
             raise ValueError(
                 f"fleet.replica must be below fleet.replicas ({self.fleet.replica} >= "
@@ -559,6 +505,12 @@ class Config(_Section):
             replica=self.fleet.replica,
             replicas=self.fleet.replicas,
             capture_partials=self.recovery.granularity == "token",
+        )
+
+    def episodes_configured(self) -> bool:
+        """Whether any prompt runs as an episode."""
+        return self.episodes.environment is not None or any(
+            s.environment for s in self.dataset.sources
         )
 
     def spec_limits(self) -> SpecLimits:

@@ -25,6 +25,7 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ from rolloutd.checkpoint.tags import NONE, sequence_of
 from rolloutd.config import Config, ConfigError
 from rolloutd.dataset import load_prompts, load_source
 from rolloutd.domain.controller import Controller
-from rolloutd.domain.engine import EngineDeadError, GenerationEngine
+from rolloutd.domain.engine import EngineDeadError, GenerationEngine, ReportsRequests
+from rolloutd.domain.episode import EnvironmentPort
+from rolloutd.domain.episode_runner import EpisodeRunner
 from rolloutd.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -58,6 +61,7 @@ from rolloutd.domain.report import RestoreReport
 from rolloutd.domain.sampler import DATASET, Sampler, Source, fleet_share
 from rolloutd.engines.factory import build_engine
 from rolloutd.entrypoints import EntryPointError, load
+from rolloutd.episodes.loader import load_environment
 from rolloutd.scoring import build_stage
 from rolloutd.startup import ready_line
 from rolloutd.supervisor import Supervisor
@@ -126,6 +130,35 @@ class Addresses:
     http: str | None
 
 
+def _episode_runner(config: Config) -> EpisodeRunner:
+    """The episode runner with each configured environment loaded (errors name their key)."""
+    ep = config.episodes
+
+    def loaded(key: str, spec: str, env_config: Mapping[str, Any]) -> EnvironmentPort:
+        try:
+            return load_environment(
+                spec, env_config, step_timeout_s=ep.step_timeout_s, retries=ep.retries, key=key
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    default = (
+        None
+        if ep.environment is None
+        else loaded("episodes.environment", ep.environment, ep.environment_config)
+    )
+    by_source = {
+        s.name: loaded(
+            f"dataset.sources[{i}].environment",
+            s.environment,
+            ep.environment_config if s.environment_config is None else s.environment_config,
+        )
+        for i, s in enumerate(config.dataset.sources)
+        if s.environment
+    }
+    return EpisodeRunner(by_source, default, ep.limits())
+
+
 class RolloutService:
     """One running rolloutd: every component, built from ``config`` (the wiring is __init__)."""
 
@@ -140,11 +173,14 @@ class RolloutService:
         _check_exposure(config)
         runner = _plugged("pipeline.sibling_runner", config.pipeline.sibling_runner)
         stage = _plugged("pipeline.finishing_stage", config.pipeline.finishing_stage)
+        self.episodes = _episode_runner(config) if config.episodes_configured() else None
+        runner = runner or self.episodes
         try:
             self.scoring = build_stage(
                 config.scoring_config(),
                 config.filter_config(),
                 {s.name: s.verifier for s in config.dataset.sources if s.verifier},
+                episodes=self.episodes is not None,
             )
         except ValueError as exc:  # a verifier's entry point that cannot be loaded
             raise ConfigError(str(exc)) from exc
@@ -156,11 +192,18 @@ class RolloutService:
             dataset_digest = {}
             for s in config.dataset.sources:
                 source, dataset_digest[s.name] = load_source(
-                    s.name, s.path, s.weight, s.generation.spec(), limits
+                    s.name,
+                    s.path,
+                    s.weight,
+                    s.generation.spec(),
+                    limits,
+                    config.limits.max_metadata_bytes,
                 )
                 sources.append(source)
         else:
-            prompts, dataset_digest = load_prompts(config.dataset.path, limits)
+            prompts, dataset_digest = load_prompts(
+                config.dataset.path, limits, config.limits.max_metadata_bytes
+            )
             sources.append(Source(DATASET, prompts))
         if engine is None:
             built = build_engine(
@@ -174,6 +217,8 @@ class RolloutService:
         self.engine = engine
         self.telemetry = telemetry or setup_telemetry()
         self.observer = self.telemetry.observer()
+        if isinstance(engine, ReportsRequests):
+            engine.report_requests(self.observer)
         ckpt, fleet = config.checkpoint, config.fleet
         self.store = SnapshotStore(
             ckpt.dir, ckpt.storage_options, lock_timeout_s=ckpt.lock_timeout_s
@@ -198,6 +243,7 @@ class RolloutService:
             runner=runner,
             stage=stage,
         )
+        self.controller.generation.durable_turns = config.episodes.durable_turns
         self.fingerprint = config.semantic_fingerprint(dataset_digest, model_id)
         weights = config.weights
         self.staging = StagingArea(weights.staging_dir)

@@ -2,6 +2,11 @@
 
 It shows the delivery contract from the trainer's side: ack after the step consumed the groups,
 ``Checkpoint(trainer_step)`` whenever the trainer saves its own checkpoint.
+
+Each step is a span, ``rolloutd.trainer.step``, from the global tracer provider (a no-op one
+unless the process set one up, as ``rolloutd trainer`` does when traces are exported): the
+client's calls inside it carry its trace context, so the service's ``FetchGroups`` span joins
+the step's trace and links the generation spans of the groups it leased.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from rolloutd.client import Lease, RolloutClient
 from rolloutd.v1 import rollout_pb2 as pb
@@ -43,6 +49,12 @@ class TrainerConfig:
     tls_cert: str | None = None
     """PEM client certificate, for a service that requires one (grpc.tls_client_ca)."""
     tls_key: str | None = None
+
+
+STEP_SPAN = "rolloutd.trainer.step"
+STEP_ATTR = "rolloutd.trainer.step"
+"""The step number, on a step that consumed groups."""
+GROUPS_ATTR = "rolloutd.trainer.groups"
 
 
 class ServiceNotReady(RuntimeError):
@@ -150,19 +162,16 @@ def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
 
 
 def _train(cfg: TrainerConfig, client: RolloutClient, out: Callable[[str], object]) -> int:
+    tracer = trace.get_tracer("rolloutd.trainer")
     step = groups_total = tokens_total = 0
     started = last_report = last_data = time.monotonic()
     while cfg.steps is None or step < cfg.steps:
-        batch: list[pb.Group] = []
-        leases: list[Lease] = []
-        while len(batch) < cfg.groups_per_step:
-            lease = client.fetch(
-                cfg.groups_per_step - len(batch), cfg.wait_ms, consumer="rolloutd-trainer"
-            )
-            if lease is None:
-                break
-            leases.append(lease)
-            batch.extend(lease.groups)
+        with tracer.start_as_current_span(STEP_SPAN) as span:
+            batch = _step(cfg, client, step + 1, out)
+            span.set_attribute(GROUPS_ATTR, len(batch))
+            if batch:
+                step += 1
+                span.set_attribute(STEP_ATTR, step)
         now = time.monotonic()
         if not batch:
             if now - last_data > cfg.idle_exit_s:
@@ -170,20 +179,8 @@ def _train(cfg: TrainerConfig, client: RolloutClient, out: Callable[[str], objec
                 break
             continue
         last_data = now
-        if cfg.train_s:
-            time.sleep(cfg.train_s)
-        step += 1
-        for lease in leases:
-            client.ack(lease, step)
         groups_total += len(batch)
         tokens_total += sum(len(s.token_ids) for g in batch for s in g.samples)  # type: ignore[misc]
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            for ep, r in client.checkpoint(trainer_step=step, tag=f"step-{step}").items():
-                if r.outcome != pb.CHECKPOINT_OUTCOME_COMPLETED:  # its acks stay unfinalized
-                    reason = pb.CheckpointReason.Name(r.reason)
-                    out(f"checkpoint step {step} on {ep} not completed: {reason} {r.message}")
-                elif r.message:  # e.g. a tag that an earlier run of the trainer used already
-                    out(f"checkpoint step {step} on {ep}: {r.message}")
         if now - last_report >= cfg.report_every_s:
             last_report = now
             elapsed = now - started
@@ -199,3 +196,34 @@ def _train(cfg: TrainerConfig, client: RolloutClient, out: Callable[[str], objec
     elapsed = time.monotonic() - started
     out(f"done: {step} steps, {groups_total} groups, {tokens_total} tokens in {elapsed:.1f}s")
     return step
+
+
+def _step(
+    cfg: TrainerConfig, client: RolloutClient, step: int, out: Callable[[str], object]
+) -> list[pb.Group]:
+    """One step: fetch up to ``groups_per_step`` groups, "train", ack them as ``step`` and
+    checkpoint when due; the groups (none: nothing came within ``wait_ms``, no step taken)."""
+    batch: list[pb.Group] = []
+    leases: list[Lease] = []
+    while len(batch) < cfg.groups_per_step:
+        lease = client.fetch(
+            cfg.groups_per_step - len(batch), cfg.wait_ms, consumer="rolloutd-trainer"
+        )
+        if lease is None:
+            break
+        leases.append(lease)
+        batch.extend(lease.groups)
+    if not batch:
+        return batch
+    if cfg.train_s:
+        time.sleep(cfg.train_s)
+    for lease in leases:
+        client.ack(lease, step)
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        for ep, r in client.checkpoint(trainer_step=step, tag=f"step-{step}").items():
+            if r.outcome != pb.CHECKPOINT_OUTCOME_COMPLETED:  # its acks stay unfinalized
+                reason = pb.CheckpointReason.Name(r.reason)
+                out(f"checkpoint step {step} on {ep} not completed: {reason} {r.message}")
+            elif r.message:  # e.g. a tag that an earlier run of the trainer used already
+                out(f"checkpoint step {step} on {ep}: {r.message}")
+    return batch

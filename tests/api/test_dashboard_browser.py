@@ -34,6 +34,8 @@ AREAS = (
     "trainer",
     "generation",
     "usable-output",
+    "efficiency",
+    "engine",
     "checkpoint-latency",
     "backpressure",
     "reliability",
@@ -161,6 +163,7 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
                 assert page.locator(f"#area-{area} .empty").is_visible(), area
                 assert not page.locator(f"#area-{area} canvas").first.is_visible(), area
             assert "started fresh" in page.locator("#area-restore .empty").inner_text()
+            assert "episode turns reused vs rerun" in fresh["recovery"]["charts"]
             assert not fresh["generation"]["empty"]
             browser.close()
         with trainer(first.grpc):
@@ -219,9 +222,13 @@ def test_the_dashboard_shows_its_areas_across_a_restore(tmp_path):
                 assert page.locator("#area-rewards .none").is_visible()
                 assert not page.locator("#area-rewards .charts").is_visible()
                 canvas = "#area-generation canvas"
-                before = page.eval_on_selector(canvas, "c => c.toDataURL()")
+                # the chart and the time of the draw that made it, read in one go: a redraw
+                # between two reads would leave nothing new to wait for
+                drawn_at, before = page.eval_on_selector(
+                    canvas, "c => [window.rolloutdDashboard.lastT, c.toDataURL()]"
+                )
                 page.wait_for_function(
-                    f"window.rolloutdDashboard.lastT > {state['lastT']}", timeout=20_000
+                    f"window.rolloutdDashboard.lastT > {drawn_at}", timeout=20_000
                 )
                 after = page.eval_on_selector(canvas, "c => c.toDataURL()")
                 assert after != before, "the generation chart did not change with new points"

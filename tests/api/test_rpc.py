@@ -26,6 +26,10 @@ async def test_fetch_returns_whole_groups_with_token_ids_and_a_lease(serve):
     assert ack.acked_groups == len(r.groups) and not ack.already_acked
     again = await stub.AckGroups(pb.AckGroupsRequest(lease_id=r.lease_id, trainer_step=1))
     assert again.already_acked
+    t = (await stub.GetStatus(pb.GetStatusRequest())).tokens
+    assert t.delivered == sum(len(s.token_ids) for g in r.groups for s in g.samples)
+    fates = (t.delivered, t.evicted, t.dropped, t.regenerated, t.failed, t.buffered)
+    assert sum(fates) == t.generated and t.goodput == pytest.approx(t.delivered / t.generated)
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,9 @@ FINGERPRINT = {"model": "tiny", "group_size": 2}
 class Node:
     """One controller + store + checkpointer, as a process would have them."""
 
-    def __init__(self, root, *, engine=None, fingerprint=FINGERPRINT, sealer=None, **limits):
+    def __init__(
+        self, root, *, engine=None, fingerprint=FINGERPRINT, sealer=None, runner=None, **limits
+    ):
         cfg = {
             "group_size": 2,
             "max_in_flight": 3,
@@ -55,6 +57,7 @@ class Node:
             Sampler(PROMPTS, seed=1, epochs=1),
             journal=self.journal,
             sealer=sealer,
+            runner=runner,
         )
         self.checkpointer = Checkpointer(
             self.controller,

@@ -15,7 +15,13 @@ from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.format import FORMAT_VERSION
 from rolloutd.checkpoint.restore import Granularity, restore
-from rolloutd.checkpoint.rows import GROUP_SCHEMA, GROUP_SCHEMA_V3, GROUP_SCHEMA_V4, SegmentKind
+from rolloutd.checkpoint.rows import (
+    GROUP_SCHEMA,
+    GROUP_SCHEMA_V3,
+    GROUP_SCHEMA_V4,
+    GROUP_SCHEMA_V5,
+    SegmentKind,
+)
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.domain.group import (
     BUFFERED,
@@ -208,20 +214,25 @@ async def test_a_restore_decodes_only_the_groups_it_delivers(tmp_path):
     await again.controller.stop()
 
 
-@pytest.mark.parametrize(("schema", "dropped"), [(GROUP_SCHEMA_V4, 3), (GROUP_SCHEMA_V3, 4)])
-def test_group_segments_of_formats_3_and_4_read_with_the_defaults_of_what_they_lack(
-    schema, dropped
-):
+@pytest.mark.parametrize(
+    ("schema", "dropped"), [(GROUP_SCHEMA_V5, 1), (GROUP_SCHEMA_V4, 4), (GROUP_SCHEMA_V3, 5)]
+)
+def test_group_segments_of_formats_3_to_5_read_with_the_defaults_of_what_they_lack(schema, dropped):
     given = [m for m in metas() if m.prompt.prompt_id != "spec"]
     [batch] = groups.metas_to_batches(given, batch_rows=len(given))
     old = pa.RecordBatch.from_arrays([batch.column(f.name) for f in schema], schema=schema)
     assert old.num_columns == batch.num_columns - dropped
     decoded = groups.batch_to_metas(old)
-    defaults = {"params": None, **({"scores": None} if dropped == 4 else {})}
+    defaults = {
+        **({"params": None} if dropped >= 4 else {}),
+        **({"scores": None} if dropped == 5 else {}),
+    }
     assert decoded == [
         m.evolve(
             **defaults,
-            position=None if m.position is None else Position(m.position.epoch, m.position.offset),
+            position=m.position
+            if m.position is None or dropped == 1
+            else Position(m.position.epoch, m.position.offset),
         )
         for m in given
     ]

@@ -14,6 +14,7 @@ from typing import Any
 import fsspec
 import pytest
 
+from rolloutd.checkpoint.backends import MANIFESTS, sequence_of
 from rolloutd.telemetry.history import HISTORY_OBJECTS
 from tests.conftest import BUCKET
 from tests.integration.crash_scenario import Scenario
@@ -30,8 +31,16 @@ def test_checkpoints_in_s3_survive_sigkill(tmp_path, s3_options):
     )
     rng = random.Random(3)
     trainer = Trainer()
+    fs = fsspec.filesystem("s3", **s3_options, skip_instance_cache=True, use_listings_cache=False)
+    manifests = f"{url.removeprefix('s3://')}/{MANIFESTS}"
+
+    def snapshots() -> int:
+        """The newest published sequence (retention keeps only the latest few manifests)."""
+        names = fs.ls(manifests, refresh=True) if fs.exists(manifests) else []
+        return max((sequence_of(n.rsplit("/", 1)[-1]) or 0 for n in names), default=0)
+
     for _ in range(3):
-        scenario.crash_round(trainer, rng)
+        scenario.crash_round(trainer, rng, snapshots=snapshots)
     died = scenario.crash_round(trainer, rng, "commit.after_rename:0.5")
     assert died == -9
     scenario.finish(trainer)

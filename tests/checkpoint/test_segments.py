@@ -115,3 +115,4 @@ def test_kept_rows_index_each_group_across_batches_in_any_order(shuffled):
         assert view.row_ids() == siblings
         assert list(view) == sorted(siblings)
         assert all(view[i] == by_id[row_id] for i, row_id in siblings.items())
+        assert view.tokens() == sum(len(by_id[row_id].token_ids) for row_id in siblings.values())

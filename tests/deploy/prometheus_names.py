@@ -83,8 +83,8 @@ def series_names(instrument: Instrument) -> frozenset[str]:
             return frozenset({f"{family}_total"})
         case Kind.HISTOGRAM:
             return frozenset({f"{family}_bucket", f"{family}_count", f"{family}_sum"})
-        case Kind.GAUGE | Kind.OBSERVABLE_GAUGE:
-            return frozenset({family})
+        case Kind.GAUGE | Kind.OBSERVABLE_GAUGE | Kind.OBSERVABLE_UP_DOWN_COUNTER:
+            return frozenset({family})  # a non-monotonic sum is a gauge to Prometheus
     raise ValueError(f"{instrument.name}: no Prometheus mapping for kind {instrument.kind}")
 
 

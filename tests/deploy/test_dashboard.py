@@ -29,11 +29,13 @@ PRIMARY_ROWS = (
     ("Recovery efficiency", {Area.RECOVERY}),
     ("Snapshot size", {Area.SNAPSHOT_SIZE}),
     ("Rewards", {Area.REWARDS}),
+    ("Efficiency", {Area.EFFICIENCY}),
+    ("Engine", {Area.ENGINE}),
     ("Admission", {Area.ADMISSION}),
 )
 """The primary dashboard, in order, and the catalogue areas each row shows in full."""
 
-DRILL_DOWN_AREAS = {Area.DRILL_DOWN, Area.LATENCY}
+DRILL_DOWN_AREAS = {Area.DRILL_DOWN, Area.LATENCY, Area.EPISODES}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ EDGE_CASES = (
     Instrument("demo.rate", Kind.OBSERVABLE_GAUGE, "{request}/s", "", Area.DRILL_DOWN),
     Instrument("demo.share", Kind.GAUGE, "%", "", Area.DRILL_DOWN),
     Instrument("demo.fraction", Kind.OBSERVABLE_GAUGE, "1", "", Area.DRILL_DOWN),
+    Instrument("demo.held", Kind.OBSERVABLE_UP_DOWN_COUNTER, "{token}", "", Area.EFFICIENCY),
     Instrument("demo.size_bytes", Kind.GAUGE, "By", "", Area.SNAPSHOT_SIZE),
     Instrument("demo.requests.total", Kind.COUNTER, "{request}", "", Area.DRILL_DOWN),
     Instrument("demo.wait_total", Kind.COUNTER, "s", "", Area.DRILL_DOWN),
@@ -55,6 +56,10 @@ def _record(meter: Meter, i: Instrument) -> None:
             meter.create_gauge(i.name, i.unit, i.description).set(1, attrs)
         case Kind.OBSERVABLE_COUNTER:
             meter.create_observable_counter(i.name, [_observe(attrs)], i.unit, i.description)
+        case Kind.OBSERVABLE_UP_DOWN_COUNTER:
+            meter.create_observable_up_down_counter(
+                i.name, [_observe(attrs)], i.unit, i.description
+            )
         case Kind.OBSERVABLE_GAUGE:
             meter.create_observable_gauge(i.name, [_observe(attrs)], i.unit, i.description)
         case _:

@@ -66,6 +66,38 @@ def test_chat_template_renders_messages(model_dir: Path) -> None:
     assert tokenizer.convert_tokens_to_ids("<|user|>") in ids
 
 
+async def test_chat_template_lists_tools_first_as_the_synthetic_engine_does(
+    model_dir: Path,
+) -> None:
+    from rolloutd.engines.synthetic import SyntheticEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "What is 17 * 23?"}]
+    tools = [
+        {"type": "function", "function": {"name": "calc", "description": "évalue: 2 * 3"}},
+        {"type": "function", "function": {"name": "noop"}},
+    ]
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == (
+        f"{BOS}<|system|>\n# Tools\n"
+        + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools)
+        + "<|end|>\n<|user|>\nWhat is 17 * 23?<|end|>\n<|assistant|>\n"
+    )
+    synthetic = SyntheticEngine()
+    assert rendered == await synthetic.render_chat(
+        messages, tools=tools, add_generation_prompt=True
+    )
+    # without tools: exactly what the template rendered before tools existed
+    assert (
+        tokenizer.apply_chat_template(
+            messages, tools=None, add_generation_prompt=True, tokenize=False
+        )
+        == f"{BOS}<|user|>\nWhat is 17 * 23?<|end|>\n<|assistant|>\n"
+    )
+
+
 def test_transformers_loads_and_runs_it(model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,13 +77,30 @@ class Scenario:
         )
 
     def crash_round(
-        self, trainer: Trainer, rng: random.Random, fault: str | None = None
+        self,
+        trainer: Trainer,
+        rng: random.Random,
+        fault: str | None = None,
+        *,
+        snapshots: Callable[[], int] | None = None,
     ) -> int | None:
         """Trains against one service life; returns its exit status if it died by itself (a fault
-        point fired) rather than by the random SIGKILL timer or the end of the round."""
+        point fired) rather than by the random SIGKILL timer or the end of the round.
+
+        With ``snapshots`` (the store's newest published sequence), the random SIGKILL
+        timer starts only once this life has published one: on loaded cores a first snapshot
+        can take longer than the timer's window, and the life would then leave nothing new to
+        restore."""
+        before = snapshots() if snapshots is not None else 0
         p = self.serve(fault)
         address = p.wait_listening()
         if fault is None:
+            if snapshots is not None:
+                deadline = time.monotonic() + 120.0
+                while snapshots() <= before:
+                    assert p.proc.poll() is None, f"the service exited: {p.output}"
+                    assert time.monotonic() < deadline, "no snapshot published in 120 s"
+                    time.sleep(0.05)
             threading.Timer(rng.uniform(0.2, 1.2), p.kill).start()
         deadline = time.monotonic() + 8.0
         while p.proc.poll() is None and time.monotonic() < deadline:

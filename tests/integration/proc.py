@@ -94,12 +94,16 @@ class ServeProcess:
             log.close()
 
     def wait_listening(self, timeout: float = 120.0) -> str:
+        """The gRPC address, once the service says it serves. A start that ends first or does
+        not finish within ``timeout`` fails, and leaves nothing running: its process group is
+        killed (a vLLM start left behind slowed every start after it on a 2-core machine)."""
         deadline = time.monotonic() + timeout
         while not self._listening.wait(0.1):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"rolloutd did not start (exit {self.proc.poll()}):\n{self.output}"
-                )
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self.kill()
+                why = f"exit {code}" if code is not None else f"not serving after {timeout:.0f} s"
+                raise RuntimeError(f"rolloutd did not start ({why}):\n{self.output}")
         assert self.grpc is not None
         return self.grpc
 

@@ -7,12 +7,23 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from rolloutd.domain.concurrency import InFlightReason
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest, RequestObserver
+from rolloutd.domain.episode import EpisodeEnd
 from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.finishing import SampleScore, Verdict
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished, Observer
+from rolloutd.domain.observer import (
+    EnvironmentCall,
+    EnvironmentCalled,
+    EpisodeEnded,
+    EpisodeTurn,
+    GroupCommitted,
+    GroupDropped,
+    GroupFinished,
+    Observer,
+)
 from rolloutd.domain.report import (
     CheckpointPhase,
     CheckpointReport,
@@ -163,20 +174,54 @@ def finished_groups() -> list[GroupFinished]:
     ]  # fmt: skip
 
 
+def episode_events() -> list[EpisodeTurn | EnvironmentCalled | EpisodeEnded]:
+    """Two episodes after the restore: g1-s0 reuses two durable turns, reruns the third and
+    replays two steps (one mismatched); g1-s1 runs a turn live whose step times out."""
+    reused = Disposition.REUSED
+    step, replay = EnvironmentCall.STEP, {"replay": True}
+    return [
+        EnvironmentCalled("g1-s0", EnvironmentCall.RESET, -1, T0, T0 + MS, **replay),
+        EnvironmentCalled("g1-s0", step, 0, T0 + MS, T0 + 2 * MS, **replay),
+        EnvironmentCalled("g1-s0", step, 1, T0 + 2 * MS, T0 + 3 * MS, mismatch=True, **replay),
+        EpisodeTurn("g1-s0", 0, T0, T0, 20, 8, "stop", reused),
+        EpisodeTurn("g1-s0", 1, T0, T0, 40, 8, "stop", reused),
+        EpisodeTurn("g1-s0", 2, T0, T0 + 50 * MS, 60, 8, "stop", Disposition.RERUN, 3),
+        EnvironmentCalled("g1-s0", step, 2, T0 + 50 * MS, T0 + 250 * MS, done=True),
+        EpisodeEnded("g1-s0", T0 + 250 * MS, EpisodeEnd.DONE, 3, 20, 24, 30, 1.0),
+        EpisodeTurn("g1-s1", 0, T0, T0 + 40 * MS, 20, 8, "stop"),
+        EnvironmentCalled(
+            "g1-s1", step, 0, T0 + 40 * MS, T0 + 540 * MS,
+            failure=EpisodeEnd.STEP_TIMEOUT, detail="ran past 0.5 s",
+        ),
+        EpisodeEnded("g1-s1", T0 + 540 * MS, EpisodeEnd.STEP_TIMEOUT, 1, 20, 8, 0),
+    ]  # fmt: skip
+
+
 class Observes(Observer, WeightsObserver, Protocol):
     """The telemetry observer: the domain's reports and weight updates."""
 
 
 ENGINE = EngineCounters(
     prompt_tokens=900, generation_tokens=4000, requests_running=3, requests_waiting=1,
-    kv_cache_usage=0.25,
+    kv_cache_usage=0.25, preemptions=6, prefix_cache_hit_ratio=0.75,
 )  # fmt: skip
+FATES = {
+    TokenFate.DELIVERED: 2400, TokenFate.EVICTED: 300, TokenFate.DROPPED: 200,
+    TokenFate.REGENERATED: 50, TokenFate.FAILED: 30, TokenFate.BUFFERED: 1020,
+}  # fmt: skip
+ENGINE_SECONDS = {
+    EngineState.GENERATING: 90.0, EngineState.WEIGHT_UPDATE: 2.5,
+    EngineState.IDLE_NO_WORK: 5.0, EngineState.IDLE_BUFFER_FULL: 12.5,
+}  # fmt: skip
 STATUS = StatusSnapshot(
     groups={GroupState.GENERATING: 4, GroupState.COMMITTED: 2, GroupState.LEASED: 1},
     inflight_samples=13,
     policy_version=3,
     acked_groups=5,
     trainer_step=7,
+    generated_tokens=sum(FATES.values()),
+    token_fates=FATES,
+    engine_seconds=ENGINE_SECONDS,
     in_flight_limit=12,
     in_flight_reason=InFlightReason.KV_CACHE_HIGH,
     consumed_per_version=6.5,
@@ -185,8 +230,8 @@ STATUS = StatusSnapshot(
 CHECKPOINT_STATE = CheckpointState(interval_s=60.0, since_success_s=12.5, consecutive_failures=1)
 
 
-class ServiceObserver(Observes, Protocol):
-    """The domain's observer plus what the server's RPC interceptor reports."""
+class ServiceObserver(Observes, RequestObserver, Protocol):
+    """The domain's observer plus what the server's RPC interceptor and the engine report."""
 
     def rpc_finished(self, method: str, status_code: int, seconds: float) -> None: ...
 
@@ -196,6 +241,13 @@ def scripted_run(observer: ServiceObserver) -> None:
     observer.rpc_finished("FetchGroups", 0, 0.004)
     observer.rpc_finished("FetchGroups", 3, 0.0002)
     observer.restored(restore_report(start_ns=T0))
+    for event in episode_events():
+        if isinstance(event, EpisodeTurn):
+            observer.episode_turn(event)
+        elif isinstance(event, EnvironmentCalled):
+            observer.environment_called(event)
+        else:
+            observer.episode_ended(event)
     observer.mutation_blocked(MutationKind.STAGE_SAMPLE, 0.002)
     observer.mutation_blocked(MutationKind.ADMIT, 0.0005)
     observer.group_committed(GroupCommitted(1, 256, True, 1.5, prompt_tokens=12, group_size=4))
@@ -220,3 +272,7 @@ def scripted_run(observer: ServiceObserver) -> None:
     observer.weights_updated(weights_report(start_ns=T0 + 62_000 * MS, refused=True))
     observer.weights_updated(weights_report(start_ns=T0 + 63_000 * MS))
     observer.weights_updated(weights_report(start_ns=T0 + 63_500 * MS, delta=True))
+    observer.first_token(0.03)
+    observer.first_token(0.05)
+    observer.request_finished(FinishedRequest(12, 40, 1.0, 0.025))
+    observer.request_finished(FinishedRequest(12, 1, 0.04, None))

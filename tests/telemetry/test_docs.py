@@ -4,6 +4,7 @@ ones the real exporter serves."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from pathlib import Path
 from types import ModuleType
 
@@ -16,6 +17,7 @@ from rolloutd.telemetry.catalogue import CATALOGUE, Kind
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.prometheus import prometheus_label, prometheus_name
 from rolloutd.telemetry.providers import histogram_views
+from tests.deploy.tools import tool
 from tests.telemetry.reports import CHECKPOINT_STATE, ENGINE, STATUS, scripted_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +49,8 @@ def test_check_mode_reports_nothing_stale():
     assert gen_docs().main(["--check"]) == 0
 
 
-def test_documented_prometheus_names_and_labels_are_what_the_exporter_serves(clean_env):
+def scripted_exposition() -> str:
+    """``/metrics`` after a scripted run of every observer call (every instrument has data)."""
     registry = CollectorRegistry()
     provider = MeterProvider(
         metric_readers=[PrometheusMetricReader(registry=registry)],
@@ -55,11 +58,17 @@ def test_documented_prometheus_names_and_labels_are_what_the_exporter_serves(cle
         shutdown_on_exit=False,
     )
     observer = MetricsObserver(provider)
-    observer.register_sources(lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE)
+    observer.register_sources(
+        lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE, model="tiny"
+    )
     scripted_run(observer)
     exposition = generate_latest(registry).decode()
     provider.shutdown()
+    return exposition
 
+
+def test_documented_prometheus_names_and_labels_are_what_the_exporter_serves(clean_env):
+    exposition = scripted_exposition()
     labels_by_sample: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
@@ -72,3 +81,15 @@ def test_documented_prometheus_names_and_labels_are_what_the_exporter_serves(cle
             prometheus_label(k) for k in (*instrument.attributes, *instrument.open_attributes)
         }
         assert expected <= labels_by_sample[series], (instrument.name, labels_by_sample[series])
+
+
+def test_promtool_finds_nothing_to_lint_in_the_exposition(clean_env):
+    """Prometheus's own linter (naming, units, counters ending in _total, help text)."""
+    promtool = tool("promtool", "apt-get install prometheus")
+    result = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=scripted_exposition(),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,10 +31,12 @@ from rolloutd.domain.report import CheckpointPhase, RecoveryState, RestorePhase,
 from rolloutd.server import RolloutService
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry.catalogue import CATALOGUE, Instrument
+from rolloutd.telemetry.generation import GENERATE_SPAN, GroupAttr
 from rolloutd.telemetry.interceptors import client_interceptors
 from rolloutd.telemetry.providers import Telemetry, setup_telemetry
 from rolloutd.telemetry.spans import CheckpointAttr, RestoreAttr
 from rolloutd.telemetry.weights import WEIGHTS_SPAN, WeightsAttr
+from rolloutd.trainer import STEP_ATTR, STEP_SPAN
 from tests.deploy.prometheus_names import family_name, series_names
 from tests.integration.proc import ServeProcess
 from tests.integration.trainer_harness import Trainer
@@ -40,6 +45,7 @@ from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 CHECKPOINT_RPC = "rolloutd.v1.RolloutService/Checkpoint"
+FETCH_RPC = "rolloutd.v1.RolloutService/FetchGroups"
 CHECKPOINT_PHASES = sorted(f"rolloutd.checkpoint.{p.value}" for p in CheckpointPhase)
 RESTORE_PHASES = sorted(f"rolloutd.restore.{p.value}" for p in RestorePhase)
 PROTOCOLS = {"grpc": "grpc", "http": "http/protobuf"}
@@ -49,21 +55,25 @@ def may_lack_data(instrument: Instrument, blocked_mutations: int) -> bool:
     """Instruments that can have no data point after a run that started on an empty store,
     committed, leased and acked groups and completed at least two checkpoints.
 
-    Four: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
+    Five: a mutation waits on the barrier only when it arrives during a checkpoint's exclusive
     hold (microseconds), so the wait histogram has data exactly when the blocked counter (which
     starts at zero for every kind) counted something; such a run updates no weights, so the
-    weight update durations, pauses and delta densities have none; a start that finds nothing to
-    restore records no restore; and it has no verifier, so nothing records rewards or scoring
-    times. Every other histogram is recorded by such a run, counters start at zero, synchronous
-    gauges are set by every completed checkpoint, and the observable ones report from start-up.
+    weight update durations, pauses and delta densities have none, and the trainers' pace per
+    policy version (measured at a version change) is not known yet; a start that finds nothing to
+    restore records no restore; it has no verifier, so nothing records rewards or scoring
+    times; and it runs no episodes, so no environment step is timed. Every other histogram is
+    recorded by such a run, counters start at zero, synchronous gauges are set by every
+    completed checkpoint, and the observable ones report from start-up.
     """
     if instrument in (
         cat.WEIGHTS_UPDATE_DURATION,
         cat.WEIGHTS_PAUSE,
         cat.WEIGHTS_DELTA_DENSITY,
+        cat.ADMISSION_CONSUMED_PER_VERSION,
         cat.RESTORE_DURATION,
         cat.SAMPLE_REWARD,
         cat.GROUP_SCORE_DURATION,
+        cat.EPISODE_STEP_DURATION,
     ):
         return True
     return instrument is cat.MUTATION_WAIT and blocked_mutations == 0
@@ -185,6 +195,45 @@ async def test_a_trainer_checkpoint_call_is_one_trace_down_to_the_phases(
     )
 
 
+async def test_a_trainer_fetch_links_the_generation_spans_of_the_groups_it_received(
+    tmp_path, service_telemetry, span_exporter
+):
+    telemetry, server_exporter = service_telemetry
+    trainer_provider, trainer_exporter = span_exporter
+    service = RolloutService(service_config(tmp_path), telemetry=telemetry)
+    addresses = await service.start()
+    client = RolloutClient(addresses.grpc, interceptors=client_interceptors(trainer_provider))
+    try:
+        with trainer_provider.get_tracer("trainer").start_as_current_span("trainer.step") as step:
+            lease = await asyncio.to_thread(client.fetch, 3, 10_000)
+        assert lease is not None
+    finally:
+        client.close()
+        await service.shutdown()
+
+    received = {g.group_id for g in lease.groups}
+    server_spans = server_exporter.get_finished_spans()
+    generated = {
+        dict(s.attributes or {})[GroupAttr.ID]: s.context
+        for s in server_spans
+        if s.name == GENERATE_SPAN and s.context is not None
+    }
+    assert received <= generated.keys()
+    [fetch] = [s for s in server_spans if s.name == FETCH_RPC]
+    [client_span] = [s for s in trainer_exporter.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    assert fetch.parent is not None and fetch.parent.span_id == client_span.context.span_id
+    assert client_span.parent is not None
+    assert client_span.parent.span_id == step.get_span_context().span_id
+    assert fetch.context.trace_id == step.get_span_context().trace_id
+    linked = {dict(link.attributes or {})[GroupAttr.ID]: link.context for link in fetch.links}
+    assert linked.keys() == received
+    for group_id, context in linked.items():
+        assert (context.trace_id, context.span_id) == (
+            generated[group_id].trace_id,
+            generated[group_id].span_id,
+        )
+
+
 async def test_update_weights_is_a_span_of_pause_load_resume_under_the_rpc(
     tmp_path, service_telemetry
 ):
@@ -253,6 +302,45 @@ def blocked_mutations(metrics: dict[str, Metric]) -> int:
     return 0 if blocked is None else sum(p.as_int for p in blocked.sum.data_points)
 
 
+TRAINER_SERVICE = "rolloutd-e2e-trainer"
+
+
+def run_traced_trainer(address: str, env: dict[str, str], cwd: Path) -> str:
+    """``rolloutd trainer`` for two steps, its traces exported like the service's; its output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rolloutd.cli", "trainer", "--target", address,
+         "--steps", "2", "--groups-per-step", "2", "--ready-timeout-s", "60"],
+        capture_output=True, text=True, timeout=120, cwd=cwd,
+        env={**os.environ, **env, "OTEL_SERVICE_NAME": TRAINER_SERVICE},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def assert_trainer_steps_lead_to_generation(
+    receiver: OtlpReceiver, service_spans: list[Span], output: str
+) -> None:
+    """Each step of ``rolloutd trainer`` is a span whose fetches' server spans (in the service)
+    link the generation spans of the groups they leased."""
+    trainer_spans = receiver.spans(TRAINER_SERVICE)
+    steps = {s.span_id: s for s in trainer_spans if s.name == STEP_SPAN}
+    assert sorted(attributes(s.attributes).get(STEP_ATTR) for s in steps.values()) == [1, 2], output
+    fetch_clients = {
+        s.span_id: s for s in trainer_spans if s.kind == Span.SPAN_KIND_CLIENT
+        and s.name == FETCH_RPC and s.parent_span_id in steps
+    }  # fmt: skip
+    fetches = [s for s in service_spans if s.parent_span_id in fetch_clients]
+    assert fetches and all(s.name == FETCH_RPC for s in fetches)
+    generation = {
+        attributes(s.attributes)[GroupAttr.ID]: s for s in service_spans if s.name == GENERATE_SPAN
+    }
+    linked = [link for fetch in fetches for link in fetch.links]
+    assert len(linked) >= 4  # two steps of two groups; an empty fetch links nothing
+    for link in linked:
+        target = generation[attributes(link.attributes)[GroupAttr.ID]]
+        assert (link.trace_id, link.span_id) == (target.trace_id, target.span_id)
+
+
 @pytest.mark.process
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_the_cli_exports_span_trees_and_the_catalogue_over_otlp(
@@ -272,7 +360,10 @@ def test_the_cli_exports_span_trees_and_the_catalogue_over_otlp(
         p = ServeProcess(serve_args(tmp_path / "ckpt", 0.5), env=env, cwd=tmp_path)
         processes.append(p)
         # Each run takes its own Checkpoint at step 20 or 40, however slowly it gets there.
-        trainer.run(p.wait_listening(), seconds=2.0, through_step=20 * (run + 1))
+        address = p.wait_listening()
+        trainer.run(address, seconds=2.0, through_step=20 * (run + 1))
+        if run == 0 and protocol == "grpc":
+            traced = run_traced_trainer(address, env, tmp_path)
         assert p.terminate() == 0, p.output
         assert "final checkpoint failed" not in p.output
     assert trainer.delivered > 0
@@ -301,6 +392,9 @@ def test_the_cli_exports_span_trees_and_the_catalogue_over_otlp(
     # An on-demand checkpoint is a child of the Checkpoint RPC's server span.
     servers = {s.span_id: s for s in spans if s.kind == Span.SPAN_KIND_SERVER}
     assert all(servers[s.parent_span_id].name == CHECKPOINT_RPC for s in on_demand)
+
+    if protocol == "grpc":
+        assert_trainer_steps_lead_to_generation(receiver, spans, traced)
 
     restores = [s for s in spans if s.name == "rolloutd.restore"]
     assert len(restores) == 2  # the first run found nothing to restore
@@ -337,8 +431,13 @@ def test_the_cli_exports_span_trees_and_the_catalogue_over_otlp(
             *(rs.resource for r in receiver.received.traces for rs in r.resource_spans),
             *(rm.resource for r in receiver.received.metrics for rm in r.resource_metrics),
         ]
-    assert {attributes(r.attributes)["service.name"] for r in resources} == {service_name}
-    instances = {attributes(r.attributes)["service.instance.id"] for r in resources}
+    names = {attributes(r.attributes)["service.name"] for r in resources}
+    assert names == {service_name, *([TRAINER_SERVICE] if protocol == "grpc" else [])}
+    instances = {
+        attributes(r.attributes)["service.instance.id"]
+        for r in resources
+        if attributes(r.attributes)["service.name"] == service_name
+    }
     assert len(instances) == 2  # one per process
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -102,8 +103,27 @@ async def test_client_spans_through_grpc_intercept_channel_record_failures_and_f
     assert clients[MISSING[1:]].status.status_code is StatusCode.ERROR
     assert dict(clients[MISSING[1:]].attributes or {})["rpc.grpc.status_code"] == 5
     assert clients[CHECKPOINT[1:]].status.status_code is StatusCode.UNSET
-    servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
-    assert {s.context.trace_id for s in servers} == {s.context.trace_id for s in clients.values()}
+    servers = {s.name: s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER}
+    assert {s.context.trace_id for s in servers.values()} == {
+        s.context.trace_id for s in clients.values()
+    }
+    # the instrumentation's attributes and statuses: a NOT_FOUND is the caller's doing
+    missing = dict(servers[MISSING[1:]].attributes or {})
+    assert missing["rpc.grpc.status_code"] == 5
+    assert servers[MISSING[1:]].status.status_code is StatusCode.UNSET
+    # the abort, once (the instrumentation recorded it twice)
+    assert [e.name for e in servers[MISSING[1:]].events] == ["exception"]
+    assert dict(servers[CHECKPOINT[1:]].attributes or {}) == {
+        "rpc.system": "grpc",
+        "rpc.grpc.status_code": 0,
+        "rpc.service": SERVICE,
+        "rpc.method": "Checkpoint",
+        "rpc.user_agent": missing["rpc.user_agent"],
+        "net.peer.ip": "127.0.0.1",
+        "net.peer.port": missing["net.peer.port"],
+        "net.peer.name": "localhost",
+    }
+    assert str(missing["rpc.user_agent"]).startswith("grpc-python")
 
 
 async def test_while_no_span_would_be_recorded_a_handler_logs_in_the_callers_trace(span_exporter):
@@ -186,3 +206,30 @@ async def test_a_response_streaming_call_gets_the_conventional_span_name(span_ex
     assert replies == [b"0", b"1", b"2"]
     [server_span] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
     assert server_span.name == f"{SERVICE}/Count"
+
+
+async def test_a_health_watch_is_served_with_tracing_on(span_exporter):
+    """Health/Watch writes its responses with ``context.write`` (a coroutine, not an async
+    generator); the instrumentation's stream wrapper would fail it with UNKNOWN."""
+    provider, exporter = span_exporter
+    servicer = health.aio.HealthServicer()
+    await servicer.set("rolloutd.test.Probe", health_pb2.HealthCheckResponse.SERVING)
+    server = grpc.aio.server(interceptors=server_interceptors(provider))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="rolloutd.test.Probe"))
+            first = await asyncio.wait_for(watch.read(), 10)
+            await servicer.set("rolloutd.test.Probe", health_pb2.HealthCheckResponse.NOT_SERVING)
+            second = await asyncio.wait_for(watch.read(), 10)
+            watch.cancel()
+            check = await stub.Check(health_pb2.HealthCheckRequest(service="rolloutd.test.Probe"))
+    finally:
+        await server.stop(None)
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+    assert second.status == check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    [check_span] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert check_span.name == "grpc.health.v1.Health/Check"

@@ -30,6 +30,7 @@ from rolloutd.telemetry.catalogue import (
 )
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.observer import TelemetryObserver
+from rolloutd.telemetry.sources import StatusSnapshot
 from tests.telemetry.reports import (
     CHECKPOINT_STATE,
     ENGINE,
@@ -59,7 +60,9 @@ def value(metric: Metric, **attributes: str) -> Any:
 
 def observer_with_sources(provider) -> MetricsObserver:
     observer = MetricsObserver(provider)
-    observer.register_sources(lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE)
+    observer.register_sources(
+        lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE, model="tiny"
+    )
     return observer
 
 
@@ -97,7 +100,7 @@ def test_a_scripted_run_reports_every_catalogue_instrument_as_declared(metric_re
         assert metric.description == instrument.description, name
         expected_type = {
             Kind.COUNTER: Sum, Kind.OBSERVABLE_COUNTER: Sum, Kind.HISTOGRAM: Histogram,
-            Kind.GAUGE: Gauge, Kind.OBSERVABLE_GAUGE: Gauge,
+            Kind.GAUGE: Gauge, Kind.OBSERVABLE_GAUGE: Gauge, Kind.OBSERVABLE_UP_DOWN_COUNTER: Sum,
         }[instrument.kind]  # fmt: skip
         assert isinstance(metric.data, expected_type), name
         assert metric.data.data_points, name
@@ -183,6 +186,46 @@ def test_scripted_run_values(metric_reader):
     assert len(points(limit)) == 1  # only the current reason's series
     assert value(m["rolloutd.admission.consumed_per_version"]) == 6.5
     assert value(m["rolloutd.admission.staleness.room"]) == 3
+
+    assert value(m["rolloutd.tokens"], fate="delivered") == 2400
+    assert value(m["rolloutd.tokens"], fate="buffered") == 1020
+    assert sum(p.value for p in points(m["rolloutd.tokens"]).values()) == 4000
+    assert value(m["rolloutd.engine.time"], state="idle_buffer_full") == 12.5
+    assert value(m["rolloutd.goodput"]) == pytest.approx(0.6)
+    assert value(m["rolloutd.engine.preemptions"], engine="synthetic") == 6
+    assert value(m["rolloutd.engine.prefix_cache.hit_ratio"], engine="synthetic") == 0.75
+    gen_ai = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "synthetic",
+        "gen_ai.request.model": "tiny",
+    }
+    first = value(m["gen_ai.server.time_to_first_token"], **gen_ai)
+    assert (first.count, first.sum) == (2, pytest.approx(0.08))
+    duration = value(m["gen_ai.server.request.duration"], **gen_ai)
+    assert (duration.count, duration.sum) == (2, pytest.approx(1.04))
+    per_token = value(m["gen_ai.server.time_per_output_token"], **gen_ai)
+    assert per_token.count == 1  # a one-token request has no time after its first token
+    usage = m["gen_ai.client.token.usage"]
+    assert value(usage, **gen_ai, **{"gen_ai.token.type": "input"}).sum == 24
+    assert value(usage, **gen_ai, **{"gen_ai.token.type": "output"}).sum == 41
+
+
+def test_goodput_is_absent_before_any_token(metric_reader):
+    provider, reader = metric_reader
+    observer = MetricsObserver(provider)
+    observer.register_sources(
+        lambda: ENGINE, "synthetic", lambda: StatusSnapshot(), lambda: CHECKPOINT_STATE
+    )
+    m = collect(reader)
+    assert "rolloutd.goodput" not in m
+    assert sum(p.value for p in points(m["rolloutd.tokens"]).values()) == 0
+
+
+def test_engine_requests_are_not_recorded_before_the_engine_is_known(metric_reader):
+    provider, reader = metric_reader
+    observer = MetricsObserver(provider)
+    observer.first_token(0.1)
+    assert "gen_ai.server.time_to_first_token" not in collect(reader)
 
 
 def test_observable_instruments_report_nothing_until_sources_are_registered(metric_reader):

@@ -11,9 +11,15 @@ from google.protobuf import json_format, struct_pb2
 
 from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.controller import AdmissionStatus, ControllerStatus
-from rolloutd.domain.encoder import MAX_METADATA_DEPTH, Undeliverable, metadata_too_deep
+from rolloutd.domain.encoder import (
+    MAX_METADATA_DEPTH,
+    Undeliverable,
+    metadata_too_deep,
+    tools_problem,
+)
 from rolloutd.domain.errors import InvalidArgument
-from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus
+from rolloutd.domain.fate import EngineState, TokenAccount, TokenFate
+from rolloutd.domain.group import Group, Prompt, Sample, ScoreStatus, TurnKind
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
 from rolloutd.domain.sampler import SUBMITTED
@@ -73,7 +79,18 @@ def _sample_fields(s: Sample) -> dict[str, Any]:
         "finished_at": s.finished_at,
         "resumed_at": s.resumed_at,
         "parts": [pb.SamplePart(start=p.start, policy_version=p.policy_version) for p in s.parts],
+        "loss_mask": s.loss_mask().tolist() if s.turns else [],
+        "turn_starts": [pb.TurnStart(start=t.start, kind=_TURN_KINDS[t.kind]) for t in s.turns],
+        "episode_reward": s.episode_reward,
+        "retokenization_mismatches": s.retokenization_mismatches,
     }
+
+
+_TURN_KINDS = {
+    TurnKind.MODEL: pb.TURN_KIND_MODEL,
+    TurnKind.ENVIRONMENT: pb.TURN_KIND_ENVIRONMENT,
+}
+"""Every turn kind, as the proto says it."""
 
 
 def spec_to_proto(p: SamplingParams, group_size: int, seed: int) -> pb.GenerationSpec:
@@ -207,7 +224,34 @@ def prompt_from_proto(p: pb.Prompt, i: int, max_metadata_bytes: float = math.inf
         metadata=metadata,
         messages=messages,
         generation=spec_from_proto(p.generation) if p.HasField("generation") else GenerationSpec(),
+        tools=_tools(p, field, max_metadata_bytes),
     )
+
+
+def _tools(p: pb.Prompt, field: str, max_bytes: float) -> tuple[dict[str, Any], ...]:
+    """``tools_json`` as a list of JSON objects (none when empty); bounded before it is parsed
+    and checked after (shape, depth, size) as metadata is."""
+    if not p.tools_json:
+        return ()
+    where = f"{field}.tools_json"
+    if len(p.tools_json) > max_bytes:  # characters: at most the bytes of UTF-8
+        raise InvalidArgument(
+            where,
+            f"of prompt {p.prompt_id!r}: {len(p.tools_json)} characters, more than "
+            f"limits.max_metadata_bytes={int(max_bytes)}",
+        )
+    try:
+        tools = json.loads(p.tools_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(where, f"not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(
+            where, f"of prompt {p.prompt_id!r}: nested deeper than {MAX_METADATA_DEPTH} levels"
+        ) from None
+    problem = tools_problem(tools, max_bytes)
+    if problem is not None:
+        raise InvalidArgument(where, f"of prompt {p.prompt_id!r}: {problem}")
+    return tuple(tools)
 
 
 def _metadata(p: pb.Prompt, field: str, max_bytes: float) -> Any:
@@ -270,8 +314,10 @@ def status_to_proto(
     state: ServingState,
     generation_tokens: int,
     last_checkpoint: pb.CheckpointStatus,
+    tokens: TokenAccount,
 ) -> pb.GetStatusResponse:
     c = s.counters
+    fates, seconds = tokens.fates, tokens.engine_seconds
     return pb.GetStatusResponse(
         state=SERVING_STATES[state],
         engine=engine,
@@ -303,7 +349,6 @@ def status_to_proto(
             dropped_groups=c.dropped_groups,
             dropped_by_reason=c.dropped_by_reason,
             dropped_tokens=c.dropped_tokens,
-            evicted_tokens=c.evicted_tokens,
         ),
         last_checkpoint=last_checkpoint,
         replica=s.replica,
@@ -324,6 +369,22 @@ def status_to_proto(
         ],
         submitted_committed_groups=c.committed_by_source.get(SUBMITTED, 0),
         submitted_delivered_groups=c.acked_by_source.get(SUBMITTED, 0),
+        tokens=pb.TokenAccount(
+            generated=tokens.generated,
+            delivered=fates[TokenFate.DELIVERED],
+            evicted=fates[TokenFate.EVICTED],
+            dropped=fates[TokenFate.DROPPED],
+            regenerated=fates[TokenFate.REGENERATED],
+            failed=fates[TokenFate.FAILED],
+            buffered=fates[TokenFate.BUFFERED],
+            goodput=tokens.goodput,
+        ),
+        engine_time=pb.EngineTime(
+            generating_seconds=seconds[EngineState.GENERATING],
+            weight_update_seconds=seconds[EngineState.WEIGHT_UPDATE],
+            idle_no_work_seconds=seconds[EngineState.IDLE_NO_WORK],
+            idle_buffer_full_seconds=seconds[EngineState.IDLE_BUFFER_FULL],
+        ),
         admission=admission_to_proto(s.admission),
     )
 

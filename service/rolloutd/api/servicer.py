@@ -28,6 +28,7 @@ from rolloutd.domain.errors import InvalidArgument, Unavailable
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport
 from rolloutd.domain.sampler import Admission
+from rolloutd.telemetry.generation import link_generations
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from rolloutd.weights.receive import PushChunk, PushHeader
@@ -129,6 +130,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if leased is None:
             return pb.FetchGroupsResponse()
         lease, groups = leased
+        link_generations(lambda: self._controller.generation_traces(lease.group_ids))
         return pb.FetchGroupsResponse(
             lease_id=lease.lease_id, groups=groups, lease_expires_at=lease.expires_at
         )

@@ -62,6 +62,7 @@ class ServiceView:
             self._lifecycle.state,
             self._engine.counters().generation_tokens,
             last,
+            self._controller.token_account(),
         )
 
     # --- AdminState (the admin HTTP app) ---------------------------------------------------

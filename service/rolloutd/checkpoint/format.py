@@ -12,8 +12,10 @@ its size and a checksum (checksums.py).
 
 from __future__ import annotations
 
-FORMAT_VERSION = 5
-"""Version of the manifest and segment layout; readers refuse a newer one. Format 5 adds each
+FORMAT_VERSION = 6
+"""Version of the manifest and segment layout; readers refuse a newer one. Format 6 adds each
+prompt's tools to the group columns (an episode's chat template is rendered with them; the
+partials file, format 2, holds episodes' records and their samples' spans). Format 5 adds each
 group's source and generation settings to the group columns (:data:`GROUP_SCHEMA`); format 4
 had the finishing stage's scores without them (:data:`GROUP_SCHEMA_V4`), format 3 neither
 (:data:`GROUP_SCHEMA_V3`), format 2 kept group metadata as one JSON string

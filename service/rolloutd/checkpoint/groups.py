@@ -34,6 +34,7 @@ from rolloutd.checkpoint.rows import (
     GROUP_SCHEMA_V2,
     GROUP_SCHEMA_V3,
     GROUP_SCHEMA_V4,
+    GROUP_SCHEMA_V5,
 )
 from rolloutd.domain.group import (
     STATES,
@@ -66,7 +67,7 @@ _META_FIELDS = (
 )
 """``GroupMeta``'s fields in declaration order, as :func:`batch_to_metas` fills them."""
 
-_PROMPT_FIELDS = ("prompt_id", "text", "metadata", "messages", "generation")
+_PROMPT_FIELDS = ("prompt_id", "text", "metadata", "messages", "generation", "tools")
 _POSITION_FIELDS = ("epoch", "offset", "source")
 
 for _kind, _expected in (
@@ -115,6 +116,7 @@ def _encode(metas: Sequence[GroupMeta]) -> pa.RecordBatch:
         pa.array([None if p is None else p.source for p in positions], pa.int32()),
         pa.array([_json(p.generation.to_json()) if p.generation else None for p in prompts]),
         pa.array([None if m.params is None else _params_json(m.params) for m in metas]),
+        pa.array([_json(list(p.tools)) if p.tools else None for p in prompts], pa.string()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=GROUP_SCHEMA)
 
@@ -155,9 +157,14 @@ def _params(text: str | None) -> SamplingParams | None:
 
 def _current(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A batch of :data:`GROUP_SCHEMA`: one of an earlier format gets null columns for what it
-    lacks (format 3: ``scores``; formats 3 and 4: the source and the generation settings)."""
+    lacks (format 3: ``scores``; formats 3 and 4: the source and the generation settings;
+    formats 3 to 5: the prompt's tools)."""
     schema = batch.schema.remove_metadata()
-    if schema in (GROUP_SCHEMA_V3.remove_metadata(), GROUP_SCHEMA_V4.remove_metadata()):
+    if schema in (
+        GROUP_SCHEMA_V3.remove_metadata(),
+        GROUP_SCHEMA_V4.remove_metadata(),
+        GROUP_SCHEMA_V5.remove_metadata(),
+    ):
         columns = [
             batch.column(f.name) if f.name in schema.names else pa.nulls(batch.num_rows, f.type)
             for f in GROUP_SCHEMA
@@ -223,10 +230,11 @@ def batch_to_metas(
     specs = [
         GenerationSpec.from_json(g) if g else EMPTY for g in _parsed(col("prompt_generation"), None)
     ]
+    tools = [tuple(t) for t in _parsed(col("prompt_tools"), ())]
     prompts = _filled(
         Prompt,
         _PROMPT_FIELDS,
-        (prompt_ids, col("prompt_text").to_pylist(), metadata, messages, specs),
+        (prompt_ids, col("prompt_text").to_pylist(), metadata, messages, specs, tools),
     )
     epochs, offsets = _values(col("epoch")), _values(col("offset"))
     sources = _values(col("source").fill_null(0))

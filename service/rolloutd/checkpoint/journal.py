@@ -1,10 +1,11 @@
 """The journal: what a client was told is durable, before the RPC returns.
 
-Five kinds of record, one sequence of positions: acks, lease grants, accepted submissions,
-rewinds, and reservations of group ids (``kind`` in each record; a record without one is an
-ack). A snapshot records the last position it includes (``acks_through``) and restore replays
-the records after it, on top of nothing when there is no snapshot yet. Retention prunes what
-every kept snapshot covers, at each checkpoint.
+Kinds of record, one sequence of positions: acks, lease grants, accepted submissions,
+rewinds, reservations of group ids, drops, and episode records (``admit``, ``episode_reset``,
+``episode_turn``, ``episode_step``: docs/design.md, "Episodes") (``kind`` in each record; a
+record without one is an ack). A snapshot records the last position it includes
+(``acks_through``) and restore replays the records after it, on top of nothing when there is
+no snapshot yet. Retention prunes what every kept snapshot covers, at each checkpoint.
 
 Group commit: writers that arrive while a sync is in progress queue up; the next sync makes the
 whole queue durable at once (one ``fdatasync`` locally, one put on an object store), so the cost
@@ -52,7 +53,7 @@ from rolloutd.checkpoint.backends import (
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.journal_frames import Damage, JournalEntry, Scan, encode, scan
 from rolloutd.domain.buffer import AckRecord, Lease
-from rolloutd.domain.group import Prompt
+from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import (
     Journaled,
@@ -562,6 +563,15 @@ class Journal:
     async def drop(self, drop: JournaledDrop) -> None:
         """Journals a group dropped before delivery; durable on return."""
         await self.enqueue(records.drop(drop))
+
+    def episode(self, group_id: int, index: int, record: Any) -> asyncio.Future[int]:
+        """Queues an episode record (a model turn, a step's result); the future resolves once
+        it is durable."""
+        return self.enqueue(records.episode(group_id, index, record))
+
+    def admit(self, meta: GroupMeta) -> asyncio.Future[int]:
+        """Queues an episode group's admission; the future resolves once it is durable."""
+        return self.enqueue(records.admission(meta))
 
     def events_after(self, after: int) -> list[Journaled]:
         """The events journaled after position ``after``, in order."""

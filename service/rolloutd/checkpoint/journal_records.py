@@ -10,15 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rolloutd.checkpoint import episode_records
 from rolloutd.checkpoint.sidecar import from_json, to_json
 from rolloutd.domain.buffer import AckRecord, Lease
-from rolloutd.domain.group import Prompt
+from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import (
     IdReservation,
     Journaled,
     JournaledAck,
+    JournaledAdmission,
     JournaledDrop,
+    JournaledEpisode,
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
@@ -31,6 +34,7 @@ class UnknownRecord(ValueError):
 
 
 ACK, LEASE, SUBMIT, REWIND, IDS, DROP = "ack", "lease", "submit", "rewind", "ids", "drop"
+ADMIT = "admit"
 
 
 def _refs(admissions: Mapping[int, Admission]) -> list[dict[str, Any]]:
@@ -78,6 +82,16 @@ def drop(drop: JournaledDrop) -> dict[str, Any]:
     return {"kind": DROP, **to_json(drop)}
 
 
+def admission(meta: GroupMeta) -> dict[str, Any]:
+    """An episode group's admission: its whole metadata (prompt, position, seed, settings)."""
+    return {"kind": ADMIT, "group": to_json(meta)}
+
+
+def episode(group_id: int, index: int, record: Any) -> dict[str, Any]:
+    """An episode record of sibling ``index`` of group ``group_id``."""
+    return {**episode_records.to_json(record), "group_id": group_id, "index": index}
+
+
 def decode(d: Mapping[str, Any]) -> Journaled:
     """One journal record as a domain event; records from before ``kind`` existed are acks."""
     kind = d.get("kind", ACK)
@@ -93,6 +107,10 @@ def decode(d: Mapping[str, Any]) -> Journaled:
         return IdReservation(int(d["through"]))
     if kind == DROP:
         return from_json(JournaledDrop, d)
+    if kind == ADMIT:
+        return JournaledAdmission(from_json(GroupMeta, d["group"]))
+    if kind in episode_records.KINDS:
+        return JournaledEpisode(int(d["group_id"]), int(d["index"]), episode_records.from_json(d))
     raise UnknownRecord(f"a record of unknown kind {kind!r}")
 
 

@@ -191,7 +191,7 @@ async def _run(
                 async with _progress(snapshot):
                     kept = await asyncio.to_thread(
                         snapshot.kept_rows,
-                        {row: (r.resumed_at, r.parts) for row, r in resumed.items()},
+                        dict(resumed),
                     )
                     await asyncio.to_thread(snapshot.verify)
                 prepared.keep_rows(kept.groups())

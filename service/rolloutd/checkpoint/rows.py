@@ -69,6 +69,7 @@ GROUP_SCHEMA = pa.schema(
         pa.field("source", pa.int32()),
         pa.field("prompt_generation", pa.string()),
         pa.field("generation", pa.string()),
+        pa.field("prompt_tools", pa.string()),
     ],
     metadata={b"rolloutd.format_version": str(FORMAT_VERSION).encode()},
 )
@@ -81,7 +82,8 @@ from the segment that held it, so each group is live in one segment. ``scores`` 
 the finishing stage's record as JSON, ``{"mean", "std", "samples": [[reward, status, info]]}``
 (null: unscored). Format 5 adds the position's ``source`` (null: 0), the prompt's own
 ``prompt_generation`` settings (JSON, null: none) and the group's effective sampling settings
-``generation`` (JSON of ``SamplingParams``; null: the service's configured ones)."""
+``generation`` (JSON of ``SamplingParams``; null: the service's configured ones). Format 6 adds
+the prompt's ``prompt_tools`` (JSON list of tool schemas; null: none)."""
 
 
 def _without(schema: pa.Schema, names: tuple[str, ...], version: int) -> pa.Schema:
@@ -90,8 +92,10 @@ def _without(schema: pa.Schema, names: tuple[str, ...], version: int) -> pa.Sche
     return schema.with_metadata({b"rolloutd.format_version": str(version).encode()})
 
 
+GROUP_SCHEMA_V5 = _without(GROUP_SCHEMA, ("prompt_tools",), 5)
+"""Group segments of format 5: no tools; read as prompts without tools."""
 FORMAT_5_COLUMNS = ("source", "prompt_generation", "generation")
-GROUP_SCHEMA_V4 = _without(GROUP_SCHEMA, FORMAT_5_COLUMNS, 4)
+GROUP_SCHEMA_V4 = _without(GROUP_SCHEMA_V5, FORMAT_5_COLUMNS, 4)
 """Group segments of format 4: no per-prompt settings; read as the only source's, with the
 service's configured settings."""
 GROUP_SCHEMA_V3 = _without(GROUP_SCHEMA_V4, ("scores",), 3)
@@ -122,7 +126,9 @@ class SegmentKind(enum.Enum):
     @property
     def schemas(self) -> tuple[pa.Schema, ...]:
         """Every schema a segment of this kind may have (the current one first)."""
-        return (self.schema,) if self is SegmentKind.SAMPLES else (GROUP_SCHEMA, GROUP_SCHEMA_V2)
+        if self is SegmentKind.SAMPLES:
+            return (self.schema,)
+        return (GROUP_SCHEMA, GROUP_SCHEMA_V5, GROUP_SCHEMA_V4, GROUP_SCHEMA_V3, GROUP_SCHEMA_V2)
 
     @property
     def id_column(self) -> str:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rolloutd.checkpoint import groups, sidecar
 from rolloutd.checkpoint.backends import Backend, CorruptSnapshot, Sink
@@ -25,7 +26,7 @@ from rolloutd.checkpoint.manifest import FileEntry, Manifest, SegmentEntry
 from rolloutd.checkpoint.rowids import RowIdSet
 from rolloutd.checkpoint.rows import SAMPLE_SCHEMA, Row, SegmentKind, batch_to_rows, rows_to_batches
 from rolloutd.domain.buffer import RowSealer, SealedRows
-from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample, SamplePart
+from rolloutd.domain.group import GroupMeta, GroupTable, KeptSamples, Prompt, Sample
 
 log = logging.getLogger(__name__)
 
@@ -191,11 +192,11 @@ class KeptRows(SealedRows):
         self,
         batches: Iterable[tuple[pa.RecordBatch, npt.NDArray[np.bool_] | None]],
         capacity: int,
-        resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None,
+        resumed: Mapping[int, Any] | None = None,
     ) -> None:
         self._batches: list[pa.RecordBatch] = []
         self.resumed = dict(resumed or {})
-        """Row id -> (resumed_at, parts) of the rows whose samples were resumed: row segments do
+        """Row id -> ``partials.ResumedRow`` of the rows resumed or of episodes: row segments do
         not hold where a sample was resumed, the snapshot's partials file does."""
         # Each batch is indexed as it arrives (Snapshot.kept_rows) into columns allocated for
         # ``capacity`` rows (all the segments hold): a full snapshot is written in (group,
@@ -241,6 +242,8 @@ class KeptRows(SealedRows):
             self.position = dict(zip(self.group_ids, range(len(starts)), strict=True))
         self._batch_no, self._at, self._index, self._row_id = batch_no, at, index, row_id
         self._bounds = [*starts, count]
+        self._token_counts: dict[int, npt.NDArray[np.int32]] = {}
+        """Batch number -> the token count of each of its rows, computed on first use."""
 
     def __len__(self) -> int:
         return int(self._at.size)
@@ -278,10 +281,30 @@ class KeptRows(SealedRows):
         )
         return [self._resumed(k, row[2]) for k, row in zip(range(start, stop), rows, strict=True)]
 
+    def tokens(self, start: int, stop: int) -> int:
+        """Generated tokens of rows ``[start, stop)`` of the (group, index) order, read from
+        the token lists' offsets."""
+        total = 0
+        for b, at in zip(self._batch_no[start:stop], self._at[start:stop], strict=True):
+            counts = self._token_counts.get(int(b))
+            if counts is None:
+                column = self._batches[int(b)].column("token_ids")
+                counts = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+                self._token_counts[int(b)] = counts
+            total += int(counts[at])
+        return total
+
     def _resumed(self, k: int, sample: Sample) -> Sample:
         record = self.resumed.get(int(self._row_id[k]))
         if record is not None:
-            sample = replace(sample, resumed_at=record[0], parts=record[1])
+            sample = replace(
+                sample,
+                resumed_at=None if record.resumed_at < 0 else record.resumed_at,
+                parts=record.parts,
+                turns=record.turns,
+                episode_reward=record.episode_reward,
+                retokenization_mismatches=record.retokenization_mismatches,
+            )
         return sample
 
     def batches_of(self, row_ids: RowIdSet) -> Iterator[pa.RecordBatch]:
@@ -353,6 +376,9 @@ class KeptGroup(KeptSamples):
 
     def ordered(self) -> list[Sample]:
         return self._rows.samples(self._start, self._stop)
+
+    def tokens(self) -> int:
+        return self._rows.tokens(self._start, self._stop)
 
 
 class ArrowSealer(RowSealer):
@@ -510,9 +536,7 @@ class Snapshot:
             rows.extend(batch_to_rows(batch, keep))
         return rows
 
-    def kept_rows(
-        self, resumed: Mapping[int, tuple[int, tuple[SamplePart, ...]]] | None = None
-    ) -> KeptRows:
+    def kept_rows(self, resumed: Mapping[int, Any] | None = None) -> KeptRows:
         """Live rows left in the verified buffers, indexed by group (what a restore keeps), with
         the resume records of ``resumed`` (row id -> (resumed_at, parts)) put back when read."""
         capacity = sum(s.rows for s in self.manifest.segments)

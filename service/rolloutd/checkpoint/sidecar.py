@@ -71,6 +71,8 @@ def _prompt_to_json(p: Prompt) -> dict[str, Any]:
     out = {"id": p.prompt_id, "text": p.text, "metadata": p.metadata, "messages": list(p.messages)}
     if p.generation:
         out["generation"] = p.generation.to_json()
+    if p.tools:
+        out["tools"] = [dict(t) for t in p.tools]
     return out
 
 
@@ -81,6 +83,7 @@ def _prompt_from_json(d: Mapping[str, Any]) -> Prompt:
         metadata=d["metadata"],  # any JSON value, delivered exactly as it came
         messages=tuple(d["messages"]),
         generation=GenerationSpec.from_json(d.get("generation")),
+        tools=tuple(d.get("tools", ())),
     )
 
 

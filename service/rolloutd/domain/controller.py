@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from rolloutd.domain.barrier import MutationBarrier
@@ -30,6 +30,7 @@ from rolloutd.domain.core import ControllerConfig, Core
 from rolloutd.domain.delivery import AckResult, Delivery, RewindResult
 from rolloutd.domain.encoder import E, GroupEncoder
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
+from rolloutd.domain.fate import TokenAccount
 from rolloutd.domain.finishing import FinishingStage
 from rolloutd.domain.generation import ID_BITS, ID_BLOCK, Generation, local_id
 from rolloutd.domain.group import Group, GroupState
@@ -175,6 +176,7 @@ class Controller:
         """Starts admission and lease expiry. Call after any restore."""
         core = self.core
         core.admitting = True
+        core.start_engine_clock()
         self._loops = [
             core.watched(
                 asyncio.create_task(self.generation.admission_loop(), name="rolloutd-admission")
@@ -216,6 +218,7 @@ class Controller:
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
         await self.core.notify()
+        self.core.stop_engine_clock()
 
     async def wait_dead(self) -> BaseException:
         """Returns the fatal error once the controller cannot go on (e.g. the engine died)."""
@@ -297,12 +300,29 @@ class Controller:
     def inflight_samples(self) -> int:
         return self.generation.inflight_samples
 
+    def generation_traces(self, group_ids: Iterable[int]) -> list[tuple[int, Mapping[str, str]]]:
+        """(group id, trace context of its generation) of each of ``group_ids`` still buffered
+        whose generation was traced (``Group.trace``)."""
+        groups = self.core.buffer.groups
+        return [
+            (gid, group.trace)
+            for gid in group_ids
+            if (group := groups.get(gid)) is not None and group.trace
+        ]
+
     def settings_of(self, group: Group) -> tuple[str, SamplingParams]:
         """A group's source name and the sampling settings it was generated with."""
         return self.core.source_of(group.meta), self.core.params_of(group.meta)
 
+    def token_account(self) -> TokenAccount:
+        """Where the generated tokens went and the engine's time, ``buffered`` counted in the
+        buffer (linear in it: for GetStatus, not for every scrape)."""
+        return self.core.token_account()
+
     def status(self) -> ControllerStatus:
+        """What the controller holds now; its counters' engine time is brought up to date."""
         core = self.core
+        core.clock_engine(read=True)
         cursor = core.sampler.cursor
         return ControllerStatus(
             policy_version=core.policy_version,

@@ -2,9 +2,10 @@
 
 The buffer, the barrier every change goes through, the sampler, the counters, the policy
 version, the delivery ledger (acks' high-water marks, what the journal holds for groups no
-snapshot held), the pauses that lease time does not count, the wake-ups that admission and
-fetches wait on, and the one way the controller dies. The rooms hold a reference to one
-:class:`Core` and nothing of each other's state.
+snapshot held), the staged tokens of generating siblings, the pauses that lease time does not
+count, the clock of the engine's time, the wake-ups that admission and fetches wait on, and the
+one way the controller dies. The rooms hold a reference to one :class:`Core` and nothing of each
+other's state.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from rolloutd.domain.buffer import RolloutBuffer, RowSealer
 from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.errors import Unavailable
+from rolloutd.domain.fate import EngineState, TokenAccount, TokenFate
 from rolloutd.domain.group import GroupMeta, GroupState, Position
 from rolloutd.domain.observer import NullObserver, Observer
+from rolloutd.domain.partial import TokenDelta, delta_tokens
 from rolloutd.domain.pauses import Pauses
 from rolloutd.domain.sampler import SUBMITTED, Admission, Sampler
 from rolloutd.domain.spec import SpecLimits
@@ -147,6 +150,15 @@ class Core:
         self.lost_leased: dict[str, dict[int, Admission]] = {}
         """Live leases restored from the journal whose groups no snapshot held, by lease id: the
         admissions of those groups, skipped by the sampler until the lease is acked or expires."""
+        self.staging: dict[tuple[int, int], list[TokenDelta]] = {}
+        """(group id, index) -> the deltas of a generating sibling so far, its restored prefix
+        first. Append-only while the sibling generates; removed in the mutation that stages the
+        sibling's sample or removes its group, so a capture never holds both. Its tokens count
+        as generated and ``buffered`` (domain/fate.py)."""
+        self.engine_state: Callable[[], EngineState] = lambda: EngineState.IDLE_NO_WORK
+        """What the engine does right now (the generation room sets it)."""
+        self._engine_clock: tuple[EngineState, float] | None = None
+        """The engine's state since a monotonic instant, while the controller runs."""
         self.admitting = False
         self.draining = False
         self.fatal: BaseException | None = None
@@ -159,6 +171,7 @@ class Core:
 
     async def notify(self) -> None:
         """Wakes admission, and as many waiting fetches as there are ready groups."""
+        self.clock_engine()
         async with self.changed:
             self.changed.notify_all()
         async with self.fetchable:
@@ -172,19 +185,74 @@ class Core:
         (docs/design.md, "The life of a group")."""
         return policy_version < self.policy_version - self.config.max_staleness
 
-    def evict(self, group_id: int, partial_tokens: int = 0) -> None:
+    def evict(self, group_id: int) -> None:
         """Removes a too-stale group whose generation has ended (inside a mutation); its prompt
-        is admitted again. Its staged siblings' tokens and ``partial_tokens`` (those its
-        unfinished siblings had streamed) count as evicted."""
+        is admitted again."""
+        tokens = self.buffer.groups[group_id].generated_tokens + self.release_partials(group_id)
         g = self.buffer.remove(group_id, GroupState.EVICTED)
         self.sampler.readmit(Admission(g.meta.prompt, g.meta.position))
         self.counters.evicted_groups += 1
-        self.counters.evicted_tokens += g.generated_tokens + partial_tokens
+        self.counters.evicted_tokens += tokens
 
     async def wake_admission(self) -> None:
         """Wakes admission alone (a fetch began to wait: the staleness gate may admit more)."""
         async with self.changed:
             self.changed.notify_all()
+
+    # --- where generation goes (domain/fate.py) --------------------------------------------
+
+    def release_partials(self, group_id: int) -> int:
+        """Forgets the staged tokens of a group's generating siblings (its group leaves the
+        buffer, or they are generated again); returns how many tokens they held."""
+        keys = [key for key in self.staging if key[0] == group_id]
+        return sum(delta_tokens(self.staging.pop(key)) for key in keys)
+
+    def held_tokens(self) -> tuple[int, int]:
+        """Tokens the buffer holds, counted group by group: (buffered, acked). Buffered are the
+        siblings of groups generating, finishing, ready or leased and the staged tokens of
+        generating siblings; acked are those of groups acked and not yet finalized (delivered).
+        Linear in the buffer: for status, not for every scrape."""
+        buffered = sum(delta_tokens(deltas) for deltas in self.staging.values())
+        acked = 0
+        for g in self.buffer.groups.values():
+            if g.state is GroupState.ACKED:
+                acked += g.generated_tokens
+            else:
+                buffered += g.generated_tokens
+        return buffered, acked
+
+    def token_account(self) -> TokenAccount:
+        """Where the generated tokens went, ``buffered`` counted in the buffer
+        (:meth:`held_tokens`), and the engine's time so far."""
+        self.clock_engine(read=True)
+        counters = self.counters
+        fates = {**counters.settled(), TokenFate.BUFFERED: self.held_tokens()[0]}
+        seconds = {s: counters.engine_seconds.get(s.value, 0.0) for s in EngineState}
+        return TokenAccount(counters.generated_tokens, fates, seconds)
+
+    def start_engine_clock(self) -> None:
+        """Starts splitting the engine's time by state (the controller starts)."""
+        self._engine_clock = (self.engine_state(), time.monotonic())
+
+    def clock_engine(self, *, read: bool = False) -> None:
+        """When the engine's state changed, counts the time since the last change in the state
+        it was in. Called whenever the state may have changed (a sibling starts or ends, a
+        weight update, every :meth:`notify`); with ``read``, counts the time so far even when
+        it did not change (before the counters are read)."""
+        if self._engine_clock is None:
+            return
+        held, since = self._engine_clock
+        state = self.engine_state()
+        if state is held and not read:
+            return  # the cheap common case: a sibling ends while others run
+        now = time.monotonic()
+        self.counters.engine_time(held, now - since)
+        self._engine_clock = (state, now)
+
+    def stop_engine_clock(self) -> None:
+        """Counts the last stretch and stops (the controller stops)."""
+        self.clock_engine(read=True)
+        self._engine_clock = None
 
     def watched(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         """A task of the controller whose unexpected error ends the controller (never silently:

@@ -37,6 +37,7 @@ from rolloutd.domain.errors import (
     Unavailable,
     public_cause,
 )
+from rolloutd.domain.fate import LEASE_EXPIRIES
 from rolloutd.domain.group import Group, GroupState
 from rolloutd.domain.intake import check_settings, check_sizes
 from rolloutd.domain.mutation import MutationKind
@@ -45,9 +46,6 @@ from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import JournaledAck, JournaledDrop, LostAck
 
 log = logging.getLogger(__name__)
-
-LEASE_EXPIRIES = "lease_expiries"
-"""Drop reason: its leases expired ``max_lease_expiries`` times unacknowledged."""
 
 
 @dataclass(eq=False)
@@ -211,7 +209,7 @@ class Delivery:
         restart before it is durable finds the group committed in its snapshot (and gives up on
         it again) or not at all (its position consumed)."""
         core = self.core
-        tokens = group.generated_tokens
+        tokens = group.generated_tokens  # a committed group: no partial siblings
         core.buffer.remove(group.group_id, GroupState.DROPPED)
         self._expiries.pop(group.group_id, None)
         core.counters.dropped(reason, tokens)
@@ -447,10 +445,18 @@ class Delivery:
         """
         core = self.core
         record = ack.record
+        groups = core.buffer.groups
+        held = [groups[gid] for gid in record.group_ids if gid in groups]
         lost = core.buffer.ack(record)
         if lost is None:
             return  # acked already: idempotent
         core.counters.acked([self._source(gid, ack) for gid in record.group_ids])
+        # a group the replay found unfinished left as lost, with what the snapshot held of it
+        core.counters.delivered_tokens += sum(
+            g.generated_tokens
+            + (core.release_partials(g.group_id) if g.group_id not in groups else 0)
+            for g in held
+        )
         core.max_acked_step = max(core.max_acked_step, record.trainer_step)
         if lost:
             if not ack.admissions:
@@ -537,6 +543,7 @@ class Delivery:
         mutation); returns what it did and how many groups it evicted as too stale."""
         core = self.core
         groups = core.buffer.rewind(trainer_step)
+        core.counters.delivered_tokens -= sum(g.generated_tokens for g in groups)
         evicted = self.evict_stale(g.group_id for g in groups)
         readmitted = evicted  # a stale group's prompt is admitted again, like a lost one's
         keep: list[LostAck] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Generic, Protocol, TypeVar
 
 from rolloutd.domain.group import Group
@@ -68,7 +69,7 @@ def metadata_too_deep(metadata: object) -> bool:
         level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
 
 
-def metadata_problem(metadata: object, max_bytes: int) -> str | None:
+def metadata_problem(metadata: object, max_bytes: float) -> str | None:
     """Why a prompt's metadata cannot be delivered (too deep, or larger than ``max_bytes`` as
     JSON in UTF-8), or None."""
     if metadata_too_deep(metadata):
@@ -77,6 +78,17 @@ def metadata_problem(metadata: object, max_bytes: int) -> str | None:
     if size > max_bytes:
         return f"{size} bytes as JSON, more than limits.max_metadata_bytes={max_bytes}"
     return None
+
+
+def tools_problem(tools: object, max_bytes: float) -> str | None:
+    """Why a prompt's ``tools`` cannot be passed to the chat template (not a list of JSON
+    objects, nested too deep, or larger than ``max_bytes`` as JSON), or None."""
+    if not isinstance(tools, list | tuple):
+        return f"must be a list of JSON objects (tool schemas), not {type(tools).__name__}"
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            return f"item {j} must be a JSON object (a tool schema), not {type(tool).__name__}"
+    return metadata_problem([dict(t) for t in tools], max_bytes)
 
 
 AS_IS: GroupEncoder[Group] = _AsIs()

@@ -3,9 +3,10 @@ errors and its counters. ``engines/`` implements it; the controller and telemetr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rolloutd.domain.group import Prompt, Sample
 from rolloutd.domain.partial import PartialSibling, TokenDelta
@@ -13,14 +14,18 @@ from rolloutd.domain.spec import SamplingParams
 from rolloutd.domain.weights import WeightsTimeline
 
 __all__ = [
+    "ChatRenderer",
     "DeltaSink",
     "EngineCounters",
     "EngineDeadError",
     "EngineError",
     "EngineStartError",
+    "FinishedRequest",
     "GenerationEngine",
     "GenerationRequest",
     "PromptMeter",
+    "ReportsRequests",
+    "RequestObserver",
     "RequestRefused",
     "SamplingParams",
 ]
@@ -41,6 +46,10 @@ class GenerationRequest:
     """Tokens of this sibling generated before a restart. The engine continues from the prompt's
     token ids followed by these, for the remaining ``max_tokens``, and returns the whole sample:
     these tokens and logprobs first, exactly, then the continuation's."""
+    context: array[int] | None = None
+    """Token ids to condition on in place of the rendered ``prompt`` (an episode's conversation
+    so far, rendered by its runner through :class:`ChatRenderer`); ``prefix`` follows them. The
+    sample's ``prompt_token_ids`` are these; they are never returned as generated tokens."""
 
 
 DeltaSink = Callable[[TokenDelta], None]
@@ -49,17 +58,54 @@ DeltaSink = Callable[[TokenDelta], None]
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """Cumulative since engine start (tokens, preemptions) or instantaneous (requests, KV-cache
-    usage)."""
+    """Cumulative since engine start (tokens, preemptions) or recent (requests, KV-cache usage,
+    prefix-cache hit ratio)."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_running: int = 0
     requests_waiting: int = 0
     kv_cache_usage: float = 0.0
+    """Fraction of the KV cache in use."""
     preemptions: int = 0
-    """Requests the engine preempted (took their KV cache back, to compute them again later)
-    because the cache was full."""
+    """Requests the scheduler preempted (their KV cache freed, to be computed again when they
+    resume): the sign that more sequences run than the KV cache holds."""
+    prefix_cache_hit_ratio: float = 0.0
+    """Share of the prompt tokens of the most recent requests (about the last thousand) found in
+    the prefix cache (0 before any request)."""
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One engine request that finished (not aborted), as the engine measured it: what the
+    OpenTelemetry GenAI server metrics record."""
+
+    input_tokens: int
+    """Prompt tokens (with a resumed sibling's prefix)."""
+    output_tokens: int
+    duration_s: float
+    """From the request's arrival to its last token."""
+    time_per_output_token_s: float | None
+    """Decode time over the output tokens after the first (None: fewer than two)."""
+
+
+class RequestObserver(Protocol):
+    """Receives what an engine measured of its requests (telemetry implements it); called on
+    the event loop, must not block or raise."""
+
+    def first_token(self, seconds: float) -> None:
+        """A request produced its first token ``seconds`` after it arrived."""
+
+    def request_finished(self, request: FinishedRequest) -> None: ...
+
+
+@runtime_checkable
+class ReportsRequests(Protocol):
+    """What an engine that measures its requests offers beside :class:`GenerationEngine`."""
+
+    def report_requests(self, observer: RequestObserver) -> None:
+        """From now on, tells ``observer`` about every request's first token and end."""
+        ...
 
 
 class EngineError(RuntimeError):
@@ -127,6 +173,32 @@ class GenerationEngine(Protocol):
 
     @property
     def policy_version(self) -> int: ...
+
+
+@runtime_checkable
+class ChatRenderer(Protocol):
+    """What an engine offers beside :class:`GenerationEngine` for episodes: the model's chat
+    template and tokenizer, so that a conversation's tokens are exact (docs/design.md,
+    "Episodes"). The model's own sampled tokens are never passed through :meth:`encode`."""
+
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+    ) -> str:
+        """``messages`` through the chat template, as text (special tokens spelled out)."""
+        ...
+
+    async def encode(self, text: str) -> array[int]:
+        """Token ids of rendered text, adding no special tokens of their own (the template's
+        are in the text)."""
+        ...
+
+    def decode(self, token_ids: array[int]) -> str:
+        """The text of generated tokens, as a sample's ``text`` holds it."""
+        ...
 
 
 @runtime_checkable

@@ -23,14 +23,17 @@ from collections.abc import Mapping
 from rolloutd.domain.concurrency import EngineReading, InFlightLimit
 from rolloutd.domain.core import Core
 from rolloutd.domain.engine import (
+    DeltaSink,
     EngineDeadError,
     EngineError,
     GenerationRequest,
     RequestRefused,
 )
+from rolloutd.domain.episode_log import EpisodeLog, EpisodeRecord, GroupAdmission
 from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
+from rolloutd.domain.fate import ENGINE_ERROR, REFUSED, STAGE_FAILED, EngineState
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
-from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState
+from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState, Sample
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import (
     GenerationStarted,
@@ -38,7 +41,7 @@ from rolloutd.domain.observer import (
     GroupDropped,
     GroupFinished,
 )
-from rolloutd.domain.partial import PartialSibling, TokenDelta
+from rolloutd.domain.partial import PartialSibling, TokenDelta, delta_tokens
 from rolloutd.domain.runner import EngineRunner, SiblingJob, SiblingRunner
 from rolloutd.domain.sampler import Admission
 from rolloutd.domain.spec import EMPTY, resolve
@@ -46,14 +49,6 @@ from rolloutd.domain.state import JournaledDrop
 from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
-
-ENGINE_ERROR = "engine_error"
-"""Drop reason: a sibling's engine error outlasted its retries."""
-STAGE_FAILED = "stage_failed"
-"""Drop reason: the finishing stage raised."""
-REFUSED = "refused"
-"""Drop reason: the engine can never serve the group's request as asked (a prompt and
-``max_tokens`` that do not fit its context)."""
 
 ID_BITS = 40
 """Low bits of a group id count within a replica; the bits above are the replica's index, so ids
@@ -93,10 +88,25 @@ class Generation:
         """How many groups may be in flight: fixed, or following the engine."""
         self.departed = 0
         """Groups that left flight (committed, dropped, evicted) since the controller started."""
-        self.staging: dict[tuple[int, int], list[TokenDelta]] = {}
-        """(group id, index) -> the deltas of a generating sibling so far, its restored prefix
-        first. Append-only while the sibling generates; removed in the mutation that stages the
-        sibling's sample or drops its group, so a capture never holds both."""
+        self.episodes: dict[tuple[int, int], EpisodeLog] = {}
+        """(group id, index) -> the episode records of a generating sibling (a restore's first)
+        and its current turn's tokens; kept and removed as its staged tokens are."""
+        self.durable_turns = True
+        """Whether episode records are journaled (``episodes.durable_turns``)."""
+        self._updating = False
+        """The engine is loading new weights."""
+        core.engine_state = self.engine_state
+
+    def engine_state(self) -> EngineState:
+        """What the engine does right now (domain/fate.py)."""
+        if self._updating:
+            return EngineState.WEIGHT_UPDATE
+        if any(self.siblings.values()):
+            return EngineState.GENERATING
+        buffer = self.core.buffer
+        if len(buffer.groups) - buffer.acked_groups >= self.core.config.buffer_capacity:
+            return EngineState.IDLE_BUFFER_FULL
+        return EngineState.IDLE_NO_WORK
 
     # --- admission -------------------------------------------------------------------------
 
@@ -126,10 +136,7 @@ class Generation:
             engine = core.engine.counters()
             in_flight = len(self.siblings)
             reading = EngineReading(
-                engine.kv_cache_usage,
-                engine.preemptions,
-                in_flight,
-                self.departed,
+                engine.kv_cache_usage, engine.preemptions, in_flight, self.departed
             )
             if self.limit.observe(reading):
                 log.debug("groups in flight: at most %d (%s)", self.limit.value, self.limit.reason)
@@ -157,7 +164,7 @@ class Generation:
                 group = self._new_group(admission)
                 core.buffer.add(group)
                 core.counters.admitted_groups += 1
-            self.dispatch(group, group.missing)
+            self.dispatch(group, group.missing, fresh=True)
 
     async def _reserve_ids(self) -> None:
         """Journals the next block of ids before any of it is handed out."""
@@ -198,14 +205,20 @@ class Generation:
         group: Group,
         indices: list[int],
         prefixes: Mapping[int, PartialSibling] | None = None,
+        episodes: Mapping[int, list[EpisodeRecord]] | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
         """Starts the runner on each sibling of ``indices``, each with its own seed; a sibling
-        with a prefix in ``prefixes`` continues from it."""
+        with a prefix in ``prefixes`` continues from it, one with records in ``episodes``
+        continues its episode from them. A ``fresh`` group (just admitted, held by no snapshot
+        or journal record yet) has its admission journaled with its first episode record."""
         core = self.core
+        admission = GroupAdmission(group.meta) if fresh else None
         if group.group_id not in self._trace_headers:
             meta = group.meta
             p = core.params_of(meta)
-            self._trace_headers[group.group_id] = core.observer.generation_started(
+            group.trace = self._trace_headers[group.group_id] = core.observer.generation_started(
                 GenerationStarted(
                     group.group_id,
                     meta.prompt.prompt_id,
@@ -222,16 +235,29 @@ class Generation:
         tasks = self.siblings.setdefault(group.group_id, {})
         for index in indices:
             prefix = (prefixes or {}).get(index)
-            if core.config.capture_partials:
+            episode = (prefix is not None and prefix.turn is not None) or index in (episodes or {})
+            if (core.config.capture_partials or prefix is not None) and not episode:
                 # Staged now, not when the task first runs, so that a checkpoint taken meanwhile
-                # still holds a restored prefix.
-                self.staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
+                # still holds a restored prefix (and its tokens stay buffered).
+                core.staging[(group.group_id, index)] = list(prefix.deltas) if prefix else []
+            log_ = EpisodeLog(
+                group.group_id,
+                index,
+                core.journal if self.durable_turns else None,
+                list((episodes or {}).get(index, ())),
+                core.config.capture_partials,
+                admission=admission,
+            )
+            if prefix is not None and prefix.turn is not None:
+                log_.begin_turn(prefix.turn, prefix.deltas)
+            self.episodes[(group.group_id, index)] = log_
             tasks[index] = core.watched(
                 asyncio.create_task(
                     self._run_sibling(group, index, prefix),
                     name=f"rolloutd-{request_id(group.group_id, index)}",
                 )
             )
+        core.clock_engine()
 
     async def _run_sibling(
         self, group: Group, index: int, prefix: PartialSibling | None = None
@@ -248,14 +274,24 @@ class Generation:
             prefix=prefix,
         )
         key = (group.group_id, index)
+        source = core.source_of(group.meta)
         for attempt in range(core.config.sibling_retries + 1):
             on_delta = None
-            if core.config.capture_partials:
+            if core.config.capture_partials and key in core.staging:
                 if attempt:  # a retry starts again from the prefix: a failed attempt's tokens go
-                    self.staging[key] = list(prefix.deltas) if prefix else []
-                on_delta = self.staging[key].append
+                    self._restart(key, prefix)
+                on_delta = self._sink(key)
             try:
-                sample = await self.runner.run(SiblingJob(core.engine, request, on_delta))
+                sample = await self.runner.run(
+                    SiblingJob(
+                        core.engine,
+                        request,
+                        on_delta,
+                        source,
+                        self.episodes.get(key),
+                        core.observer,
+                    )
+                )
                 break
             except RequestRefused as exc:
                 await self.drop(group.group_id, REFUSED, str(exc), error=True)
@@ -276,12 +312,48 @@ class Generation:
                 return  # evicted while generating
             core.buffer.stage(group.group_id, sample)
             self.siblings[group.group_id].pop(index, None)
-            self.staging.pop(key, None)
+            self._staged(key, sample)
+            self.episodes.pop(key, None)
             last = group.complete  # exactly one sibling's task stages the last one
             if last:
                 core.buffer.finish(group.group_id)
+        core.clock_engine()
         if last:
             await self.finish(group)
+
+    def _sink(self, key: tuple[int, int]) -> DeltaSink:
+        """Where a sibling's attempt streams its tokens: its staging, each token counted as
+        generated. A delta that arrives after the attempt was given up (its group removed, a
+        retry begun) is not its sibling's any more and is left out."""
+        core = self.core
+        deltas = core.staging[key]
+
+        def sink(delta: TokenDelta) -> None:
+            if core.staging.get(key) is deltas:
+                deltas.append(delta)
+                core.counters.generated_tokens += len(delta.token_ids)
+
+        return sink
+
+    def _restart(self, key: tuple[int, int], prefix: PartialSibling | None) -> None:
+        """A retried sibling starts again from its prefix: the failed attempt's tokens are
+        thrown away (``regenerated``)."""
+        core = self.core
+        kept = list(prefix.deltas) if prefix else []
+        thrown = core.staging.get(key, [])
+        core.counters.regenerated_tokens += delta_tokens(thrown) - delta_tokens(kept)
+        core.staging[key] = kept
+
+    def _staged(self, key: tuple[int, int], sample: Sample) -> None:
+        """A sibling's sample replaces its staged tokens in the buffer (inside the mutation).
+        What it holds beyond them was never streamed and counts as generated now (all of it
+        without ``capture_partials``); streamed tokens it left out are ``regenerated``."""
+        counters = self.core.counters
+        unseen = len(sample.token_ids) - delta_tokens(self.core.staging.pop(key, []))
+        if unseen >= 0:
+            counters.generated_tokens += unseen
+        else:
+            counters.regenerated_tokens -= unseen
 
     # --- finishing -------------------------------------------------------------------------
 
@@ -390,6 +462,8 @@ class Generation:
             if core.buffer.groups.get(group_id) is not group:
                 return
             await self.cancel(group_id)
+            # its partial siblings too, some of which may have streamed since the record
+            tokens = group.generated_tokens + core.release_partials(group_id)
             core.buffer.remove(group_id, GroupState.DROPPED)
             core.counters.dropped(reason, tokens)
         why = f"{reason}: {detail}" if detail else reason
@@ -406,11 +480,12 @@ class Generation:
         await core.notify()
 
     async def cancel(self, group_id: int) -> None:
-        """Aborts a group's running siblings and its finishing stage (inside a mutation)."""
+        """Aborts a group's running siblings and its finishing stage (inside a mutation); the
+        caller removes the group, and with it their staged tokens."""
         current = asyncio.current_task()
         tasks = self._leave(group_id)
         for index in tasks:
-            self.staging.pop((group_id, index), None)
+            self.episodes.pop((group_id, index), None)
         await self.core.engine.abort([request_id(group_id, i) for i in tasks])
         finishing = self._finishing.pop(group_id, None)
         for task in [*tasks.values(), *([finishing] if finishing else [])]:
@@ -443,20 +518,15 @@ class Generation:
     def partials(self) -> tuple[PartialSibling, ...]:
         """The tokens of every generating sibling so far (constant time each: a reference and a
         length); inside the exclusive hold."""
-        return tuple(
+        plain = tuple(
             PartialSibling(gid, index, chunks, len(chunks))
-            for (gid, index), chunks in self.staging.items()
+            for (gid, index), chunks in self.core.staging.items()
             if chunks
         )
-
-    def partial_tokens(self, group_id: int) -> int:
-        """Tokens the unfinished siblings of a group have streamed so far (with
-        ``capture_partials``; else none are seen)."""
-        staging = self.staging
-        return sum(
-            len(delta.token_ids)
-            for index in self.siblings.get(group_id, {})
-            for delta in staging.get((group_id, index), ())
+        return plain + tuple(
+            PartialSibling(gid, index, e.deltas, len(e.deltas), e.turn, e.records, len(e.records))
+            for (gid, index), e in self.episodes.items()
+            if e.records
         )
 
     @property
@@ -488,12 +558,17 @@ class Generation:
             raise InvalidArgument("weights_path", "must not be empty")
         core.check_serving()
         try:
+            self._updating = True
+            core.clock_engine()
             await core.engine.update_weights(weights_path, version, timeline=timeline, only=only)
         except EngineDeadError as exc:
             core.die(exc)
             raise Unavailable(f"the service is not ready: {exc}") from exc
         except EngineError as exc:  # refused before anything was loaded (a wrong path)
             raise InvalidArgument("weights_path", str(exc)) from exc
+        finally:
+            self._updating = False
+            core.clock_engine()
         core.policy_version, core.weights_path = version, weights_path
         core.gate.version_changed(version)
         return await self.evict_stale()
@@ -527,9 +602,8 @@ class Generation:
             ]
             for g in stale:
                 self._abandoned(g.group_id, "evicted: too stale")
-                partial = self.partial_tokens(g.group_id)
                 await self.cancel(g.group_id)
-                core.evict(g.group_id, partial)
+                core.evict(g.group_id)
         if stale:
             core.observer.groups_evicted(len(stale))
             await core.notify()

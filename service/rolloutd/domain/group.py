@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequenc
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import repeat
+from types import MappingProxyType
 from typing import Any
 
 from rolloutd.domain.errors import InvariantError
@@ -42,6 +43,8 @@ class Prompt:
     messages: tuple[dict[str, str], ...] = ()
     generation: GenerationSpec = EMPTY
     """The prompt's own generation settings (over its source's and the service's)."""
+    tools: tuple[Mapping[str, Any], ...] = ()
+    """JSON schemas of the tools an episode's chat template is rendered with (none: no tools)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,24 @@ class SamplePart:
 
     start: int
     policy_version: int
+
+
+class TurnKind(enum.Enum):
+    """Who produced a span of an episode's tokens."""
+
+    MODEL = "model"
+    """Sampled by the model: the loss mask is 1 on these tokens."""
+    ENVIRONMENT = "environment"
+    """The environment's messages as the chat template renders them after the conversation."""
+
+
+@dataclass(frozen=True)
+class TurnSpan:
+    """A span of an episode's tokens, from token offset ``start`` to the next span's start (or
+    the end), produced by ``kind``."""
+
+    start: int
+    kind: TurnKind
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,25 @@ class Sample:
     finished_at: float
     resumed_at: int | None = None
     parts: tuple[SamplePart, ...] = ()
+    turns: tuple[TurnSpan, ...] = ()
+    """An episode's spans in order (docs/design.md, "Episodes"); empty for a single-turn sample,
+    whose tokens are all the model's."""
+    episode_reward: float | None = None
+    """The reward the environment's last step gave (None: none, or not an episode)."""
+    retokenization_mismatches: int = 0
+    """Token positions where re-rendering the whole conversation through the chat template
+    differs from the tokens the episode was generated with (0 expected)."""
+
+    def loss_mask(self) -> array[int]:
+        """1 exactly on the tokens the model sampled, one entry per token (``array('b')``)."""
+        if not self.turns:
+            return array("b", bytes([1]) * len(self.token_ids))
+        mask = array("b")
+        ends = [t.start for t in self.turns[1:]] + [len(self.token_ids)]
+        for span, end in zip(self.turns, ends, strict=True):
+            bit = 1 if span.kind is TurnKind.MODEL else 0
+            mask.frombytes(bytes([bit]) * (end - span.start))
+        return mask
 
 
 class KeptSamples(MutableMapping[int, Sample]):
@@ -101,6 +141,11 @@ class KeptSamples(MutableMapping[int, Sample]):
         """Every sibling in index order, as a delivery reads them: an implementation builds them
         in one pass over the buffers instead of one lookup per sibling."""
         return [self[i] for i in sorted(self)]
+
+    def tokens(self) -> int:
+        """Generated tokens of the kept siblings: an implementation counts them from the
+        buffers' offsets, without building a sample (an ack counts every group it acks)."""
+        return sum(len(s.token_ids) for s in self.ordered())
 
     def __setitem__(self, index: int, sample: Sample) -> None:
         raise TypeError("the kept rows of a restored group are read-only")
@@ -279,6 +324,11 @@ class Group:
     samples: MutableMapping[int, Sample] = field(default_factory=dict)
     """Staged siblings by index: a dict, or after a restore a finished group's
     :class:`KeptSamples`."""
+    trace: Mapping[str, str] = field(default_factory=dict)
+    """The W3C trace context (``traceparent``) of the span of its generation, which a fetch
+    that leases the group links to; empty when that was not traced. Not in snapshots: a group
+    restored finished has none, one restored unfinished gets the span of its resumed
+    generation."""
 
     @property
     def group_id(self) -> int:
@@ -307,7 +357,10 @@ class Group:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.samples.values())
+        samples = self.samples
+        if isinstance(samples, KeptSamples):
+            return samples.tokens()
+        return sum(len(s.token_ids) for s in samples.values())
 
 
 STATES = tuple(GroupState)
@@ -425,6 +478,7 @@ class RestoredGroup(Group):
 
     _table: GroupTable
     _row: int
+    trace: Mapping[str, str] = MappingProxyType({})  # built without __init__: no trace yet
 
     @cached_property
     def meta(self) -> GroupMeta:  # type: ignore[override]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rolloutd.domain.encoder import metadata_problem
+from rolloutd.domain.encoder import metadata_problem, tools_problem
 from rolloutd.domain.engine import EngineError, PromptMeter
 from rolloutd.domain.errors import InvalidArgument
 from rolloutd.domain.group import Prompt
@@ -15,8 +15,9 @@ from rolloutd.domain.spec import SpecError, SpecLimits, check, check_prompt_leng
 
 
 def check_sizes(prompts: Sequence[Prompt], max_metadata_bytes: int, max_submit_bytes: int) -> None:
-    """Refuses a submission that could not be delivered or would weigh too much: metadata too
-    deep or too large (naming the prompt), or more bytes in all than ``max_submit_bytes``."""
+    """Refuses a submission that could not be delivered or would weigh too much: metadata or
+    tools too deep or too large (naming the prompt), or more bytes in all than
+    ``max_submit_bytes``."""
     total = 0
     for i, prompt in enumerate(prompts):
         if prompt.metadata is not None:
@@ -24,6 +25,12 @@ def check_sizes(prompts: Sequence[Prompt], max_metadata_bytes: int, max_submit_b
             if problem is not None:
                 raise InvalidArgument(
                     f"prompts[{i}].metadata", f"of prompt {prompt.prompt_id!r}: {problem}"
+                )
+        if prompt.tools:
+            problem = tools_problem(prompt.tools, max_metadata_bytes)
+            if problem is not None:
+                raise InvalidArgument(
+                    f"prompts[{i}].tools", f"of prompt {prompt.prompt_id!r}: {problem}"
                 )
         total += prompt_bytes(prompt)
     if total > max_submit_bytes:

@@ -14,6 +14,7 @@ import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rolloutd.domain.group import SamplePart
 
@@ -46,6 +47,15 @@ class PartialSibling:
     index: int
     chunks: Sequence[TokenDelta]
     count: int
+    turn: int | None = None
+    """An episode's model turn the tokens belong to (None: not an episode)."""
+    episode: Sequence[Any] = ()
+    """An episode's records (``domain/episode_log.py``): the first ``episode_count`` of them."""
+    episode_count: int = 0
+
+    @property
+    def episode_records(self) -> Sequence[Any]:
+        return self.episode[: self.episode_count]
 
     @classmethod
     def of(
@@ -96,6 +106,11 @@ class PartialSibling:
                 parts.append(SamplePart(offset, d.policy_version))
             offset += len(d.token_ids)
         return tuple(parts)
+
+
+def delta_tokens(deltas: Sequence[TokenDelta]) -> int:
+    """Tokens of ``deltas``."""
+    return sum(len(d.token_ids) for d in deltas)
 
 
 def join_parts(

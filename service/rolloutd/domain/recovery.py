@@ -11,7 +11,9 @@ controller starts. ``recover`` times its own phases (``replay_metadata``, ``reco
   journal's replay) when they are too stale;
 * what was journaled after the snapshot is applied in journal order: acks and rewinds through
   the one ack and rewind paths, live lease grants granted again, accepted prompts queued again,
-  the id counter moved past every reserved and journaled id;
+  the id counter moved past every reserved and journaled id, episode groups the snapshot does
+  not hold built again from their journaled admission (same id; their prompt is not admitted
+  again);
 * unfinished groups resume: staged siblings are reused and missing ones continue from the tokens
   the snapshot held (granularity ``token``), start again (``sibling``), or the whole group is
   generated again (``group``); a FINISHING group goes to the finishing stage again.
@@ -30,9 +32,10 @@ from typing import TypeVar
 from rolloutd.domain.buffer import RolloutBuffer, restored_groups
 from rolloutd.domain.core import Core
 from rolloutd.domain.delivery import Delivery
+from rolloutd.domain.episode_log import EpisodeRecord, RecordKind, merged
 from rolloutd.domain.errors import InvariantError, RestoreRefused
 from rolloutd.domain.generation import ID_BITS, Generation, local_id
-from rolloutd.domain.group import UNFINISHED, Group, GroupState, GroupTable
+from rolloutd.domain.group import UNFINISHED, Group, GroupMeta, GroupState, GroupTable
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import (
@@ -42,12 +45,15 @@ from rolloutd.domain.report import (
     RestorePhase,
     TokenDisposition,
 )
+from rolloutd.domain.sampler import Admission
 from rolloutd.domain.state import (
     ControllerState,
     IdReservation,
     Journaled,
     JournaledAck,
+    JournaledAdmission,
     JournaledDrop,
+    JournaledEpisode,
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
@@ -121,7 +127,13 @@ class Recovery:
         self.generation = generation
         self.delivery = delivery
         self._partials: dict[tuple[int, int], PartialSibling] = {}
-        """Partial siblings a restore found, until their group resumes (or the restore ends)."""
+        """Episodes' partial siblings a restore found, until their group resumes (or the restore
+        ends). A plain sibling's partial tokens wait in ``Core.staging`` instead, where they
+        count as buffered (domain/fate.py); an episode's are counted with its sample."""
+        self._episodes: dict[tuple[int, int], list[EpisodeRecord]] = {}
+        """Episode records the journal held after the snapshot, until their group resumes."""
+        self._rebuilt: list[int] = []
+        """Groups no snapshot held that the journal's admission records built again."""
 
     # --- out -------------------------------------------------------------------------------
 
@@ -135,6 +147,7 @@ class Recovery:
         if not core.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
         self.delivery.apply_durable_acks()
+        core.clock_engine(read=True)
         return ControllerState(
             buffer=core.buffer.capture(),
             sampler=core.sampler.capture(),
@@ -168,12 +181,18 @@ class Recovery:
         of the controller.
 
         Raises :class:`RestoreRefused` when the sampler's cursor is not ahead of every group's
-        position (admission would create a second group for a buffered position).
+        position that it does not skip (admission would create a second group for a buffered
+        position).
         """
         groups = restored_groups(state.buffer.groups)
+        # a position the sampler skips (an episode group built again from the journal) is
+        # never admitted again either
+        skipped = set(state.sampler.skip)
         for cursor in state.sampler.cursors or (state.sampler.cursor,):
             ahead = sorted(
-                map(str, groups.positions_from(cursor.epoch, cursor.offset, cursor.source))
+                str(p)
+                for p in groups.positions_from(cursor.epoch, cursor.offset, cursor.source)
+                if p not in skipped
             )
             if ahead:
                 raise RestoreRefused(
@@ -193,6 +212,9 @@ class Recovery:
         if state is None:
             with clock.phase(RestorePhase.RECOVERY_LEDGER):
                 counts.events = await self._replay(recovered.journal)
+            if self._rebuilt:
+                with clock.phase(RestorePhase.REDISPATCH):
+                    await self._resume(self._rebuilt, recovered.granularity, counts)
             return counts
         table = restored_groups(state.buffer.groups)
         counts.groups = _found(table)
@@ -205,9 +227,10 @@ class Recovery:
             await self.generation.evict_stale()
         with clock.phase(RestorePhase.REDISPATCH):
             started = time.perf_counter()
-            # a journal replay can end a group's generation (never start one): the snapshot's
-            # unfinished groups are all there is to look at
-            await self._resume(table.unfinished(), recovered.granularity, counts)
+            # a journal replay can end a group's generation and start only the episode groups
+            # it builds again: with the snapshot's unfinished groups, that is all to look at
+            unfinished = table.unfinished() + self._rebuilt
+            await self._resume(unfinished, recovered.granularity, counts)
             counts.redispatch_s = time.perf_counter() - started
         return counts
 
@@ -229,12 +252,29 @@ class Recovery:
             }
             for lease in core.buffer.expired_leases(core.clock()):
                 self.delivery.requeue(lease.lease_id)
+            # plain partial siblings wait in the staging until their group resumes or leaves
+            core.staging = {
+                (p.group_id, p.index): list(p.deltas) for p in state.partials if _plain(p)
+            }
+            self._partials = {(p.group_id, p.index): p for p in state.partials if not _plain(p)}
+            self._account_from_here()
         if state.weights_path and state.policy_version > core.engine.policy_version:
             await core.engine.update_weights(state.weights_path, state.policy_version)
         core.policy_version, core.weights_path = state.policy_version, state.weights_path
         core.gate.restore(state.gate, core.policy_version)
         self.generation.limit.restore(state.concurrency)
-        self._partials = {(p.group_id, p.index): p for p in state.partials}
+
+    def _account_from_here(self) -> None:
+        """A snapshot written before tokens were accounted for (domain/fate.py) holds tokens it
+        never counted as generated: the account starts at this restore, with them buffered (or
+        delivered, for acked groups). A snapshot that counted nothing holds none."""
+        core = self.core
+        counters = core.counters
+        if counters.generated_tokens:
+            return
+        buffered, acked = core.held_tokens()
+        counters.delivered_tokens += acked
+        counters.generated_tokens = sum(counters.settled().values()) + buffered
 
     async def _replay(self, journal: Callable[[], Sequence[Journaled]]) -> int:
         """Applies what was journaled after the restored snapshot (see the module docstring);
@@ -251,6 +291,12 @@ class Recovery:
                 elif isinstance(event, JournaledDrop):
                     self._bump_ids([event.group_id])
                     self._replay_drop(event)
+                elif isinstance(event, JournaledAdmission):
+                    self._bump_ids([event.meta.group_id])
+                    self._replay_admission(event.meta)
+                elif isinstance(event, JournaledEpisode):
+                    key = (event.group_id, event.index)
+                    self._episodes.setdefault(key, []).append(event.record)
                 elif isinstance(event, JournaledRewind):
                     self.delivery.apply_rewind(event.trainer_step)
                 elif isinstance(event, JournaledLease):
@@ -284,17 +330,33 @@ class Recovery:
         held it unfinished, else its position is never admitted (inside the RESTORE mutation)."""
         core = self.core
         group = core.buffer.groups.get(drop.group_id)
+        tokens = 0  # what the group generated after the snapshot was never counted here
         if group is None:
             core.sampler.skip(drop.admission)
         else:
+            tokens = group.generated_tokens + core.release_partials(drop.group_id)
             core.buffer.remove(drop.group_id, GroupState.DROPPED)
-        core.counters.dropped(drop.reason, drop.tokens)
+        core.counters.dropped(drop.reason, tokens)
         log.debug(
             "group %d (prompt %s) dropped: %s (replayed from the journal)",
             drop.group_id,
             drop.admission.prompt.prompt_id,
             drop.reason,
         )
+
+    def _replay_admission(self, meta: GroupMeta) -> None:
+        """An episode group admitted after the snapshot: built again under its id when the
+        snapshot does not hold it, so that the episode records journaled for it are reused,
+        and its prompt is never admitted again (inside the RESTORE mutation). What the journal
+        holds after this (a drop, a lease, an ack) applies to it as to a group the snapshot
+        held."""
+        core = self.core
+        if meta.group_id in core.buffer.groups:
+            return
+        core.buffer.add(Group(meta))
+        core.sampler.taken(Admission(meta.prompt, meta.position))
+        core.counters.admitted_groups += 1
+        self._rebuilt.append(meta.group_id)
 
     def _bump_ids(self, group_ids: Iterable[int]) -> None:
         core = self.core
@@ -319,7 +381,9 @@ class Recovery:
         for gid in lease.group_ids:
             g = buffer.groups.get(gid)
             if g is not None and g.state in UNFINISHED:
-                buffer.remove(gid, GroupState.LOST)  # finished and leased after the snapshot
+                # finished and leased after the snapshot: delivered (domain/fate.py)
+                core.counters.delivered_tokens += g.generated_tokens + core.release_partials(gid)
+                buffer.remove(gid, GroupState.LOST)
         lost = {g: event.admissions[g] for g in lease.group_ids if g not in held}
         for admission in lost.values():
             core.sampler.skip(admission)
@@ -352,6 +416,8 @@ class Recovery:
             TokenDisposition.REGENERATED: tokens_regenerated,
         }
         self._partials = {}
+        self._episodes = {}
+        self._rebuilt = []
 
     async def resume_group(
         self, group: Group, *, rerun_all: bool, from_tokens: bool = False
@@ -363,22 +429,51 @@ class Recovery:
         core = self.core
         if rerun_all and group.samples:
             async with core.barrier.mutation(MutationKind.RESTORE):
+                core.counters.regenerated_tokens += group.generated_tokens
                 core.buffer.drop_samples(group.group_id)
         missing = group.missing
-        found = {
-            i: self._partials.pop((group.group_id, i), None) for i in range(group.meta.group_size)
+        gid = group.group_id
+        plain = {
+            i: PartialSibling(gid, i, deltas, len(deltas))
+            for i in range(group.meta.group_size)
+            if (deltas := core.staging.pop((gid, i), None)) is not None
         }
-        held = {i: p for i, p in found.items() if p is not None}
-        prefixes = {i: p for i, p in held.items() if from_tokens and i in missing}
+        found = {i: self._partials.pop((gid, i), None) for i in range(group.meta.group_size)}
+        held = {**{i: p for i, p in found.items() if p is not None}, **plain}
+        episodes = {
+            i: merged(
+                held[i].episode_records if i in held else (),
+                self._episodes.pop((gid, i), ()),
+            )
+            for i in missing
+        }
+        episodes = {i: records for i, records in episodes.items() if records}
+        prefixes = {
+            i: p
+            for i, p in held.items()
+            if from_tokens
+            and i in missing
+            and len(p)
+            and (p.turn is None or not any(_is_turn(r, p.turn) for r in episodes.get(i, ())))
+        }
         if not missing:
             async with core.barrier.mutation(MutationKind.RESTORE):
                 core.buffer.finish(group.group_id)
             self.generation.finish_later(group)
         else:
-            self.generation.dispatch(group, missing, prefixes)
+            self.generation.dispatch(group, missing, prefixes, episodes)
         total = sum(len(p) for p in held.values())
         reused = sum(len(p) for p in prefixes.values())
+        # only a plain sibling's partial tokens were counted as generated
+        core.counters.regenerated_tokens += sum(
+            len(p) for i, p in plain.items() if i not in prefixes
+        )
         return Resumption(missing, sorted(prefixes), reused, total - reused)
+
+
+def _is_turn(record: EpisodeRecord, turn: int) -> bool:
+    """Whether ``record`` is model turn ``turn`` (a partial of a turn that finished is stale)."""
+    return record.kind is RecordKind.TURN and record.turn == turn
 
 
 def _found(table: GroupTable) -> dict[RecoveryState, int]:
@@ -390,3 +485,8 @@ def _found(table: GroupTable) -> dict[RecoveryState, int]:
         RecoveryState.ACKED: found[GroupState.ACKED],
         RecoveryState.UNFINISHED: sum(found[s] for s in UNFINISHED),
     }
+
+
+def _plain(partial: PartialSibling) -> bool:
+    """A plain sibling's partial tokens, not an episode's."""
+    return partial.turn is None and not partial.episode_records

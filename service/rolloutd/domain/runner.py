@@ -21,11 +21,15 @@ dropped, or the service stopping).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from rolloutd.domain.engine import DeltaSink, GenerationEngine, GenerationRequest
 from rolloutd.domain.group import Sample
+from rolloutd.domain.observer import NullObserver, Observer
+
+if TYPE_CHECKING:
+    from rolloutd.domain.episode_log import EpisodeLog
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,14 @@ class SiblingJob:
     restore captured (``request.prefix``)."""
     on_delta: DeltaSink | None
     """Where generated tokens go as they are produced (``None``: nothing captures them)."""
+    source: str = ""
+    """The name of the prompt's source (an episode's environment may be the source's own)."""
+    episode: EpisodeLog | None = None
+    """The sibling's episode records (a restore's first): where an episode runner keeps what
+    must be durable, and the tokens of its current turn (instead of ``on_delta``)."""
+    observer: Observer = field(default_factory=NullObserver)
+    """Where a runner reports what it did beyond the engine request (an episode's turns and
+    environment calls)."""
 
 
 class SiblingRunner(Protocol):

@@ -35,9 +35,11 @@ _JSON = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def prompt_bytes(prompt: Prompt) -> int:
-    """What a prompt weighs against the submission budgets: its text, its messages' contents and
-    its metadata as JSON, in UTF-8 bytes."""
+    """What a prompt weighs against the submission budgets: its text, its messages' contents, and
+    its metadata and tools as JSON, in UTF-8 bytes."""
     size = len(prompt.text.encode()) + sum(len(m["content"].encode()) for m in prompt.messages)
+    if prompt.tools:
+        size += len(_JSON([dict(t) for t in prompt.tools]).encode())
     return size if prompt.metadata is None else size + len(_JSON(prompt.metadata).encode())
 
 
@@ -250,7 +252,7 @@ class Sampler:
             elif earlier != p:
                 differing = [
                     f
-                    for f in ("text", "messages", "metadata", "generation")
+                    for f in ("text", "messages", "metadata", "generation", "tools")
                     if getattr(earlier, f) != getattr(p, f)
                 ]
                 raise FailedPrecondition(
@@ -265,6 +267,14 @@ class Sampler:
             self._skip_ids.add(admission.prompt.prompt_id)
         elif admission.position >= self._cursors[admission.position.source]:
             self._skip.add(admission.position)
+
+    def taken(self, admission: Admission) -> None:
+        """This was admitted after the snapshot the sampler was restored from (a journal
+        replay builds its group again): never admit it again, from the readmit queue either."""
+        if admission in self._readmit:
+            self._readmit.remove(admission)
+        else:
+            self.skip(admission)
 
     def unskip(self, admission: Admission) -> None:
         """Undoes :meth:`skip` (the lease that held the group expired unacknowledged): admit the

@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from rolloutd.domain.admission import GateState
 from rolloutd.domain.buffer import AckRecord, BufferState, Lease
 from rolloutd.domain.concurrency import ConcurrencyState
-from rolloutd.domain.group import Position, Prompt
+from rolloutd.domain.fate import EngineState, TokenFate, drop_fate
+from rolloutd.domain.group import GroupMeta, Position, Prompt
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.sampler import Admission, SamplerState
 
@@ -36,9 +37,6 @@ class Counters:
     acked_groups: int = 0
     finalized_groups: int = 0
     evicted_groups: int = 0
-    evicted_tokens: int = 0
-    """Generated tokens of the evicted groups: staged siblings, and the tokens their unfinished
-    siblings had streamed (known only with ``recovery.granularity: token``)."""
     requeued_groups: int = 0
     dropped_groups: int = 0
     """Groups dropped: by a finishing stage's verdict, an engine error, or a failed stage."""
@@ -48,19 +46,55 @@ class Counters:
     """``dropped_groups`` by reason (``Verdict.drop_reason``, or ``engine_error``,
     ``stage_failed``, ``undeliverable``, ``lease_expiries``)."""
     dropped_tokens: int = 0
-    """Generated tokens of the dropped groups' staged siblings."""
+    """Generated tokens of the dropped groups' siblings, staged or partial (fates ``dropped``
+    and ``failed``)."""
     committed_by_source: dict[str, int] = field(default_factory=dict)
     """``committed_groups`` by the name of the group's source (``submitted``: a submitted
     prompt's)."""
     committed_tokens_by_source: dict[str, int] = field(default_factory=dict)
     acked_by_source: dict[str, int] = field(default_factory=dict)
     """``acked_groups`` by source: what each source delivered to training."""
+    generated_tokens: int = 0
+    """Tokens the engine handed to the service: streamed to a sibling's staging, or returned in
+    a sample beyond what was streamed (domain/fate.py)."""
+    delivered_tokens: int = 0
+    """Tokens of acked groups (less those a ``Rewind`` made available again)."""
+    evicted_tokens: int = 0
+    failed_tokens: int = 0
+    """Of ``dropped_tokens``, those of groups dropped for a reason the service gives itself
+    (``fate.FAILURES``)."""
+    regenerated_tokens: int = 0
+    engine_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds of the engine's time by ``EngineState`` value while the controller ran."""
 
     def dropped(self, reason: str, tokens: int) -> None:
         """Counts one dropped group."""
         self.dropped_groups += 1
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
         self.dropped_tokens += tokens
+        if drop_fate(reason) is TokenFate.FAILED:
+            self.failed_tokens += tokens
+
+    def settled(self) -> dict[TokenFate, int]:
+        """Tokens by terminal fate (every fate but ``buffered``)."""
+        return {
+            TokenFate.DELIVERED: self.delivered_tokens,
+            TokenFate.EVICTED: self.evicted_tokens,
+            TokenFate.DROPPED: self.dropped_tokens - self.failed_tokens,
+            TokenFate.REGENERATED: self.regenerated_tokens,
+            TokenFate.FAILED: self.failed_tokens,
+        }
+
+    @property
+    def buffered_tokens(self) -> int:
+        """The generated tokens no terminal fate holds: what the buffer and the staging of
+        generating siblings hold, when the accounting is right."""
+        return self.generated_tokens - sum(self.settled().values())
+
+    def engine_time(self, state: EngineState, seconds: float) -> None:
+        """Adds ``seconds`` of the engine's time in ``state``."""
+        key = state.value
+        self.engine_seconds[key] = self.engine_seconds.get(key, 0.0) + seconds
 
     def committed(self, source: str, tokens: int) -> None:
         """Counts one committed group."""
@@ -85,6 +119,7 @@ class Counters:
             committed_by_source=dict(self.committed_by_source),
             committed_tokens_by_source=dict(self.committed_tokens_by_source),
             acked_by_source=dict(self.acked_by_source),
+            engine_seconds=dict(self.engine_seconds),
         )
 
 
@@ -200,6 +235,25 @@ class JournaledDrop:
     """Generated tokens of its siblings."""
 
 
+@dataclass(frozen=True)
+class JournaledAdmission:
+    """An episode group's admission, journaled with the first episode record of any of its
+    siblings: a restore whose snapshot does not hold the group builds it again under the same
+    id (so its journaled turns are reused) and never admits its prompt again."""
+
+    meta: GroupMeta
+
+
+@dataclass(frozen=True)
+class JournaledEpisode:
+    """An episode record of sibling ``index`` of group ``group_id`` (``domain/episode_log.py``),
+    journaled after the snapshot."""
+
+    group_id: int
+    index: int
+    record: Any
+
+
 Journaled = (
     JournaledAck
     | JournaledLease
@@ -207,6 +261,8 @@ Journaled = (
     | JournaledRewind
     | IdReservation
     | JournaledDrop
+    | JournaledAdmission
+    | JournaledEpisode
 )
 """One event of the journal, in the order it was made durable."""
 
@@ -238,6 +294,16 @@ class DeliveryJournal(Protocol):
         """Journals a dropped group; durable on return."""
         ...
 
+    def episode(self, group_id: int, index: int, record: Any) -> asyncio.Future[int]:
+        """Queues an episode record (``domain/episode_log.py``) without I/O; the future
+        resolves once it is durable."""
+        ...
+
+    def admit(self, meta: GroupMeta) -> asyncio.Future[int]:
+        """Queues an episode group's admission (:class:`JournaledAdmission`) without I/O; the
+        future resolves once it is durable."""
+        ...
+
 
 def _kept() -> asyncio.Future[int]:
     """A future already resolved: what the null journal keeps is kept at once."""
@@ -266,3 +332,9 @@ class NullJournal:
 
     async def drop(self, drop: JournaledDrop) -> None:
         return None
+
+    def episode(self, group_id: int, index: int, record: Any) -> asyncio.Future[int]:
+        return _kept()
+
+    def admit(self, meta: GroupMeta) -> asyncio.Future[int]:
+        return _kept()

@@ -12,6 +12,11 @@ With a delta sink the tokens are handed over in deltas of :data:`DELTA_TOKENS` s
 time (all in one delta when there is no time to wait). A request with a prefix continues the
 same window after the prefix's tokens (the prefix is taken as it is), so a sibling resumed on
 the same weights ends as it would have without a restart. Stop strings are not simulated.
+
+The engine's own signals are simulated plausibly: a KV cache of ``kv_cache_sequences`` that
+preempts a request started while it is full, a prefix cache that hits the prompt of a recent
+request (a group's later siblings), and each request's time to first token (its latency plus
+one token's time) and end.
 """
 
 from __future__ import annotations
@@ -19,15 +24,27 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import math
 import os
 import time
+import zlib
 from array import array
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from rolloutd.domain.engine import DeltaSink, EngineCounters, EngineError, GenerationRequest
+from rolloutd.domain.engine import (
+    DeltaSink,
+    EngineCounters,
+    EngineError,
+    FinishedRequest,
+    GenerationRequest,
+    RequestObserver,
+)
 from rolloutd.domain.group import Sample
 from rolloutd.domain.partial import TokenDelta, join_parts
 from rolloutd.domain.weights import WeightsPhase, WeightsTimeline
@@ -36,6 +53,9 @@ _VOCAB = 32_000
 
 DELTA_TOKENS = 16
 """Tokens per streamed delta."""
+
+RECENT_REQUESTS = 1000
+"""Requests the prefix cache's hit ratio is taken over (as vLLM's)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,9 @@ class SyntheticConfig:
     """Log-normal spread of that latency (0: constant)."""
     min_tokens: int = 8
     """Shortest synthetic completion; lengths are uniform in [min_tokens, engine.max_tokens]."""
+    kv_cache_sequences: int = 0
+    """Sequences the simulated KV cache holds (0: any number). A request started while it is
+    full counts a preemption; its usage is the running requests over this."""
 
 
 class SyntheticEngine:
@@ -64,6 +87,9 @@ class SyntheticEngine:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._paused = asyncio.Event()
         self._paused.set()
+        self._preemptions = 0
+        self._prefix = _PrefixCache()
+        self._observer: RequestObserver | None = None
 
     async def start(self) -> None:
         return None
@@ -79,11 +105,20 @@ class SyntheticEngine:
         """In-process, it lives as long as the service."""
 
     def counters(self) -> EngineCounters:
+        capacity = self._config.kv_cache_sequences
+        running = len(self._running)
         return EngineCounters(
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            requests_running=len(self._running),
+            requests_running=running,
+            kv_cache_usage=min(running / capacity, 1.0) if capacity else 0.0,
+            preemptions=self._preemptions,
+            prefix_cache_hit_ratio=self._prefix.hit_ratio,
         )
+
+    def report_requests(self, observer: RequestObserver) -> None:
+        """``ReportsRequests``: each request's simulated first token and end."""
+        self._observer = observer
 
     async def generate(
         self, request: GenerationRequest, on_delta: DeltaSink | None = None
@@ -94,9 +129,13 @@ class SyntheticEngine:
         version = self._version
         cfg = self._config
         max_tokens = request.params.max_tokens
-        draws = _Draws(f"{request.prompt.text}|{request.seed}|{version}")
+        context = request.context
+        key = f"{request.prompt.text}|{request.seed}|{version}"
+        if context is not None:  # an episode's turn: its tokens follow from the conversation
+            key += f"|{zlib.crc32(context.tobytes())}"
+        draws = _Draws(key)
         length = draws.length(min(cfg.min_tokens, max_tokens), max_tokens)
-        prompt_ids = _prompt_ids(request.prompt.text)
+        prompt_ids = _prompt_ids(request.prompt.text) if context is None else context
         prefix = request.prefix
         done = len(prefix) if prefix is not None else 0
         token_ids, logprobs, text = _stream().window(draws.start + done, length - done)
@@ -104,9 +143,11 @@ class SyntheticEngine:
         delay = cfg.latency_s * (
             math.exp(draws.gauss() * cfg.latency_sigma) if cfg.latency_sigma else 1
         )
+        first_token_s = delay + (1 / cfg.tokens_per_s if cfg.tokens_per_s > 0 and new else 0.0)
         if cfg.tokens_per_s > 0:
             delay += new / cfg.tokens_per_s
         self._prompt_tokens += len(prompt_ids) + done
+        self._prefix.request(request.prompt.text, len(prompt_ids) + done)
         streamed = 0
 
         def counted(delta: TokenDelta) -> None:
@@ -120,6 +161,8 @@ class SyntheticEngine:
         if delay > 0:
             task = asyncio.current_task()
             assert task is not None
+            if cfg.kv_cache_sequences and len(self._running) >= cfg.kv_cache_sequences:
+                self._preemptions += 1
             try:
                 self._running[request.request_id] = task  # type: ignore[assignment]
                 await self._emit(
@@ -132,6 +175,8 @@ class SyntheticEngine:
             # tokens go in one delta, with no await until the sample is returned
             counted(TokenDelta(token_ids, logprobs, version))
         self._generation_tokens += new - streamed
+        if self._observer is not None:
+            self._reported(len(prompt_ids) + done, new, first_token_s, delay)
         finish = "length" if max(length, done) >= max_tokens else "stop"
         if prefix is None:
             return Sample(
@@ -163,6 +208,22 @@ class SyntheticEngine:
             parts=parts,
         )
 
+    def _reported(self, prompt: int, new: int, first_token_s: float, duration_s: float) -> None:
+        observer = self._observer
+        assert observer is not None
+        if new:
+            observer.first_token(first_token_s)
+        observer.request_finished(
+            FinishedRequest(
+                input_tokens=prompt,
+                output_tokens=new,
+                duration_s=duration_s,
+                time_per_output_token_s=(duration_s - first_token_s) / (new - 1)
+                if new > 1
+                else None,
+            )
+        )
+
     @staticmethod
     async def _emit(
         token_ids: array[int],
@@ -182,6 +243,27 @@ class SyntheticEngine:
                 await asyncio.sleep(delay / len(steps))
             end = start + DELTA_TOKENS
             on_delta(TokenDelta(token_ids[start:end], logprobs[start:end], version))
+
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+    ) -> str:
+        """The tiny model's template (``engines/tiny_model.py``): tools in a system turn first,
+        one JSON object a line."""
+        listed = "".join(json.dumps(dict(t), ensure_ascii=False) + "\n" for t in tools)
+        head = f"<|system|>\n# Tools\n{listed}<|end|>\n" if tools else ""
+        body = "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages)
+        return "<|bos|>" + head + body + ("<|assistant|>\n" if add_generation_prompt else "")
+
+    async def encode(self, text: str) -> array[int]:
+        """One token per character (its code point)."""
+        return array("i", map(ord, text))
+
+    def decode(self, token_ids: array[int]) -> str:
+        return _text(token_ids)
 
     async def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -210,6 +292,34 @@ class SyntheticEngine:
         finally:
             with timeline.phase(WeightsPhase.RESUME):
                 self._paused.set()
+
+
+class _PrefixCache:
+    """The prefix cache's hit ratio over the most recent requests: a request whose prompt a
+    recent request had (a group's later siblings) finds all of it cached."""
+
+    def __init__(self) -> None:
+        self._prompts: OrderedDict[str, None] = OrderedDict()
+        self._recent: deque[tuple[int, int]] = deque()
+        self._queries = self._hits = 0
+
+    def request(self, prompt: str, tokens: int) -> None:
+        hit = tokens if prompt in self._prompts else 0
+        self._prompts[prompt] = None
+        self._prompts.move_to_end(prompt)
+        if len(self._prompts) > RECENT_REQUESTS:
+            self._prompts.popitem(last=False)
+        self._recent.append((tokens, hit))
+        self._queries += tokens
+        self._hits += hit
+        if len(self._recent) > RECENT_REQUESTS:
+            queries, hits = self._recent.popleft()
+            self._queries -= queries
+            self._hits -= hits
+
+    @property
+    def hit_ratio(self) -> float:
+        return self._hits / self._queries if self._queries else 0.0
 
 
 class _Draws:

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 """Receives one human-readable line per build step."""
 
-_BUILDER_VERSION = 1
+_BUILDER_VERSION = 2
 """Bumped whenever the builder's output changes for the same spec, to invalidate caches."""
 
 BOS = "<|bos|>"
@@ -48,13 +48,17 @@ SPECIAL_TOKENS = (BOS, EOS, PAD, "<|system|>", "<|user|>", "<|assistant|>", END_
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 """Renders ``messages`` prompts; the BOS comes from the template, so chat prompts are encoded
-without adding special tokens again."""
+without adding special tokens again. With ``tools`` a system turn lists them first, one JSON
+object a line (``engines/synthetic.py`` renders the same); without, the rendering is what it
+was before tools existed."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ What must hold, and how:
   continuation. A stop string that spans the boundary ends the sample where an uninterrupted run
   would (:mod:`rolloutd.engines.stop_boundary`).
 - **Counters** are cumulative and come from a ``StatLoggerBase`` given to the engine, which sees
-  every iteration's stats in the frontend process (:mod:`rolloutd.engines.vllm_stats`).
+  every iteration's stats in the frontend process (:mod:`rolloutd.engines.vllm_stats`); so do
+  each request's time to first token and end (:meth:`VLLMEngine.report_requests`).
 - **No orphans.** vLLM 0.32 leaves its engine-core process running when the parent is killed with
   SIGKILL; a small watchdog process (:mod:`rolloutd.engines.reaper`, driven through
   :mod:`rolloutd.engines.reaper_client`) ends it in that case.
@@ -42,7 +43,7 @@ import multiprocessing
 import os
 import time
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -66,6 +67,7 @@ from rolloutd.domain.engine import (
     EngineError,
     EngineStartError,
     GenerationRequest,
+    RequestObserver,
     RequestRefused,
 )
 from rolloutd.domain.group import Prompt, Sample
@@ -274,6 +276,10 @@ class VLLMEngine:
     def counters(self) -> EngineCounters:
         return self._tally.counters()
 
+    def report_requests(self, observer: RequestObserver) -> None:
+        """``ReportsRequests``: every request's first token and end, from the stat logger."""
+        self._tally.observer = observer
+
     def check_alive(self) -> None:
         """Raises :class:`EngineDeadError` once vLLM reports itself errored or an engine-core
         process exited; a ``waitpid`` per engine core, no engine call."""
@@ -297,7 +303,12 @@ class VLLMEngine:
         self._tasks[request.request_id] = task
         started = time.time()
         try:
-            engine_input = await self._render(llm, request.prompt)
+            if request.context is not None:
+                (engine_input,) = await llm.renderer.render_cmpl_async(
+                    [{"prompt_token_ids": list(request.context)}]
+                )
+            else:
+                engine_input = await self._render(llm, request.prompt)
             prompt_ids = list(engine_input["prompt_token_ids"])  # type: ignore[typeddict-item]
             self._check_fits(request, len(prompt_ids))
             prefix = request.prefix
@@ -340,6 +351,31 @@ class VLLMEngine:
         if request.params.stop and any(s in self._decode(ids) for s in request.params.stop):
             return "stop"
         return "length" if len(ids) >= request.params.max_tokens else None
+
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+    ) -> str:
+        """``messages`` through the tokenizer's chat template, as text (``ChatRenderer``)."""
+        tokenizer = self._live_engine().get_tokenizer()
+        return str(
+            tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=[dict(t) for t in tools] or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        )
+
+    async def encode(self, text: str) -> array[int]:
+        tokenizer = self._live_engine().get_tokenizer()
+        return array("i", tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: array[int]) -> str:
+        return self._decode(token_ids)
 
     def _decode(self, token_ids: array[int]) -> str:
         """The text of ``token_ids`` as vLLM's incremental detokenizer gives it: bytes of a

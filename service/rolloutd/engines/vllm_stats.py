@@ -1,8 +1,10 @@
-"""The engine's counters, fed by a vLLM stat logger.
+"""The engine's counters and its requests' timings, fed by a vLLM stat logger.
 
 vLLM hands every iteration's and scheduler's stats to the ``StatLoggerBase`` objects given to
 ``AsyncLLM``, in the frontend process; :class:`TallyStatLogger` adds them into a :class:`Tally`
-that :meth:`rolloutd.engines.vllm.VLLMEngine.counters` reads.
+that :meth:`rolloutd.engines.vllm.VLLMEngine.counters` reads, and passes each request's time to
+its first token and each finished request on to the tally's :class:`RequestObserver` (the
+OpenTelemetry GenAI server metrics), as vLLM's own Prometheus logger records them.
 """
 
 from __future__ import annotations
@@ -13,10 +15,17 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from vllm.config import VllmConfig
+from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import (
+    CachingMetrics,
+    FinishedRequestStats,
+    IterationStats,
+    MultiModalCacheStats,
+    SchedulerStats,
+)
 
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest, RequestObserver
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,10 @@ class Tally:
     generation_tokens: int = 0
     preemptions: int = 0
     schedulers: dict[int, SchedulerSnapshot] = field(default_factory=dict)
+    prefix_cache: CachingMetrics = field(default_factory=CachingMetrics)
+    """The prefix cache's queries and hits over the most recent requests of every core (vLLM's
+    own sliding window, as its logging stat logger reports it)."""
+    observer: RequestObserver | None = None
 
     def counters(self) -> EngineCounters:
         snaps = list(self.schedulers.values())
@@ -50,7 +63,22 @@ class Tally:
             requests_waiting=sum(s.waiting for s in snaps),
             kv_cache_usage=sum(s.kv_cache_usage for s in snaps) / len(snaps) if snaps else 0.0,
             preemptions=self.preemptions,
+            prefix_cache_hit_ratio=self.prefix_cache.hit_rate,
         )
+
+    def iteration(self, stats: IterationStats) -> None:
+        """One iteration's tokens, preemptions, first tokens and finished requests."""
+        self.prompt_tokens += stats.num_prompt_tokens
+        self.generation_tokens += stats.num_generation_tokens
+        self.preemptions += stats.num_preempted_reqs
+        observer = self.observer
+        if observer is None:
+            return
+        for seconds in stats.time_to_first_tokens_iter:
+            observer.first_token(seconds)
+        for finished in stats.finished_requests:
+            if finished.finish_reason is not FinishReason.ABORT:
+                observer.request_finished(_finished(finished))
 
     def stat_logger_factory(self) -> Callable[[VllmConfig, int], StatLoggerBase]:
         """What ``AsyncLLM`` takes in ``stat_loggers``: one logger per engine core, all feeding
@@ -73,15 +101,26 @@ class TallyStatLogger(StatLoggerBase):
         engine_idx: int = 0,
     ) -> None:
         if iteration_stats is not None:
-            self._tally.prompt_tokens += iteration_stats.num_prompt_tokens
-            self._tally.generation_tokens += iteration_stats.num_generation_tokens
-            self._tally.preemptions += iteration_stats.num_preempted_reqs
+            self._tally.iteration(iteration_stats)
         if scheduler_stats is not None:
             self._tally.schedulers[engine_idx] = SchedulerSnapshot(
                 running=scheduler_stats.num_running_reqs,
                 waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
                 kv_cache_usage=scheduler_stats.kv_cache_usage,
             )
+            self._tally.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
 
     def log_engine_initialized(self) -> None:
         logger.debug("vLLM engine core %d reports to rolloutd counters", self._engine_index)
+
+
+def _finished(stats: FinishedRequestStats) -> FinishedRequest:
+    """A finished request's figures; time per output token as the GenAI conventions define it
+    (decode time over the tokens after the first), which is vLLM's own."""
+    after_first = stats.num_generation_tokens - 1
+    return FinishedRequest(
+        input_tokens=stats.num_prompt_tokens,
+        output_tokens=stats.num_generation_tokens,
+        duration_s=stats.e2e_latency,
+        time_per_output_token_s=stats.decode_time / after_first if after_first > 0 else None,
+    )

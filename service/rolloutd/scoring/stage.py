@@ -28,7 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from rolloutd.domain import fate
+from rolloutd.domain.episode_runner import episode_end
 from rolloutd.domain.finishing import FinishingGroup, SampleScore, ScoreStatus, Verdict
+from rolloutd.domain.group import Sample
 from rolloutd.entrypoints import EntryPointError, load
 from rolloutd.scoring.builtins import BUILTINS
 from rolloutd.scoring.inputs import ScoringInput, scoring_inputs
@@ -54,7 +57,7 @@ class DropReason(enum.Enum):
 
     ZERO_VARIANCE = "zero_variance"
     """Its rewards' standard deviation is at most ``filter.min_reward_std``: no GRPO signal."""
-    SCORING_FAILED = "scoring_failed"
+    SCORING_FAILED = fate.SCORING_FAILED
     """A sibling's score failed and ``scoring.on_failure`` is ``drop``."""
 
 
@@ -203,7 +206,8 @@ class ScoringStage:
         by_source: Mapping[str, Scorer] | None = None,
     ) -> None:
         """``scorer`` scores every group but those of a source in ``by_source``; a group with
-        neither is committed unscored."""
+        neither is committed unscored, unless its samples are episodes: their environment's
+        rewards are then their scores (:func:`episode_scores`)."""
         self.scorer = scorer
         self.by_source = dict(by_source or {})
         self.on_failure = on_failure
@@ -221,9 +225,27 @@ class ScoringStage:
 
     async def finish(self, group: FinishingGroup) -> Verdict:
         scorer = self.by_source.get(group.source, self.scorer)
-        if scorer is None:
+        episodes = [episode_end(s) for s in group.samples]
+        if scorer is None and not any(episodes):
             return Verdict()
-        scores = group_scores(await scorer.score(scoring_inputs(group)))
+        if scorer is None:
+            given = [episode_score(s) for s in group.samples]
+            if all(s is None for s in given):
+                return Verdict()
+            scores = group_scores(
+                [s or SampleScore(None, ScoreStatus.FAILED, "no reward") for s in given]
+            )
+        else:
+            scored = await scorer.score(scoring_inputs(group))
+            # a verifier scores the conversation; an episode its environment failed has none
+            scores = group_scores(
+                [
+                    SampleScore(None, ScoreStatus.FAILED, f"episode ended: {end.value}")
+                    if end is not None and end.failed
+                    else score
+                    for score, end in zip(scored, episodes, strict=True)
+                ]
+            )
         failures = [s for s in scores.samples if s.status is ScoreStatus.FAILED]
         if failures:
             log.warning(
@@ -247,10 +269,23 @@ class ScoringStage:
             await scorer.aclose()
 
 
+def episode_score(sample: Sample) -> SampleScore | None:
+    """An episode's score from its environment: its reward, FAILED when the environment failed
+    (the reason in ``info``); None when it gave no reward (or the sample is no episode)."""
+    end = episode_end(sample)
+    if end is not None and end.failed:
+        return SampleScore(None, ScoreStatus.FAILED, f"episode ended: {end.value}")
+    if sample.episode_reward is None:
+        return None
+    return SampleScore(sample.episode_reward)
+
+
 def build_stage(
     scoring: ScoringConfig,
     filter: FilterConfig,
     source_verifiers: Mapping[str, str] | None = None,
+    *,
+    episodes: bool = False,
 ) -> ScoringStage | None:
     """The stage ``scoring`` and ``filter`` configure, with a verifier of its own for each
     source in ``source_verifiers`` (``dataset.sources[].verifier``); None when nothing asks for
@@ -265,6 +300,8 @@ def build_stage(
             return ScoringStage(
                 None, on_failure=scoring.on_failure, filter=filter, by_source=by_source
             )
+        if episodes:  # environments' rewards
+            return ScoringStage(None, on_failure=scoring.on_failure, filter=filter)
         if filter.zero_variance:
             raise ValueError(
                 "filter.zero_variance needs rewards: set scoring.verifier or scoring.group_verifier"

@@ -15,9 +15,18 @@ from dataclasses import dataclass, field
 import grpc
 
 from rolloutd.domain.concurrency import InFlightReason
-from rolloutd.domain.delivery import LEASE_EXPIRIES
 from rolloutd.domain.encoder import UNDELIVERABLE
-from rolloutd.domain.generation import ENGINE_ERROR, STAGE_FAILED
+from rolloutd.domain.episode import EpisodeEnd
+from rolloutd.domain.fate import (
+    ENGINE_ERROR,
+    LEASE_EXPIRIES,
+    MEANINGS,
+    REFUSED,
+    STAGE_FAILED,
+    STATES,
+    EngineState,
+    TokenFate,
+)
 from rolloutd.domain.group import BUFFERED, SampleScore
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
@@ -34,6 +43,7 @@ from rolloutd.domain.report import (
 )
 from rolloutd.domain.weights import WeightsKind, WeightsOutcome, WeightsPhase, WeightsSource
 from rolloutd.scoring import DropReason, ScoreFailure, failure_kind
+from rolloutd.telemetry.generation import OPERATION, GenAIAttr
 from rolloutd.v1 import rollout_pb2 as pb
 
 
@@ -42,6 +52,7 @@ class Kind(enum.Enum):
     HISTOGRAM = "histogram"
     GAUGE = "gauge"
     OBSERVABLE_COUNTER = "observable_counter"
+    OBSERVABLE_UP_DOWN_COUNTER = "observable_up_down_counter"
     OBSERVABLE_GAUGE = "observable_gauge"
 
 
@@ -89,6 +100,9 @@ class Area(enum.Enum):
     RPC = "rpc"
     REWARDS = "rewards"
     ADMISSION = "admission"
+    EFFICIENCY = "efficiency"
+    ENGINE = "engine"
+    EPISODES = "episodes"
 
 
 VERSION_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -136,7 +150,10 @@ class Instrument:
     valid_doc: str = ""
     """What ``valid`` admits, in words (for the generated documentation)."""
     bucket_bounds: tuple[float, ...] | None = None
-    """A histogram's explicit bucket bounds when its unit is not seconds."""
+    """A histogram's explicit bucket bounds when its unit is not seconds (or when a semantic
+    convention sets them)."""
+    meanings: Mapping[str, str] = field(default_factory=dict)
+    """What an attribute value means, where its name does not say (for the documentation)."""
 
     @property
     def buckets(self) -> tuple[float, ...] | None:
@@ -264,6 +281,43 @@ RECOVERY_TOKENS = Instrument(
     "Partial tokens of unfinished siblings at restore: continued from, or generated again.",
     Area.RECOVERY, attributes={"disposition": _values(TokenDisposition)},
 )  # fmt: skip
+
+STEP_FAILURES: tuple[str, ...] = tuple(e.value for e in EpisodeEnd if e.failed)
+"""The ways an environment call fails: the failure values of ``EpisodeEnd``."""
+RECOVERY_TURNS = Instrument(
+    "rolloutd.episode.recovered.turns", Kind.COUNTER, "{turn}",
+    "Model turns of episodes a restore brought back: durable turns reused (never generated "
+    "again), and the first turn each restored episode generated (rerun: under way at the crash, "
+    "continued from its captured tokens or generated again).",
+    Area.RECOVERY, attributes={"disposition": _values(Disposition)},
+)  # fmt: skip
+EPISODE_TURNS = Instrument(
+    "rolloutd.episode.turns", Kind.COUNTER, "{turn}",
+    "Model turns of episodes generated and made durable, reruns after a restore included (a "
+    "turn reused from a restore is counted in rolloutd.episode.recovered.turns only).",
+    Area.EPISODES,
+)  # fmt: skip
+EPISODES = Instrument(
+    "rolloutd.episodes", Kind.COUNTER, "{episode}",
+    "Episodes finished, by how they ended (their samples' finish reason is episode:<end>).",
+    Area.EPISODES, attributes={"end": _values(EpisodeEnd)},
+)  # fmt: skip
+EPISODE_STEP_DURATION = Instrument(
+    "rolloutd.episode.step.duration", Kind.HISTOGRAM, "s",
+    "Duration of each live step of an environment (with its state() when it has one), failed "
+    "ones too; steps replayed after a restore are left out.", Area.EPISODES,
+)  # fmt: skip
+EPISODE_STEP_FAILURES = Instrument(
+    "rolloutd.episode.step.failures", Kind.COUNTER, "{call}",
+    "Environment calls (reset, step, restore) that failed and ended their episode, by reason.",
+    Area.EPISODES, attributes={"reason": STEP_FAILURES},
+)  # fmt: skip
+EPISODE_REPLAY_MISMATCHES = Instrument(
+    "rolloutd.episode.replay.mismatches", Kind.COUNTER, "{call}",
+    "Environment calls replayed after a restore (an environment without state) that answered "
+    "other messages than the recorded ones; the recorded ones are kept.", Area.EPISODES,
+)  # fmt: skip
+
 CHECKPOINT_ROWS = Instrument(
     "rolloutd.checkpoint.rows", Kind.GAUGE, "{row}",
     "Rows of the last completed snapshot: new in its delta, removed since the previous, live.",
@@ -384,6 +438,7 @@ OTHER = "other"
 DROP_REASONS: tuple[str, ...] = (
     *_values(DropReason),
     ENGINE_ERROR,
+    REFUSED,
     STAGE_FAILED,
     UNDELIVERABLE,
     LEASE_EXPIRIES,
@@ -436,6 +491,75 @@ DROPPED_TOKENS = Instrument(
     "rolloutd.dropped.tokens", Kind.COUNTER, "{token}",
     "Generated tokens of the dropped groups' siblings: generation wasted, by drop reason.",
     Area.REWARDS, attributes={"reason": DROP_REASONS},
+)  # fmt: skip
+
+TOKENS = Instrument(
+    "rolloutd.tokens", Kind.OBSERVABLE_UP_DOWN_COUNTER, "{token}",
+    "Generated tokens by fate, over the life of the store: every token the engine handed to the "
+    "service is in exactly one fate, so the fates add up to the tokens generated. Only buffered "
+    "falls (as tokens get a fate), and delivered when a Rewind makes groups available again. A "
+    "restore takes them back to its snapshot's: tokens generated after it are counted nowhere.",
+    Area.EFFICIENCY, attributes={"fate": _values(TokenFate)},
+    meanings={f.value: m for f, m in MEANINGS.items()},
+)  # fmt: skip
+ENGINE_TIME = Instrument(
+    "rolloutd.engine.time", Kind.OBSERVABLE_COUNTER, "s",
+    "The engine's time while the service generated, by state, over the life of the store (a "
+    "restore takes it back to its snapshot's; time down or restoring is not counted).",
+    Area.EFFICIENCY, attributes={"state": _values(EngineState)},
+    meanings={s.value: m for s, m in STATES.items()},
+)  # fmt: skip
+GOODPUT = Instrument(
+    "rolloutd.goodput", Kind.OBSERVABLE_GAUGE, "1",
+    "Delivered tokens over generated tokens, over the life of the store (absent before any "
+    "token).", Area.EFFICIENCY,
+)  # fmt: skip
+
+GEN_AI: dict[str, tuple[str, ...]] = {GenAIAttr.OPERATION_NAME: (OPERATION,)}
+"""The GenAI metrics' fixed attribute; ``gen_ai.provider.name`` (the engine) and
+``gen_ai.request.model`` ride along as open attributes."""
+GEN_AI_OPEN = (GenAIAttr.PROVIDER_NAME, GenAIAttr.REQUEST_MODEL)
+TIME_TO_FIRST_TOKEN = Instrument(
+    "gen_ai.server.time_to_first_token", Kind.HISTOGRAM, "s",
+    "Time from an engine request's arrival to its first token (queue and prefill), as the "
+    "engine measures it (OpenTelemetry GenAI semantic conventions).",
+    Area.ENGINE, attributes=GEN_AI, open_attributes=GEN_AI_OPEN,
+    bucket_bounds=(
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    ),
+)  # fmt: skip
+TIME_PER_OUTPUT_TOKEN = Instrument(
+    "gen_ai.server.time_per_output_token", Kind.HISTOGRAM, "s",
+    "Decode time per output token after the first, of each finished engine request.",
+    Area.ENGINE, attributes=GEN_AI, open_attributes=GEN_AI_OPEN,
+    bucket_bounds=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+)  # fmt: skip
+REQUEST_DURATION = Instrument(
+    "gen_ai.server.request.duration", Kind.HISTOGRAM, "s",
+    "Time from an engine request's arrival to its last token, of each finished request.",
+    Area.ENGINE, attributes=GEN_AI, open_attributes=GEN_AI_OPEN,
+    bucket_bounds=(
+        0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+    ),
+)  # fmt: skip
+TOKEN_USAGE = Instrument(
+    "gen_ai.client.token.usage", Kind.HISTOGRAM, "{token}",
+    "Input (prompt) and output tokens of each finished engine request.",
+    Area.ENGINE,
+    attributes={**GEN_AI, GenAIAttr.TOKEN_TYPE: ("input", "output")},
+    open_attributes=GEN_AI_OPEN,
+    bucket_bounds=tuple(float(4**k) for k in range(14)),
+)  # fmt: skip
+ENGINE_PREEMPTIONS = Instrument(
+    "rolloutd.engine.preemptions", Kind.OBSERVABLE_COUNTER, "{request}",
+    "Requests the engine's scheduler preempted (their KV cache freed, to be computed again): "
+    "more sequences in flight than the KV cache holds.", Area.ENGINE,
+    open_attributes=("engine",),
+)  # fmt: skip
+ENGINE_PREFIX_CACHE_HIT_RATIO = Instrument(
+    "rolloutd.engine.prefix_cache.hit_ratio", Kind.OBSERVABLE_GAUGE, "1",
+    "Share of the prompt tokens of the engine's most recent requests (about a thousand) found "
+    "in its prefix cache.", Area.ENGINE, open_attributes=("engine",),
 )  # fmt: skip
 
 RPC_METHODS: tuple[str, ...] = tuple(

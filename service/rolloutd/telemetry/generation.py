@@ -14,26 +14,40 @@ the service stops has no span: it was never finished.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.trace import (
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+)
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
+from rolloutd.telemetry.light_spans import LightTracer
 
 GENERATE_SPAN = "rolloutd.group.generate"
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+_ROOT = Context()
 OPERATION = "text_completion"
-
-_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class GenAIAttr:
     """OpenTelemetry GenAI semantic-convention keys."""
 
     OPERATION_NAME = "gen_ai.operation.name"
+    PROVIDER_NAME = "gen_ai.provider.name"
+    """The engine (``vllm``, ``synthetic``) on the engine's metrics."""
+    TOKEN_TYPE = "gen_ai.token.type"
+    """``input`` or ``output`` on ``gen_ai.client.token.usage``."""
     REQUEST_MODEL = "gen_ai.request.model"
     REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
     REQUEST_TEMPERATURE = "gen_ai.request.temperature"
@@ -61,10 +75,12 @@ class GroupAttr:
 
 
 class GenerationSpans:
-    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only)."""
+    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only): light spans
+    (:mod:`rolloutd.telemetry.light_spans`), a hundred of them a second on a busy node. With a
+    tracer that is not the SDK's (telemetry off) nothing is traced."""
 
     def __init__(self, tracer: Tracer) -> None:
-        self._tracer = tracer
+        self._tracer = LightTracer(tracer) if isinstance(tracer, SdkTracer) else None
         self._spans: dict[int, Span] = {}
         self.model: str | None = None
         self.engine: str | None = None
@@ -73,6 +89,8 @@ class GenerationSpans:
         return len(self._spans)
 
     def started(self, event: GenerationStarted) -> Mapping[str, str]:
+        if self._tracer is None:
+            return {}  # telemetry off: nothing to propagate, nothing to end
         attributes: dict[str, AttributeValue] = {
             GenAIAttr.OPERATION_NAME: OPERATION,
             GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
@@ -92,28 +110,29 @@ class GenerationSpans:
             attributes[GenAIAttr.REQUEST_MODEL] = self.model
         if self.engine is not None:
             attributes[GroupAttr.ENGINE] = self.engine
-        span = self._tracer.start_span(
-            GENERATE_SPAN,
-            context=Context(),
-            kind=SpanKind.INTERNAL,
-            attributes=attributes,
-            start_time=int(event.admitted_at * 1e9),
+        span = self._tracer.start(  # a root, whatever span is current
+            GENERATE_SPAN, _ROOT, SpanKind.INTERNAL, attributes, int(event.admitted_at * 1e9)
         )
-        if not span.get_span_context().is_valid:
-            return {}  # telemetry off: nothing to propagate, nothing to end
-        self._spans[event.group_id] = span
-        headers: dict[str, str] = {}
-        _PROPAGATOR.inject(headers, trace.set_span_in_context(span))
+        if span.is_recording():
+            self._spans[event.group_id] = span
+        # what the W3C propagator writes for the span's context
+        context = span.get_span_context()
+        headers = {
+            TRACEPARENT: f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+            f"{context.trace_flags:02x}"
+        }
+        if context.trace_state:
+            headers[TRACESTATE] = context.trace_state.to_header()
         return headers
 
     def get(self, group_id: int) -> Span | None:
-        """The group's open span (None once it ended, or when it was never recorded)."""
+        """The group's open span (None once it ended, or when it is not recorded)."""
         return self._spans.get(group_id)
 
     def committed(self, event: GroupCommitted) -> None:
         span = self._spans.pop(event.group_id, None)
         if span is None:
-            return  # committed at restore without generating, or telemetry off
+            return  # committed at restore without generating, or not recorded
         span.set_attribute(GenAIAttr.USAGE_INPUT_TOKENS, event.prompt_tokens)
         span.set_attribute(GenAIAttr.USAGE_OUTPUT_TOKENS, event.tokens)
         span.end()
@@ -125,3 +144,33 @@ class GenerationSpans:
         span.set_attribute(GroupAttr.ABANDONED, reason)
         span.set_status(Status(StatusCode.ERROR, reason))
         span.end()
+
+
+def link_generations(traces: Callable[[], Iterable[tuple[int, Mapping[str, str]]]]) -> None:
+    """Links the current span (a ``FetchGroups`` server span) to the generation span of each
+    group ``traces()`` gives (group id, W3C headers of its ``rolloutd.group.generate``), so a
+    trainer's trace leads to how its samples were generated. ``traces`` is called only while
+    the current span records. A span holds at most ``OTEL_SPAN_LINK_COUNT_LIMIT`` links (128);
+    the SDK counts those beyond as dropped."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    for group_id, headers in traces():
+        context = _span_context(headers.get(TRACEPARENT, ""))
+        if context is not None:
+            span.add_link(context, {GroupAttr.ID: group_id})
+
+
+def _span_context(traceparent: str) -> SpanContext | None:
+    """The span context of a version-00 ``traceparent`` this service wrote (None if it is not
+    one: an engine's own header, say)."""
+    if len(traceparent) != 55 or not traceparent.startswith("00-"):
+        return None
+    try:
+        trace_id = int(traceparent[3:35], 16)
+        span_id = int(traceparent[36:52], 16)
+        flags = int(traceparent[53:55], 16)
+    except ValueError:
+        return None
+    context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags))
+    return context if context.is_valid else None

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from rolloutd.telemetry import catalogue as cat
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import Instrument, Kind
+from rolloutd.telemetry.generation import GenAIAttr
 from rolloutd.telemetry.prometheus import prometheus_label, prometheus_name
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ SERIES: tuple[Series, ...] = (
     Series("recovery_groups", cat.RECOVERY_GROUPS, split_by=("state",)),
     Series("recovery_siblings", cat.RECOVERY_SIBLINGS, split_by=("disposition",)),
     Series("recovery_tokens", cat.RECOVERY_TOKENS, split_by=("disposition",)),
+    Series("recovery_turns", cat.RECOVERY_TURNS, split_by=("disposition",)),
     Series("rows", cat.CHECKPOINT_ROWS, split_by=("kind",)),
     Series("size_bytes", cat.CHECKPOINT_SIZE, split_by=("part",)),
     Series("buffer_groups", cat.BUFFER_GROUPS, split_by=("state",)),
@@ -137,6 +139,19 @@ SERIES: tuple[Series, ...] = (
     Series("scoring_failures", cat.SCORING_FAILURES, split_by=("failure.kind",)),
     Series("dropped_groups", cat.DROPPED_GROUPS, split_by=("reason",)),
     Series("dropped_tokens", cat.DROPPED_TOKENS, split_by=("reason",)),
+    Series("tokens", cat.TOKENS, split_by=("fate",)),
+    Series("goodput", cat.GOODPUT),
+    Series("engine_seconds", cat.ENGINE_TIME, split_by=("state",)),
+    Series("first_token_sum", cat.TIME_TO_FIRST_TOKEN, "_sum"),
+    Series("first_token_count", cat.TIME_TO_FIRST_TOKEN, "_count"),
+    Series("per_token_sum", cat.TIME_PER_OUTPUT_TOKEN, "_sum"),
+    Series("per_token_count", cat.TIME_PER_OUTPUT_TOKEN, "_count"),
+    Series("request_seconds_sum", cat.REQUEST_DURATION, "_sum"),
+    Series("request_seconds_count", cat.REQUEST_DURATION, "_count"),
+    Series("token_usage_sum", cat.TOKEN_USAGE, "_sum", (GenAIAttr.TOKEN_TYPE,)),
+    Series("token_usage_count", cat.TOKEN_USAGE, "_count", (GenAIAttr.TOKEN_TYPE,)),
+    Series("preemptions", cat.ENGINE_PREEMPTIONS),
+    Series("prefix_cache_hit_ratio", cat.ENGINE_PREFIX_CACHE_HIT_RATIO),
     Series("in_flight_limit", cat.ADMISSION_IN_FLIGHT_LIMIT, split_by=("reason",)),
     Series("consumed_per_version", cat.ADMISSION_CONSUMED_PER_VERSION),
     Series("staleness_room", cat.ADMISSION_STALENESS_ROOM),

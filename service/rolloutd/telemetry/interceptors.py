@@ -1,5 +1,6 @@
-"""gRPC tracing from opentelemetry-instrumentation-grpc: server spans that continue the caller's
-W3C ``traceparent``, and client spans that send it.
+"""gRPC tracing: server spans that continue the caller's W3C ``traceparent`` (rolloutd's own for
+unary and client-streaming calls, opentelemetry-instrumentation-grpc's for response-streaming
+ones), and the instrumentation's client spans that send it.
 
 The server passes its own tracer provider; the client library (in a trainer's process) defaults to
 the global one, which is the trainer's. Context crosses the wire with the global propagator
@@ -13,16 +14,26 @@ caller's trace id, at a fraction of a span's cost per call.
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
+from urllib.parse import unquote
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import attach, detach
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, client_interceptor
 from opentelemetry.propagate import extract
-from opentelemetry.trace import TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
+from opentelemetry.util.types import AttributeValue
+
+from rolloutd import __version__
+from rolloutd.telemetry.light_spans import LightTracer
+
+TRACER_NAME = "rolloutd"
 
 
 def span_name(full_method: str) -> str:
@@ -134,18 +145,24 @@ def _naming_span_of_stream(
 
 
 class _ServerInterceptor(grpc.aio.ServerInterceptor):
-    """The instrumentation's aio server interceptor (built by its public
-    ``aio_server_interceptor``), with conventional span names (it names spans by the raw method
-    path, ``/package.Service/Method``), that builds no span while ``records()`` says none would
-    be recorded.
+    """One server span per RPC, current while the handler runs, continuing the caller's W3C
+    context: made here for unary and client-streaming handlers (every RPC of the rollout
+    service), by the instrumentation's aio server interceptor (built by its public
+    ``aio_server_interceptor``) for response-streaming ones. None while ``records()`` says no
+    span would be recorded, nor for a streaming handler that writes its responses itself.
 
-    The instrumentation makes its span current while the handler runs; the handler it is given
-    renames that span first thing, before any span of the handler's own is started below it."""
+    The spans are the instrumentation's, at half its cost per call: the same name (the method
+    path without its leading slash, as the RPC conventions name spans; the instrumentation keeps
+    the slash, so the handler renames its span), attributes, status and exception events; the
+    status code is read from the call once the handler is done instead of through a proxy of
+    its context."""
 
     def __init__(self, tracer_provider: TracerProvider | None, records: Callable[[], bool]):
         self._traced = aio_server_interceptor(tracer_provider=tracer_provider)
+        self._tracer = trace.get_tracer(TRACER_NAME, __version__, tracer_provider)
         self._records = records
         self._unrecorded = _HandlerCache(_without_span)
+        self._spanned = _HandlerCache(self._with_span)
         self._named = _HandlerCache(_renamed)
 
     async def intercept_service(
@@ -154,15 +171,123 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         path: str = handler_call_details.method  # type: ignore[attr-defined]
-        if not self._records():
-            handler = await continuation(handler_call_details)
-            return None if handler is None else self._unrecorded(path, handler)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if not self._records() or _writes_its_responses(handler):
+            return self._unrecorded(path, handler)
+        if handler.unary_unary is not None or handler.stream_unary is not None:
+            return self._spanned(path, handler)
+        named = self._named(path, handler)
 
-        async def named(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-            handler = await continuation(details)
-            return None if handler is None else self._named(path, handler)
+        async def resolved(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            return named
 
-        return await self._traced.intercept_service(named, handler_call_details)
+        return await self._traced.intercept_service(resolved, handler_call_details)
+
+    def _with_span(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _in_server_span(self._tracer, path, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.stream_unary_rpc_method_handler(
+            _in_server_span(self._tracer, path, handler.stream_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class RpcAttr:
+    """The RPC semantic conventions' keys, as the gRPC instrumentation sets them."""
+
+    SYSTEM = "rpc.system"
+    SERVICE = "rpc.service"
+    METHOD = "rpc.method"
+    STATUS_CODE = "rpc.grpc.status_code"
+    USER_AGENT = "rpc.user_agent"
+    PEER_IP = "net.peer.ip"
+    PEER_PORT = "net.peer.port"
+    PEER_NAME = "net.peer.name"
+
+
+_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+"""Codes that make a server span's status ERROR (the others are the caller's doing)."""
+
+
+def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
+    """``behavior`` in a server span of its own (see :class:`_ServerInterceptor`): a light one
+    (:mod:`rolloutd.telemetry.light_spans`) from an SDK tracer."""
+    start = LightTracer(tracer).start if isinstance(tracer, SdkTracer) else tracer.start_span
+    name = span_name(path)
+    service, _, method = name.partition("/")
+    base: dict[str, AttributeValue] = {
+        RpcAttr.SYSTEM: "grpc",
+        RpcAttr.STATUS_CODE: grpc.StatusCode.OK.value[0],
+        RpcAttr.METHOD: method,
+        RpcAttr.SERVICE: service,
+    }
+
+    async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        metadata = context.invocation_metadata()
+        carrier = {m.key: m.value for m in metadata} if metadata else {}
+        parent = extract(carrier) if carrier else None
+        attributes = {**base, **_peer_attributes(context.peer())}
+        if (agent := carrier.get("user-agent")) is not None:
+            attributes[RpcAttr.USER_AGENT] = agent
+        span = start(name, parent, SpanKind.SERVER, attributes)
+        token = attach(trace.set_span_in_context(span, parent))
+        try:
+            return await behavior(request, context)
+        except Exception as error:
+            if type(error) is not Exception:  # a bare one is how gRPC ends an aborted call
+                span.record_exception(error)
+            raise
+        finally:
+            code = context.code()
+            if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
+                span.set_attribute(RpcAttr.STATUS_CODE, code.value[0])
+                if code in _ERROR_CODES:
+                    span.set_status(Status(StatusCode.ERROR, f"{code}:{context.details()}"))
+            detach(token)
+            span.end()
+
+    return run
+
+
+@functools.lru_cache(maxsize=1024)
+def _peer_attributes(peer: str) -> Mapping[str, AttributeValue]:
+    """``net.peer.*`` of a gRPC peer (``ipv4:127.0.0.1:57284``, ``ipv6:[::1]:57284``), as the
+    instrumentation derives them; none for a Unix socket. Peers repeat on a connection."""
+    if peer.startswith("unix:"):
+        return {}
+    try:
+        ip, port = peer.split(",")[0].split(":", 1)[1].rsplit(":", 1)
+    except (IndexError, ValueError):
+        return {}
+    ip = unquote(ip)
+    attributes: dict[str, AttributeValue] = {RpcAttr.PEER_IP: ip, RpcAttr.PEER_PORT: port}
+    if ip in ("[::1]", "127.0.0.1"):
+        attributes[RpcAttr.PEER_NAME] = "localhost"
+    return attributes
+
+
+def _writes_its_responses(handler: grpc.RpcMethodHandler) -> bool:
+    """A response-streaming handler written as a coroutine that sends with ``context.write``
+    (``grpc.health.v1.Health/Watch``), not as an async generator: the instrumentation iterates
+    the handler's result, which would fail such a call with UNKNOWN, so it gets no server span."""
+    behavior = handler.unary_stream or handler.stream_stream
+    return behavior is not None and not inspect.isasyncgenfunction(behavior)
 
 
 def server_interceptors(

@@ -8,7 +8,6 @@ catches and logs that, so the domain never sees it.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,10 +23,18 @@ from opentelemetry.metrics import (
 )
 
 from rolloutd import __version__
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest
+from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.group import BUFFERED, ScoreStatus
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GroupCommitted, GroupDropped, GroupFinished
+from rolloutd.domain.observer import (
+    EnvironmentCalled,
+    EpisodeEnded,
+    EpisodeTurn,
+    GroupCommitted,
+    GroupDropped,
+    GroupFinished,
+)
 from rolloutd.domain.report import CheckpointReport, Outcome, RestoreReport
 from rolloutd.domain.sampler import SUBMITTED
 from rolloutd.domain.weights import WeightsOutcome, WeightsReport
@@ -41,6 +48,9 @@ from rolloutd.telemetry.catalogue import (
     drop_reason,
     failure_label,
 )
+from rolloutd.telemetry.episode_metrics import EpisodeMetrics
+from rolloutd.telemetry.generation import OPERATION, GenAIAttr
+from rolloutd.telemetry.series import CatalogueSeries as _Series
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 logger = logging.getLogger(__name__)
@@ -50,34 +60,6 @@ ENGINE_ATTR = "engine"
 
 Attributes = Mapping[str, str]
 ObservableCallback = Callable[[CallbackOptions], Iterable[Observation]]
-
-
-class _Series:
-    """The attribute sets of one instrument, built once from the catalogue.
-
-    Looked up by attribute values in the catalogue's key order (enums or their string values);
-    a combination the catalogue does not declare raises ``KeyError``.
-    """
-
-    def __init__(self, instrument: Instrument):
-        self.instrument = instrument
-        keys = tuple(instrument.attributes)
-        self._sets: dict[tuple[str, ...], Attributes] = {
-            tuple(s[k] for k in keys): MappingProxyType(s) for s in instrument.attribute_sets()
-        }
-
-    def __call__(self, *values: enum.Enum | str) -> Attributes:
-        key = tuple(v.value if isinstance(v, enum.Enum) else v for v in values)
-        try:
-            return self._sets[key]
-        except KeyError:
-            given = dict(zip(self.instrument.attributes, key, strict=False))
-            raise KeyError(
-                f"{self.instrument.name}: attributes {given} are not in the catalogue"
-            ) from None
-
-    def all(self) -> Iterable[Attributes]:
-        return self._sets.values()
 
 
 @dataclass(frozen=True)
@@ -103,6 +85,7 @@ class MetricsObserver:
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self.created: list[str] = []
         """Names of the instruments created, in catalogue order (a test checks one-to-one)."""
+        self.episodes = EpisodeMetrics(self._counter, self._histogram)
         self._sources: _Sources | None = None
         self._last_completed_ns: int | None = None
         self._committed_groups = 0
@@ -139,6 +122,13 @@ class MetricsObserver:
         self._scoring_failures = self._counter(cat.SCORING_FAILURES)
         self._dropped_groups = self._counter(cat.DROPPED_GROUPS)
         self._dropped_tokens = self._counter(cat.DROPPED_TOKENS)
+        self._first_token = self._histogram(cat.TIME_TO_FIRST_TOKEN)
+        self._per_output_token = self._histogram(cat.TIME_PER_OUTPUT_TOKEN)
+        self._request_duration = self._histogram(cat.REQUEST_DURATION)
+        self._token_usage = self._histogram(cat.TOKEN_USAGE)
+        self._gen_ai: tuple[Attributes, Attributes, Attributes] | None = None
+        """The GenAI metrics' attributes (the request's, its input's, its output's), once the
+        engine is known (:meth:`register_sources`); nothing is recorded before."""
 
         self._observable(cat.COMMITTED_TOKENS, self._observe_committed_tokens)
         self._observable(cat.COMMITTED_GROUPS, self._observe_committed_groups)
@@ -159,6 +149,11 @@ class MetricsObserver:
         self._observable(cat.PROMPTS_PENDING, self._observe_prompts_pending)
         self._observable(cat.ACKED_GROUPS, self._observe_acked_groups)
         self._observable(cat.TRAINER_STEP, self._observe_trainer_step)
+        self._observable(cat.TOKENS, self._observe_tokens)
+        self._observable(cat.ENGINE_TIME, self._observe_engine_time)
+        self._observable(cat.GOODPUT, self._observe_goodput)
+        self._observable(cat.ENGINE_PREEMPTIONS, self._observe_preemptions)
+        self._observable(cat.ENGINE_PREFIX_CACHE_HIT_RATIO, self._observe_prefix_cache)
         self._observable(cat.ADMISSION_IN_FLIGHT_LIMIT, self._observe_in_flight_limit)
         self._observable(cat.ADMISSION_CONSUMED_PER_VERSION, self._observe_consumed_per_version)
         self._observable(cat.ADMISSION_STALENESS_ROOM, self._observe_staleness_room)
@@ -183,6 +178,10 @@ class MetricsObserver:
         self._group_outcome = _Series(cat.SAMPLE_REWARD)
         self._failure_kind = _Series(cat.SCORING_FAILURES)
         self._drop_reason = _Series(cat.DROPPED_GROUPS)
+        self._fate = _Series(cat.TOKENS)
+        self._engine_state = _Series(cat.ENGINE_TIME)
+        self._token_type = _Series(cat.TOKEN_USAGE)
+        self._gen_ai_operation = _Series(cat.REQUEST_DURATION)
         self._in_flight_reason = _Series(cat.ADMISSION_IN_FLIGHT_LIMIT)
 
         self._start_counters_at_zero()
@@ -217,6 +216,11 @@ class MetricsObserver:
             self._meter.create_observable_counter(
                 instrument.name, [callback], instrument.unit, instrument.description
             )
+        elif instrument.kind is Kind.OBSERVABLE_UP_DOWN_COUNTER:
+            self._created(instrument, Kind.OBSERVABLE_UP_DOWN_COUNTER)
+            self._meter.create_observable_up_down_counter(
+                instrument.name, [callback], instrument.unit, instrument.description
+            )
         else:
             self._created(instrument, Kind.OBSERVABLE_GAUGE)
             self._meter.create_observable_gauge(
@@ -248,13 +252,23 @@ class MetricsObserver:
         status: Callable[[], StatusSnapshot],
         checkpoint_state: Callable[[], CheckpointState],
         dataset_sources: Sequence[str] = (),
+        model: str | None = None,
     ) -> None:
         """Connects the observable instruments; the callbacks run on reader threads (see
         :mod:`rolloutd.telemetry.sources`). Calling again replaces the previous sources.
-        ``dataset_sources``: the names of the dataset's sources, counted from zero."""
+        ``dataset_sources``: the names of the dataset's sources, counted from zero; ``model``:
+        what the engine serves (``gen_ai.request.model``)."""
         self._sources = _Sources(engine_name, engine_counters, status, checkpoint_state)
         for name in dataset_sources:
             self._by_source.setdefault(name, [0, 0])
+        request = {**self._gen_ai_operation(OPERATION), GenAIAttr.PROVIDER_NAME: engine_name}
+        if model is not None:
+            request[GenAIAttr.REQUEST_MODEL] = model
+        self._gen_ai = (
+            MappingProxyType(request),
+            MappingProxyType({**self._token_type(OPERATION, "input"), **request}),
+            MappingProxyType({**self._token_type(OPERATION, "output"), **request}),
+        )
 
     # -- Observer -------------------------------------------------------------------------------
 
@@ -341,6 +355,15 @@ class MetricsObserver:
         for token_disposition, tokens in report.tokens.items():
             self._recovery_tokens.add(tokens, self._token_disposition(token_disposition))
 
+    def episode_turn(self, event: EpisodeTurn) -> None:
+        self.episodes.turn(event)
+
+    def environment_called(self, event: EnvironmentCalled) -> None:
+        self.episodes.called(event)
+
+    def episode_ended(self, event: EpisodeEnded) -> None:
+        self.episodes.ended(event)
+
     def weights_updated(self, report: WeightsReport) -> None:
         for phase in report.phases:
             self._weights_duration.record(phase.seconds, self._weights_phase(phase.phase))
@@ -354,6 +377,22 @@ class MetricsObserver:
             self._weights_pause.record(report.paused_s, self._weights_kind(report.kind))
             if report.density is not None:
                 self._weights_density.record(report.density)
+
+    # -- the engine's requests (RequestObserver) -----------------------------------------------
+
+    def first_token(self, seconds: float) -> None:
+        if self._gen_ai is not None:
+            self._first_token.record(seconds, self._gen_ai[0])
+
+    def request_finished(self, request: FinishedRequest) -> None:
+        if self._gen_ai is None:
+            return
+        attributes, input_tokens, output_tokens = self._gen_ai
+        self._request_duration.record(request.duration_s, attributes)
+        if request.time_per_output_token_s is not None:
+            self._per_output_token.record(request.time_per_output_token_s, attributes)
+        self._token_usage.record(request.input_tokens, input_tokens)
+        self._token_usage.record(request.output_tokens, output_tokens)
 
     # -- observable callbacks (reader threads) --------------------------------------------------
 
@@ -452,6 +491,36 @@ class MetricsObserver:
         if (status := self._status()) is None or status.trainer_step < 0:
             return []  # no trainer has acked yet: no value, rather than a step that never was
         return [Observation(status.trainer_step)]
+
+    def _observe_tokens(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        fates = status.token_fates
+        return [Observation(fates.get(f, 0), self._fate(f)) for f in TokenFate]
+
+    def _observe_engine_time(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None:
+            return []
+        seconds = status.engine_seconds
+        return [Observation(seconds.get(s, 0.0), self._engine_state(s)) for s in EngineState]
+
+    def _observe_goodput(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (status := self._status()) is None or not status.generated_tokens:
+            return []  # nothing generated: no ratio, rather than a zero that looks like waste
+        delivered = status.token_fates.get(TokenFate.DELIVERED, 0)
+        return [Observation(delivered / status.generated_tokens)]
+
+    def _observe_preemptions(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.preemptions, {ENGINE_ATTR: name})]
+
+    def _observe_prefix_cache(self, _: CallbackOptions) -> Iterable[Observation]:
+        if (engine := self._engine()) is None:
+            return []
+        name, counters = engine
+        return [Observation(counters.prefix_cache_hit_ratio, {ENGINE_ATTR: name})]
 
     def _observe_in_flight_limit(self, _: CallbackOptions) -> Iterable[Observation]:
         if (status := self._status()) is None:

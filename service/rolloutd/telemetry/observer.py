@@ -17,12 +17,22 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from rolloutd import __version__
-from rolloutd.domain.engine import EngineCounters
+from rolloutd.domain.engine import EngineCounters, FinishedRequest
 from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.observer import GenerationStarted, GroupCommitted, GroupDropped, GroupFinished
+from rolloutd.domain.observer import (
+    EnvironmentCalled,
+    EpisodeEnded,
+    EpisodeStarted,
+    EpisodeTurn,
+    GenerationStarted,
+    GroupCommitted,
+    GroupDropped,
+    GroupFinished,
+)
 from rolloutd.domain.report import CheckpointReport, RestoreReport
 from rolloutd.domain.weights import WeightsReport
 from rolloutd.telemetry import spans, throttle
+from rolloutd.telemetry.episode_spans import EpisodeSpans
 from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.score import record_score, scored
@@ -51,6 +61,7 @@ class TelemetryObserver:
         self.metrics = MetricsObserver(meter_provider)
         self._tracer = tracer_provider.get_tracer(TRACER_NAME, __version__)
         self.generation = GenerationSpans(self._tracer)
+        self.episodes = EpisodeSpans(self._tracer, self.generation)
 
     def register_sources(
         self,
@@ -62,11 +73,20 @@ class TelemetryObserver:
         dataset_sources: Sequence[str] = (),
     ) -> None:
         """See :meth:`MetricsObserver.register_sources`; ``model`` names the weights on the
-        generation spans (``gen_ai.request.model``)."""
+        generation spans and the GenAI metrics (``gen_ai.request.model``)."""
         self.metrics.register_sources(
-            engine_counters, engine_name, status, checkpoint_state, dataset_sources
+            engine_counters, engine_name, status, checkpoint_state, dataset_sources, model
         )
         self.generation.engine, self.generation.model = engine_name, model
+
+    def first_token(self, seconds: float) -> None:
+        """Implements :class:`rolloutd.domain.engine.RequestObserver` (the engine calls it)."""
+        with _never_raises("a first token"):
+            self.metrics.first_token(seconds)
+
+    def request_finished(self, request: FinishedRequest) -> None:
+        with _never_raises("a finished engine request"):
+            self.metrics.request_finished(request)
 
     def rpc_finished(self, method: str, status_code: int, seconds: float) -> None:
         with _never_raises("a finished RPC"):
@@ -138,3 +158,25 @@ class TelemetryObserver:
             self.metrics.restored(report)
         with _never_raises("restore spans"):
             spans.record_restore(self._tracer, report, context)
+
+    def episode_started(self, event: EpisodeStarted) -> None:
+        with _never_raises("an episode span"):
+            self.episodes.started(event)
+
+    def episode_turn(self, event: EpisodeTurn) -> None:
+        with _never_raises("an episode turn"):
+            self.metrics.episode_turn(event)
+        with _never_raises("an episode turn span"):
+            self.episodes.turn(event)
+
+    def environment_called(self, event: EnvironmentCalled) -> None:
+        with _never_raises("an environment call"):
+            self.metrics.environment_called(event)
+        with _never_raises("an environment call span"):
+            self.episodes.called(event)
+
+    def episode_ended(self, event: EpisodeEnded) -> None:
+        with _never_raises("an ended episode"):
+            self.metrics.episode_ended(event)
+        with _never_raises("an episode span"):
+            self.episodes.ended(event)

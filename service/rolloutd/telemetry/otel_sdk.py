@@ -1,4 +1,4 @@
-"""The two places where rolloutd reaches past the OpenTelemetry SDK's public surface, kept here
+"""The three places where rolloutd reaches past the OpenTelemetry SDK's public surface, kept here
 and nowhere else.
 
 - :class:`ScrapeOnlyMeterProvider` clears the meter provider's private ``_disabled`` flag, which
@@ -6,19 +6,27 @@ and nowhere else.
 - :class:`GatedTracerProvider` sets the ``sampler`` of each SDK ``Tracer`` it hands out: the SDK
   copies the provider's sampler into every tracer, and offers no way to give tracers a sampler
   other than the provider's own (which must stay the configured one).
+- :class:`EncodingSpanExporter` overrides the OTLP/gRPC span exporter's ``_translate_data``, the
+  one step between the finished spans and the request it sends, with rolloutd's own encoder
+  (:mod:`rolloutd.telemetry.otlp_spans`), which makes the same request at a third of the cost.
 
-``pyproject.toml`` pins ``opentelemetry-sdk`` to the minor versions these were checked against;
-``tests/telemetry/test_otel_sdk.py`` fails when an upgrade moves either member.
+``pyproject.toml`` pins ``opentelemetry-sdk`` (and the exporter) to the minor versions these were
+checked against; ``tests/telemetry/test_otel_sdk.py`` fails when an upgrade moves any of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.trace import SpanProcessor, Tracer, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, Tracer, TracerProvider
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+from rolloutd.telemetry.otlp_spans import SpanEncoder
 
 
 class ScrapeOnlyMeterProvider(MeterProvider):
@@ -74,3 +82,16 @@ class GatedTracerProvider(TracerProvider):
     def records_spans(self) -> bool:
         """False while every span is dropped for want of a processor."""
         return self.gate.processed
+
+
+class EncodingSpanExporter(OTLPSpanExporter):
+    """The OTLP/gRPC span exporter (retries, timeouts, compression, TLS as configured), whose
+    requests :class:`~rolloutd.telemetry.otlp_spans.SpanEncoder` encodes; its argument
+    ``translate`` is the request the stock exporter would send, parsed back from those bytes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._encoder = SpanEncoder()
+
+    def _translate_data(self, data: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
+        return ExportTraceServiceRequest.FromString(self._encoder.encode(data))

@@ -43,7 +43,11 @@ from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
+from rolloutd.telemetry.otel_sdk import (
+    EncodingSpanExporter,
+    GatedTracerProvider,
+    ScrapeOnlyMeterProvider,
+)
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -109,9 +113,7 @@ def _span_exporter(
     if name is ExporterName.CONSOLE:
         return ConsoleSpanExporter()
     if export.protocol is OtlpProtocol.GRPC:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
+        return EncodingSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpSpanExporter,
     )
@@ -270,8 +272,10 @@ def setup_telemetry(
     sampler: Sampler | None = None,
     resource_attributes: Mapping[str, str] | None = None,
     log_interval_s: float | None = None,
+    announce: bool = True,
 ) -> Telemetry:
-    """Builds the service's providers; see :func:`resolve_settings` for the arguments."""
+    """Builds the service's providers; see :func:`resolve_settings` for the arguments.
+    ``announce=False`` logs the one line that says what is exported only when something is."""
     settings = resolve_settings(
         disabled=disabled,
         service_name=service_name,
@@ -285,10 +289,28 @@ def setup_telemetry(
         resource_attributes=resource_attributes,
         log_interval_s=log_interval_s,
     )
-    return build_telemetry(settings)
+    return build_telemetry(settings, announce=announce)
 
 
-def build_telemetry(settings: TelemetrySettings) -> Telemetry:
+TRAINER_SERVICE_NAME = "rolloutd-trainer"
+
+
+def trainer_tracing() -> Telemetry:
+    """The tracer provider of ``rolloutd trainer``, from the standard ``OTEL_*`` environment
+    (``service.name`` ``rolloutd-trainer`` unless ``OTEL_SERVICE_NAME`` says otherwise; no
+    metrics), set as the global one: its steps are spans, and the client's calls in them carry
+    their context to the service. Shut it down when the trainer ends."""
+    telemetry = setup_telemetry(
+        service_name=None if env("OTEL_SERVICE_NAME") else TRAINER_SERVICE_NAME,
+        metrics_exporters=(),
+        announce=False,  # a trainer that exports nothing keeps its stderr for its own errors
+    )
+    if telemetry.enabled:
+        trace.set_tracer_provider(telemetry.tracer_provider)
+    return telemetry
+
+
+def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Telemetry:
     registry = CollectorRegistry()
     if settings.disabled:
         logger.info(
@@ -327,7 +349,9 @@ def build_telemetry(settings: TelemetrySettings) -> Telemetry:
     )
     # Exporter modules imported above register their loggers only now.
     throttle.install(settings.log_interval_s)
-    logger.info(
+    exports = bool(settings.traces.exporters or settings.metrics.exporters)
+    logger.log(
+        logging.INFO if announce or exports else logging.DEBUG,
         "telemetry: service.name=%s traces=%s metrics=%s (+prometheus)",
         settings.service_name,
         _describe(settings.traces),

@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from rolloutd.domain.generation import STAGE_FAILED
+from rolloutd.domain.fate import STAGE_FAILED
 from rolloutd.domain.group import ScoreStatus
 from rolloutd.domain.observer import GroupFinished
 from rolloutd.telemetry.catalogue import GroupOutcome

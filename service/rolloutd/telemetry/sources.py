@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rolloutd.domain.concurrency import InFlightReason
 from rolloutd.domain.controller import ControllerStatus
+from rolloutd.domain.fate import EngineState, TokenFate
 from rolloutd.domain.group import GroupState
 
 
@@ -35,6 +36,12 @@ class StatusSnapshot:
     """Groups acked by trainers, since the store began (cumulative)."""
     trainer_step: int = -1
     """The highest trainer step acked; -1 before the first ack."""
+    generated_tokens: int = 0
+    """Tokens the engine handed to the service, since the store began (domain/fate.py)."""
+    token_fates: Mapping[TokenFate, int] = field(default_factory=dict)
+    """``generated_tokens`` by fate; ``buffered`` is what the others leave."""
+    engine_seconds: Mapping[EngineState, float] = field(default_factory=dict)
+    """The engine's time by state, since the store began."""
     in_flight_limit: int = 0
     """Groups that may be generating or finishing at once now."""
     in_flight_reason: InFlightReason = InFlightReason.FIXED
@@ -58,7 +65,7 @@ class CheckpointState:
 
 def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
     """The controller's status as the gauges read it."""
-    b, a = status.buffer, status.admission
+    b, a, c = status.buffer, status.admission, status.counters
     return StatusSnapshot(
         groups={
             GroupState.GENERATING: b.generating,
@@ -74,6 +81,9 @@ def status_snapshot(status: ControllerStatus) -> StatusSnapshot:
         requeued_groups=status.counters.requeued_groups,
         acked_groups=status.counters.acked_groups,
         trainer_step=status.trainer_step,
+        generated_tokens=c.generated_tokens,
+        token_fates={**c.settled(), TokenFate.BUFFERED: c.buffered_tokens},
+        engine_seconds={s: c.engine_seconds.get(s.value, 0.0) for s in EngineState},
         in_flight_limit=a.in_flight_limit,
         in_flight_reason=a.in_flight_reason,
         consumed_per_version=a.consumed_per_version,

@@ -14,6 +14,12 @@ class PromptSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROMPT_SOURCE_DATASET: _ClassVar[PromptSource]
     PROMPT_SOURCE_SUBMITTED: _ClassVar[PromptSource]
 
+class TurnKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_KIND_UNSPECIFIED: _ClassVar[TurnKind]
+    TURN_KIND_MODEL: _ClassVar[TurnKind]
+    TURN_KIND_ENVIRONMENT: _ClassVar[TurnKind]
+
 class ScoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SCORE_STATUS_UNSPECIFIED: _ClassVar[ScoreStatus]
@@ -61,6 +67,9 @@ class InFlightReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PROMPT_SOURCE_UNSPECIFIED: PromptSource
 PROMPT_SOURCE_DATASET: PromptSource
 PROMPT_SOURCE_SUBMITTED: PromptSource
+TURN_KIND_UNSPECIFIED: TurnKind
+TURN_KIND_MODEL: TurnKind
+TURN_KIND_ENVIRONMENT: TurnKind
 SCORE_STATUS_UNSPECIFIED: ScoreStatus
 SCORE_STATUS_OK: ScoreStatus
 SCORE_STATUS_FAILED: ScoreStatus
@@ -101,20 +110,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json", "generation")
+    __slots__ = ("prompt_id", "text", "metadata", "messages", "metadata_json", "generation", "tools_json")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     metadata: _struct_pb2.Struct
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     metadata_json: str
     generation: GenerationSpec
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class GenerationSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "group_size")
@@ -137,7 +148,7 @@ class GenerationSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts", "reward", "reward_info_json", "score_status")
+    __slots__ = ("index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "prompt_token_ids", "seed", "started_at", "finished_at", "resumed_at", "parts", "reward", "reward_info_json", "score_status", "loss_mask", "turn_starts", "episode_reward", "retokenization_mismatches")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +164,10 @@ class Sample(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     SCORE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    RETOKENIZATION_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -168,7 +183,19 @@ class Sample(_message.Message):
     reward: float
     reward_info_json: str
     score_status: ScoreStatus
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_info_json: _Optional[str] = ..., score_status: _Optional[_Union[ScoreStatus, str]] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    turn_starts: _containers.RepeatedCompositeFieldContainer[TurnStart]
+    episode_reward: float
+    retokenization_mismatches: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., resumed_at: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[SamplePart, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_info_json: _Optional[str] = ..., score_status: _Optional[_Union[ScoreStatus, str]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[_Union[TurnStart, _Mapping]]] = ..., episode_reward: _Optional[float] = ..., retokenization_mismatches: _Optional[int] = ...) -> None: ...
+
+class TurnStart(_message.Message):
+    __slots__ = ("start", "kind")
+    START_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    kind: TurnKind
+    def __init__(self, start: _Optional[int] = ..., kind: _Optional[_Union[TurnKind, str]] = ...) -> None: ...
 
 class SamplePart(_message.Message):
     __slots__ = ("start", "policy_version")
@@ -446,7 +473,7 @@ class CheckpointStatus(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., outcome: _Optional[_Union[CheckpointOutcome, str]] = ..., reason: _Optional[_Union[CheckpointReason, str]] = ..., attempted_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., tag: _Optional[str] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups", "dropped_groups", "dropped_by_reason", "dropped_tokens", "evicted_tokens")
+    __slots__ = ("admitted_groups", "committed_groups", "acked_groups", "finalized_groups", "evicted_groups", "committed_tokens", "generation_tokens", "requeued_groups", "dropped_groups", "dropped_by_reason", "dropped_tokens")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -465,7 +492,6 @@ class Counters(_message.Message):
     DROPPED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     admitted_groups: int
     committed_groups: int
     acked_groups: int
@@ -477,8 +503,7 @@ class Counters(_message.Message):
     dropped_groups: int
     dropped_by_reason: _containers.ScalarMap[str, int]
     dropped_tokens: int
-    evicted_tokens: int
-    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., dropped_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, admitted_groups: _Optional[int] = ..., committed_groups: _Optional[int] = ..., acked_groups: _Optional[int] = ..., finalized_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requeued_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
 
 class AdmissionStatus(_message.Message):
     __slots__ = ("in_flight_limit", "in_flight_reason", "in_flight_ceiling", "adaptive", "staleness_gating", "consumed_per_version", "staleness_room")
@@ -521,7 +546,7 @@ class SourceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., prompts: _Optional[int] = ..., exhausted: _Optional[bool] = ..., committed_groups: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., delivered_groups: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups", "admission")
+    __slots__ = ("state", "engine", "policy_version", "group_size", "buffer", "inflight_samples", "pending_prompts", "cursor_epoch", "cursor_offset", "dataset_exhausted", "last_checkpoint", "counters", "replica", "replicas", "sources", "submitted_committed_groups", "submitted_delivered_groups", "admission", "tokens", "engine_time")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -540,6 +565,8 @@ class GetStatusResponse(_message.Message):
     SUBMITTED_COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_DELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TIME_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     engine: str
     policy_version: int
@@ -558,4 +585,38 @@ class GetStatusResponse(_message.Message):
     submitted_committed_groups: int
     submitted_delivered_groups: int
     admission: AdmissionStatus
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ..., admission: _Optional[_Union[AdmissionStatus, _Mapping]] = ...) -> None: ...
+    tokens: TokenAccount
+    engine_time: EngineTime
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_size: _Optional[int] = ..., buffer: _Optional[_Union[BufferStatus, _Mapping]] = ..., inflight_samples: _Optional[int] = ..., pending_prompts: _Optional[int] = ..., cursor_epoch: _Optional[int] = ..., cursor_offset: _Optional[int] = ..., dataset_exhausted: _Optional[bool] = ..., last_checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., replica: _Optional[int] = ..., replicas: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceStatus, _Mapping]]] = ..., submitted_committed_groups: _Optional[int] = ..., submitted_delivered_groups: _Optional[int] = ..., admission: _Optional[_Union[AdmissionStatus, _Mapping]] = ..., tokens: _Optional[_Union[TokenAccount, _Mapping]] = ..., engine_time: _Optional[_Union[EngineTime, _Mapping]] = ...) -> None: ...
+
+class TokenAccount(_message.Message):
+    __slots__ = ("generated", "delivered", "evicted", "dropped", "regenerated", "failed", "buffered", "goodput")
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REGENERATED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    generated: int
+    delivered: int
+    evicted: int
+    dropped: int
+    regenerated: int
+    failed: int
+    buffered: int
+    goodput: float
+    def __init__(self, generated: _Optional[int] = ..., delivered: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., regenerated: _Optional[int] = ..., failed: _Optional[int] = ..., buffered: _Optional[int] = ..., goodput: _Optional[float] = ...) -> None: ...
+
+class EngineTime(_message.Message):
+    __slots__ = ("generating_seconds", "weight_update_seconds", "idle_no_work_seconds", "idle_buffer_full_seconds")
+    GENERATING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_NO_WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BUFFER_FULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generating_seconds: float
+    weight_update_seconds: float
+    idle_no_work_seconds: float
+    idle_buffer_full_seconds: float
+    def __init__(self, generating_seconds: _Optional[float] = ..., weight_update_seconds: _Optional[float] = ..., idle_no_work_seconds: _Optional[float] = ..., idle_buffer_full_seconds: _Optional[float] = ...) -> None: ...

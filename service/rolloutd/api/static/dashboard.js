@@ -1,4 +1,4 @@
-// rolloutd's built-in dashboard: eleven areas of live charts over v1/dashboard/history, the
+// rolloutd's built-in dashboard: thirteen areas of live charts over v1/dashboard/history, the
 // trainer's side first. An area with nothing to show says so instead of plotting zeros.
 //
 // The service samples its own metrics every few seconds (rolloutd.telemetry.history); counters
@@ -13,6 +13,8 @@
   const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"];
   const CKPT_PHASES = ["total", "barrier_wait", "exclusive_hold", "buffer_save", "sidecar_write", "commit"];
   const RESTORE_PHASES = ["total", "resolve_snapshot", "dataloader", "buffer", "replay_metadata", "recovery_ledger", "redispatch"];
+  const FATES = ["delivered", "buffered", "evicted", "dropped", "failed", "regenerated"];
+  const ENGINE_STATES = ["generating", "weight_update", "idle_no_work", "idle_buffer_full"];
 
   const mean = (prefixSum, prefixCount, phase, scale) => ({
     label: phase, kind: "mean", sum: `${prefixSum}/${phase}`, count: `${prefixCount}/${phase}`, scale,
@@ -55,6 +57,33 @@
       ],
     },
     {
+      id: "efficiency", title: "Efficiency",
+      what: "Where generation goes: every generated token is delivered to a trainer, still buffered, or wasted (evicted as too stale, dropped by a filter, failed, or thrown away to be generated again); goodput is the share delivered. And what the engine's time went to: generating, loading weights, or idle with nothing to start or the buffer full.",
+      empty: "No token generated yet.",
+      charts: [
+        { title: "tokens by fate (total)", series: FATES.map((f) => ({ label: f, kind: "value", key: `tokens/${f}` })) },
+        { title: "goodput (%)", series: [{ label: "delivered / generated", kind: "value", key: "goodput", scale: 100 }] },
+        { title: "engine time (%)", series: ENGINE_STATES.map((s) => ({ label: s, kind: "rate", key: `engine_seconds/${s}`, scale: 100 })) },
+      ],
+    },
+    {
+      id: "engine", title: "Engine",
+      what: "The engine's own signals, under their OpenTelemetry GenAI names: time to first token and per output token, request duration, tokens per request; preemptions (more sequences than the KV cache holds) and the prefix cache's hit ratio.",
+      empty: "No engine request finished yet.",
+      charts: [
+        {
+          title: "mean latency (ms)", series: [
+            { label: "first token", kind: "mean", sum: "first_token_sum", count: "first_token_count", scale: 1000 },
+            { label: "per output token", kind: "mean", sum: "per_token_sum", count: "per_token_count", scale: 1000 },
+          ],
+        },
+        { title: "mean request duration (s)", series: [{ label: "request", kind: "mean", sum: "request_seconds_sum", count: "request_seconds_count" }] },
+        { title: "tokens per request", series: ["input", "output"].map((t) => ({ label: t, kind: "mean", sum: `token_usage_sum/${t}`, count: `token_usage_count/${t}` })) },
+        { title: "preemptions/s", series: [{ label: "preempted", kind: "rate", key: "preemptions" }] },
+        { title: "prefix-cache hit ratio (%)", series: [{ label: "recent requests", kind: "value", key: "prefix_cache_hit_ratio", scale: 100 }] },
+      ],
+    },
+    {
       id: "checkpoint-latency", title: "Checkpoint latency",
       what: "Mean duration of the attempts in each interval: the whole attempt and each phase.",
       empty: "No checkpoint written yet: one runs every checkpoint.interval_s, when a trainer calls Checkpoint, and at shutdown.",
@@ -92,12 +121,13 @@
     },
     {
       id: "recovery", title: "Recovery efficiency",
-      what: "What restores found (totals): complete groups back as they were; siblings of unfinished groups reused versus generated again; partial tokens of unfinished siblings continued from versus generated again.",
+      what: "What restores found (totals): complete groups back as they were; siblings of unfinished groups reused versus generated again; partial tokens of unfinished siblings continued from versus generated again; model turns of episodes reused versus rerun (the first turn each restored episode generated).",
       empty: "Nothing recovered: no restore in this history found groups to bring back.",
       charts: [
         { title: "groups restored, by state", series: ["committed", "leased", "acked", "unfinished"].map((s) => ({ label: s, kind: "value", key: `recovery_groups/${s}` })) },
         { title: "siblings reused vs rerun", series: ["reused", "rerun"].map((s) => ({ label: s, kind: "value", key: `recovery_siblings/${s}` })) },
         { title: "partial tokens reused vs regenerated", series: ["reused", "regenerated"].map((s) => ({ label: s, kind: "value", key: `recovery_tokens/${s}` })) },
+        { title: "episode turns reused vs rerun", series: ["reused", "rerun"].map((s) => ({ label: s, kind: "value", key: `recovery_turns/${s}` })) },
       ],
     },
     {
@@ -151,11 +181,15 @@
 
   function read(spec, prev, p) {
     const get = (q) => (spec.sumOf ? sumOf(q, spec.sumOf) : valueOf(q, spec.key));
-    if (spec.kind === "value") return get(p);
+    const scale = spec.scale || 1;
+    if (spec.kind === "value") {
+      const v = get(p);
+      return v === null ? null : v * scale;
+    }
     if (spec.kind === "rate") {
       if (!prev || prev.run !== p.run || p.t <= prev.t) return null;
       const a = get(prev), b = get(p);
-      return a === null || b === null ? null : (b - a) / (p.t - prev.t);
+      return a === null || b === null ? null : ((b - a) / (p.t - prev.t)) * scale;
     }
     if (!prev) return null; // mean and share: events between two points, also across a restart
     if (spec.kind === "share") {

@@ -1,0 +1,214 @@
+"""Spans recorded without the SDK's span objects, for the two kinds made on every group and every
+RPC: ``rolloutd.group.generate`` and the RPC server spans.
+
+Starting and ending an SDK span checks every attribute, locks, and builds a second, readable copy
+at its end; for a span of a dozen attributes that is most of what tracing costs the service. Here
+the span's ids and sampling decision come from the SDK tracer's own id generator and sampler, as
+``Tracer.start_span`` makes them, and what the span gathers goes to the tracer's span processors
+as one ``ReadableSpan`` when it ends (``on_end``; processors do not see these spans start). Values
+are taken as given: rolloutd's own attributes are strings, numbers and booleans. Link and event
+counts keep the SDK's limits (``OTEL_SPAN_LINK_COUNT_LIMIT``, ``OTEL_SPAN_EVENT_COUNT_LIMIT``), the
+excess counted as dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    get_current_span,
+)
+from opentelemetry.util.types import Attributes, AttributeValue
+
+
+class LightTracer:
+    """Starts light spans on an SDK tracer's id generator, sampler and span processors."""
+
+    def __init__(self, tracer: SdkTracer) -> None:
+        self._tracer = tracer
+        info = tracer.instrumentation_info
+        self.scope = (
+            None if info is None else InstrumentationScope(info.name, info.version, info.schema_url)
+        )
+        self.limits = SpanLimits()
+
+    def start(
+        self,
+        name: str,
+        parent: Context | None,
+        kind: SpanKind,
+        attributes: dict[str, AttributeValue],
+        start_ns: int | None = None,
+    ) -> Span:
+        """A span under ``parent``'s current span (a root when it has none); a light recording
+        span when the sampler records it, else a non-recording one that carries its context."""
+        tracer = self._tracer
+        parent_context: SpanContext | None = get_current_span(parent).get_span_context()
+        ids = tracer.id_generator
+        if parent_context is None or not parent_context.is_valid:
+            parent_context = None
+            trace_id = ids.generate_trace_id()
+            random = ids.is_trace_id_random()
+        else:
+            trace_id = parent_context.trace_id
+            random = parent_context.trace_flags.random_trace_id
+        sampling = tracer.sampler.should_sample(parent, trace_id, name, kind, attributes)
+        flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
+        if random:
+            flags |= TraceFlags.RANDOM_TRACE_ID
+        context = SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags),
+            trace_state=sampling.trace_state,
+        )
+        if not sampling.decision.is_recording():
+            return NonRecordingSpan(context)
+        return LightSpan(
+            self,
+            name,
+            context,
+            parent_context,
+            kind,
+            dict(sampling.attributes or {}),
+            time.time_ns() if start_ns is None else start_ns,
+        )
+
+    def end(self, span: ReadableSpan) -> None:
+        self._tracer.span_processor.on_end(span)
+
+    @property
+    def resource(self) -> Any:
+        return self._tracer.resource
+
+    @property
+    def instrumentation_info(self) -> Any:
+        return self._tracer.instrumentation_info
+
+
+class LightSpan(Span):
+    """A recording span that gathers what it is told and hands it over once, at its end."""
+
+    def __init__(
+        self,
+        tracer: LightTracer,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: dict[str, AttributeValue],
+        start_ns: int,
+    ) -> None:
+        self._tracer = tracer
+        self._name = name
+        self._context = context
+        self._parent = parent
+        self._kind = kind
+        self._attributes = attributes
+        self._start_ns = start_ns
+        self._events: BoundedList | None = None
+        self._links: BoundedList | None = None
+        self._status = Status(StatusCode.UNSET)
+        self._ended = False
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return not self._ended
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self._attributes.update(attributes)
+
+    def add_event(
+        self, name: str, attributes: Attributes = None, timestamp: int | None = None
+    ) -> None:
+        if self._events is None:
+            self._events = BoundedList(self._tracer.limits.max_events)
+        self._events.append(
+            Event(name, attributes or {}, time.time_ns() if timestamp is None else timestamp)
+        )
+
+    def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
+        if not context.is_valid:
+            return
+        if self._links is None:
+            self._links = BoundedList(self._tracer.limits.max_links)
+        self._links.append(Link(context, attributes or {}))
+
+    def update_name(self, name: str) -> None:
+        self._name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        if self._status.status_code is StatusCode.OK:
+            return  # final, as in the SDK
+        if isinstance(status, Status):
+            self._status = status
+        else:
+            self._status = Status(status, description)
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Attributes = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        """The SDK's ``exception`` event: type, message, stack trace, escaped."""
+        event: dict[str, AttributeValue] = {
+            "exception.type": type(exception).__qualname__,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(
+                traceback.format_exception(type(exception), exception, exception.__traceback__)
+            ),
+            "exception.escaped": str(escaped),
+        }
+        if attributes:
+            event.update(attributes)
+        self.add_event("exception", event, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        tracer = self._tracer
+        tracer.end(
+            ReadableSpan(
+                self._name,
+                context=self._context,
+                parent=self._parent,
+                resource=tracer.resource,
+                attributes=self._attributes,
+                events=self._events if self._events is not None else _NONE,
+                links=self._links if self._links is not None else _NONE,
+                kind=self._kind,
+                instrumentation_info=tracer.instrumentation_info,
+                status=self._status,
+                start_time=self._start_ns,
+                end_time=time.time_ns() if end_time is None else end_time,
+                instrumentation_scope=tracer.scope,
+            )
+        )
+
+
+_NONE: Sequence[Any] = ()

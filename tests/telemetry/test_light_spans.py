@@ -1,0 +1,116 @@
+"""Light spans (``rolloutd.telemetry.light_spans``) reach the span processors as the SDK's spans
+would: same context, parent, sampling, attributes, events, links, status, resource and scope."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
+
+from rolloutd.telemetry.light_spans import LightTracer
+from tests.telemetry.span_shapes import LOCAL, REMOTE
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+def provider(sampler=ALWAYS_ON) -> tuple[SdkTracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider(
+        resource=Resource({"service.name": "rolloutd"}), sampler=sampler, shutdown_on_exit=False
+    )
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = tp.get_tracer("rolloutd", "9.9", schema_url="https://example.com/s")
+    assert isinstance(tracer, SdkTracer)
+    return tracer, exporter
+
+
+def exercise(span, error: ValueError) -> None:
+    span.set_attribute("late", 3)
+    span.set_attributes({"more": "yes"})
+    span.add_event("event", {"n": 1}, timestamp=5)
+    span.add_link(REMOTE, {"rolloutd.group.id": 9})
+    span.add_link(LOCAL)
+    span.record_exception(error, timestamp=6)
+    span.set_status(Status(StatusCode.ERROR, "failed"))
+    span.update_name("renamed")
+    span.end(end_time=7)
+
+
+def comparable(span: ReadableSpan) -> dict:
+    return {
+        "name": span.name,
+        "kind": span.kind,
+        "parent": span.parent,
+        "trace_id": span.context.trace_id,
+        "flags": span.context.trace_flags,
+        "attributes": dict(span.attributes),
+        "events": [(e.name, dict(e.attributes), e.timestamp) for e in span.events],
+        "links": [(link.context, dict(link.attributes)) for link in span.links],
+        "status": (span.status.status_code, span.status.description),
+        "resource": span.resource,
+        "scope": span.instrumentation_scope,
+        "start_time": span.start_time,
+        "end_time": span.end_time,
+        "dropped": (span.dropped_attributes, span.dropped_events, span.dropped_links),
+    }
+
+
+def test_a_light_span_reaches_the_processors_as_the_sdk_span_would():
+    tracer, exporter = provider()
+    parent = set_span_in_context(NonRecordingSpan(REMOTE))
+    attributes = {"rpc.system": "grpc", "n": 1, "x": 0.5, "ok": True}
+    error = ValueError("boom")
+    try:
+        raise error
+    except ValueError:
+        pass
+    exercise(
+        tracer.start_span("rpc", parent, SpanKind.SERVER, dict(attributes), start_time=4), error
+    )
+    exercise(LightTracer(tracer).start("rpc", parent, SpanKind.SERVER, dict(attributes), 4), error)
+    sdk, light = exporter.get_finished_spans()
+    assert comparable(light) == comparable(sdk)
+    assert light.parent == REMOTE and light.context.span_id != sdk.context.span_id
+
+
+def test_the_sampler_decides_and_an_unrecorded_span_still_carries_its_context():
+    tracer, exporter = provider(ParentBased(ALWAYS_OFF))
+    light = LightTracer(tracer)
+    root = light.start("root", None, SpanKind.INTERNAL, {})
+    assert not root.is_recording() and root.get_span_context().is_valid
+    assert not root.get_span_context().trace_flags.sampled
+    root.end()
+    sampled_parent = set_span_in_context(NonRecordingSpan(REMOTE))  # a sampled remote parent
+    child = light.start("child", sampled_parent, SpanKind.SERVER, {})
+    assert child.is_recording()
+    assert child.get_span_context().trace_id == REMOTE.trace_id
+    child.end()
+    [span] = exporter.get_finished_spans()
+    assert span.name == "child"
+
+
+def test_links_and_events_keep_the_sdks_limits(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "2")
+    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "1")
+    tracer, exporter = provider()
+    span = LightTracer(tracer).start("fetch", None, SpanKind.SERVER, {})
+    for i in range(1, 5):
+        span.add_link(SpanContext(1, i, is_remote=False, trace_flags=TraceFlags(1)))
+        span.add_event(f"e{i}")
+    span.end()
+    [finished] = exporter.get_finished_spans()
+    assert len(finished.links) == 2 and finished.dropped_links == 2
+    assert len(finished.events) == 1 and finished.dropped_events == 3

@@ -1,0 +1,59 @@
+"""rolloutd's OTLP span encoder writes, byte for byte, the request the exporter's stock encoder
+makes, for every kind of span the SDK records."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
+
+from rolloutd.telemetry.otlp_spans import SpanEncoder
+from tests.telemetry.span_shapes import LOCAL, recorded
+
+pytestmark = pytest.mark.usefixtures("clean_env")  # the SDK on
+
+
+def same_request(spans: list[ReadableSpan]) -> None:
+    assert len(spans) >= 5
+    ours = ExportTraceServiceRequest.FromString(SpanEncoder().encode(spans))
+    stock = encode_spans(spans)
+    assert ours == stock
+    assert ours.SerializeToString(deterministic=True) == stock.SerializeToString(deterministic=True)
+
+
+def test_every_kind_of_span_encodes_as_the_stock_encoder_does():
+    resource = Resource({"service.name": "rolloutd", "n": 3}, schema_url="https://example.com/r")
+    same_request(list(recorded(resource)))
+
+
+def test_spans_of_several_resources_and_dropped_attributes_and_events():
+    limits = SpanLimits(max_span_attributes=3, max_events=1, max_links=1)
+    first = list(recorded(Resource({"service.name": "a"})))
+    second = list(recorded(Resource({"service.name": "b"}), limits))
+    assert any(s.dropped_attributes for s in second)
+    assert any(s.dropped_events for s in second)
+    assert any(s.dropped_links for s in second)
+    mixed = [s for pair in zip(first, second, strict=True) for s in pair]
+    same_request(mixed)
+
+
+def test_a_span_it_does_not_write_sends_the_batch_through_the_stock_encoder():
+    span = ReadableSpan(
+        "arrays",
+        context=LOCAL,
+        resource=Resource({}),
+        attributes={"list": ("a", "b"), "n": 1},
+        start_time=1,
+        end_time=2,
+    )
+    same_request([span, *recorded(Resource({}))])
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+def test_an_encoder_reused_across_batches_writes_each_alike(repeat):
+    spans = list(recorded(Resource({"service.name": "rolloutd"})))
+    encoder = SpanEncoder()
+    for _ in range(repeat):
+        assert ExportTraceServiceRequest.FromString(encoder.encode(spans)) == encode_spans(spans)
