@@ -85,16 +85,38 @@ class RecordingJournal:
         self.events = events
         self.records: list[tuple[int, int, object]] = []
 
+    fail: RecordKind | None = None
+    """Records of this kind fail to be written (the disk's error, delivered to the writer)."""
+
     def episode(self, group_id: int, index: int, record):  # type: ignore[no-untyped-def]
         fut = asyncio.get_running_loop().create_future()
+        self.events.append((f"queued-{record.kind.value}", record.turn))
 
         def durable() -> None:
+            if record.kind is self.fail:
+                fut.set_exception(OSError(28, "No space left on device"))
+                return
             self.records.append((group_id, index, record))
             self.events.append((f"durable-{record.kind.value}", record.turn))
             fut.set_result(len(self.records))
 
         asyncio.get_running_loop().call_later(0.001, durable)
         return fut
+
+
+class Generating:
+    """An engine that notes when each model turn begins to generate."""
+
+    def __init__(self, engine: SyntheticEngine, events: list[tuple[str, int]]) -> None:
+        self.engine, self.events, self.turns = engine, events, 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.engine, name)
+
+    async def generate(self, request, on_delta):  # type: ignore[no-untyped-def]
+        self.events.append(("generate", self.turns))
+        self.turns += 1
+        return await self.engine.generate(request, on_delta)
 
 
 def job(engine, log, max_tokens=16):  # type: ignore[no-untyped-def]
@@ -108,7 +130,7 @@ async def test_an_episode_interleaves_model_and_environment_tokens_with_an_exact
     events: list[tuple[str, int]] = []
     env, journal = Env(events), RecordingJournal(events)
     runner = EpisodeRunner({}, env, EpisodeLimits(max_turns=5))
-    engine = SyntheticEngine(FAST)
+    engine = Generating(SyntheticEngine(FAST), events)
     sample = await runner.run(job(engine, EpisodeLog(1, 0, journal)))
     assert sample.finish_reason == "episode:done" and sample.episode_reward == 2.0
     assert [t.kind for t in sample.turns] == [TurnKind.MODEL, TurnKind.ENVIRONMENT] * 3
@@ -125,20 +147,50 @@ async def test_an_episode_interleaves_model_and_environment_tokens_with_an_exact
     text = "".join(map(chr, sample.prompt_token_ids))
     assert text.startswith("<|bos|><|user|>\nwhat is 2+2?<|end|>\n<|system|>\nepisode g1-s0")
     assert text.endswith("<|assistant|>\n")
-    # durability order: each turn durable before its step, each step durable before the next turn
+    # durability order: each turn durable before its step; a step's result (and reset's) is
+    # written while the next turn generates, and durable before that turn's record is queued;
+    # the last one before the sample ends
     assert events == [
         ("reset", -1),
+        ("queued-reset", -1),
+        ("generate", 0),
         ("durable-reset", -1),
+        ("queued-turn", 0),
         ("durable-turn", 0),
         ("step", 0),
+        ("queued-step", 0),
+        ("generate", 1),
         ("durable-step", 0),
+        ("queued-turn", 1),
         ("durable-turn", 1),
         ("step", 1),
+        ("queued-step", 1),
+        ("generate", 2),
         ("durable-step", 1),
+        ("queued-turn", 2),
         ("durable-turn", 2),
         ("step", 2),
+        ("queued-step", 2),
         ("durable-step", 2),
     ]
+
+
+async def test_a_failed_write_of_a_step_fails_the_episode_and_nothing_after_it_is_queued():
+    events: list[tuple[str, int]] = []
+    env, journal = Env(events), RecordingJournal(events)
+    journal.fail = RecordKind.STEP
+    runner = EpisodeRunner({}, env, EpisodeLimits(max_turns=5))
+    try:
+        await runner.run(job(SyntheticEngine(FAST), EpisodeLog(1, 0, journal)))
+    except OSError as exc:
+        assert exc.errno == 28
+    else:
+        raise AssertionError("the episode went on past a step it could not make durable")
+    # turn 1 was generated beside the failing write, but never queued: the journal holds no
+    # record without those before it
+    queued = [e for e in events if e[0].startswith("queued-")]
+    assert queued == [("queued-reset", -1), ("queued-turn", 0), ("queued-step", 0)]
+    assert [r.kind for _, _, r in journal.records] == [RecordKind.RESET, RecordKind.TURN]
 
 
 async def test_a_restored_episode_reuses_durable_turns_and_steps_and_replays_the_rest():

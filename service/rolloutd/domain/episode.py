@@ -9,10 +9,11 @@ to :class:`EnvironmentPort`, the port the episode runner calls.
 The durability contract (docs/design.md, "Episodes"):
 
 * a model turn's tokens are durable before ``step`` is called for that turn, and ``step``'s
-  result is durable before the next model turn starts;
+  result is durable before the next model turn's tokens are (its write overlaps that turn);
 * after a crash and a restore, a turn whose tokens were durable is never generated again, and a
   ``step`` whose result was durable is never called live again;
-* a ``step`` that was running when the process died is called again with the same
+* a ``step`` that was running when the process died, or had returned but whose result was not
+  durable yet, is called again with the same
   ``(episode_id, turn)`` key and the same ``completion``: an environment with external side
   effects deduplicates on that key;
 * the environment's own state comes back through ``state()`` / ``restore(start, state)`` when it

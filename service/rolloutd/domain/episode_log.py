@@ -1,8 +1,9 @@
 """An episode's durable record: what its model turns and environment steps produced, in order.
 
-Each record is journaled (group commit) before the episode goes on (docs/design.md,
-"Episodes"): a model turn's tokens before its ``step`` is called, a step's result before the
-next model turn starts. The list of an episode's records is append-only while it runs, so a
+Each record is journaled (group commit) in order (docs/design.md, "Episodes"): a model turn's
+tokens are durable before its ``step`` is called; a step's result (and ``reset``'s) is queued and
+the next model turn starts at once, its write overlapping the generation, and it is durable
+before that turn's record is queued and before the episode ends. The list of an episode's records is append-only while it runs, so a
 checkpoint's exclusive hold takes a cut of it in constant time (a reference and a length), as it
 does of a partial sibling's deltas; the snapshot holds the cut, the journal what came after, and
 a restore joins them (:func:`merged`).
@@ -128,6 +129,8 @@ class EpisodeLog:
     records: list[EpisodeRecord] = field(default_factory=list)
     capture: bool = True
     """Whether the current turn's tokens are captured (``recovery.granularity: token``)."""
+    pending: list[asyncio.Future[int]] = field(default_factory=list)
+    """Writes queued by ``append(wait=False)`` not yet waited for."""
     turn: int | None = None
     deltas: list[TokenDelta] = field(default_factory=list)
     admission: GroupAdmission | None = None
@@ -147,15 +150,39 @@ class EpisodeLog:
                 return record
         return None
 
-    async def append(self, record: EpisodeRecord) -> None:
-        """Adds ``record``; returns once it is durable. It joins ``records`` before the write
-        (a capture taken meanwhile holds it; a restore keeps one copy of it)."""
+    async def append(self, record: EpisodeRecord, *, wait: bool = True) -> None:
+        """Adds ``record``; returns once it is durable, or with ``wait=False`` once it is
+        queued (the next ``append``, or :meth:`settle`, waits for it). It joins ``records``
+        before the write (a capture taken meanwhile holds it; a restore keeps one copy of it).
+
+        A record is queued only once every earlier record of the sibling is durable, so the
+        journal never holds a record without those before it, even when a write failed."""
         self.records.append(record)
-        if self.journal is not None:
-            admitted = None if self.admission is None else self.admission.journal(self.journal)
-            await self.journal.episode(self.group_id, self.index, record)
-            if admitted is not None:
-                await admitted  # durable already (queued first): only its error is news
+        if self.journal is None:
+            return
+        await self.settle()
+        admitted = None if self.admission is None else self.admission.journal(self.journal)
+        queued = [asyncio.ensure_future(self.journal.episode(self.group_id, self.index, record))]
+        if admitted is not None:
+            queued.append(asyncio.ensure_future(admitted))  # queued first: only its error is news
+        if wait:
+            for durable in queued:
+                await durable
+        else:
+            self.pending = queued
+
+    async def settle(self) -> None:
+        """Returns once every record queued so far is durable (raises a failed write's error)."""
+        pending, self.pending = self.pending, []
+        for durable in pending:
+            await durable
+
+    def abandon(self) -> None:
+        """The episode ends without waiting for its queued writes (it failed, or was
+        cancelled): their outcome is the journal's, and an error is not left unretrieved."""
+        pending, self.pending = self.pending, []
+        for durable in pending:
+            durable.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def begin_turn(self, turn: int, prefix: Sequence[TokenDelta]) -> None:
         """Model turn ``turn`` starts, continuing from ``prefix`` (its tokens before a restart)."""

@@ -167,8 +167,10 @@ class _Episode:
         )
         try:
             end = await self._episode()
+            await self.log.settle()  # the last step's result is durable before the sample ends
             mismatches = await self.conversation.mismatches(self.ended_by, self.final)
         except BaseException as exc:  # reported, then raised as it was
+            self.log.abandon()
             self._ended(None, 0, f"{type(exc).__name__}: {exc}")
             raise
         self._ended(end, mismatches)
@@ -274,7 +276,9 @@ class _Episode:
                 messages = await self.env.reset(self.start)
                 state = await self.env.state(self.start.episode_id) if self.env.has_state else None
             ids = await self.conversation.add_environment(messages)
-            await self.log.append(EnvironmentReply(-1, tuple(messages), ids, state=state))
+            await self.log.append(
+                EnvironmentReply(-1, tuple(messages), ids, state=state), wait=False
+            )
         else:
             assert isinstance(found, EnvironmentReply)
             await self._bring_back_environment(found)
@@ -411,7 +415,7 @@ class _Episode:
             reply = EnvironmentReply(
                 turn, tuple(result.messages), ids, result.done, result.reward, state
             )
-            await self.log.append(reply)
+            await self.log.append(reply, wait=False)  # the next turn's write waits for it
         else:
             assert isinstance(found, EnvironmentReply)
             reply = found
