@@ -3,10 +3,10 @@
 Each record is journaled (group commit) in order (docs/design.md, "Episodes"): a model turn's
 tokens are durable before its ``step`` is called; a step's result (and ``reset``'s) is queued and
 the next model turn starts at once, its write overlapping the generation, and it is durable
-before that turn's record is queued and before the episode ends. The list of an episode's records is append-only while it runs, so a
-checkpoint's exclusive hold takes a cut of it in constant time (a reference and a length), as it
-does of a partial sibling's deltas; the snapshot holds the cut, the journal what came after, and
-a restore joins them (:func:`merged`).
+before that turn's record is queued and before the episode ends. The list of an episode's
+records is append-only while it runs, so a checkpoint's exclusive hold takes a cut of it in
+constant time (a reference and a length), as it does of a partial sibling's deltas; the snapshot
+holds the cut, the journal what came after, and a restore joins them (:func:`merged`).
 """
 
 from __future__ import annotations
