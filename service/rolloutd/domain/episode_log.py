@@ -162,7 +162,9 @@ class EpisodeLog:
             return
         await self.settle()
         admitted = None if self.admission is None else self.admission.journal(self.journal)
-        queued = [asyncio.ensure_future(self.journal.episode(self.group_id, self.index, record))]
+        queued: list[asyncio.Future[int]] = [
+            asyncio.ensure_future(self.journal.episode(self.group_id, self.index, record))
+        ]
         if admitted is not None:
             queued.append(asyncio.ensure_future(admitted))  # queued first: only its error is news
         if wait:
