@@ -10,6 +10,10 @@ from moto.server import ThreadedMotoServer
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OTEL_SDK_DISABLED", "true")
+# vLLM's services in tests start without compiling the model (8-60 s a start on two cores; the
+# tiny model decodes no faster compiled). The default, compiled, start is what `make run` does:
+# tests/integration/test_make_run.py runs it without this (newcomer_env drops ROLLOUTD_*).
+os.environ.setdefault("ROLLOUTD_ENGINE__VLLM__ENFORCE_EAGER", "true")
 
 
 @pytest.fixture

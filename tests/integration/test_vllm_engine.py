@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
-SETTINGS = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, max_num_seqs=64)
+SETTINGS = VLLMConfig(
+    dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, enforce_eager=True, max_num_seqs=64
+)
 TEXT = Prompt("arith", "What is 3 + 4?")
 CHAT = Prompt("chat", "", messages=({"role": "user", "content": "What is 2 + 2?"},))
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -282,7 +284,7 @@ HOLDER = textwrap.dedent(
 
     async def main():
         model, otlp, traceparent = sys.argv[1:]
-        settings = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1,
+        settings = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, enforce_eager=True,
                                 shutdown_grace_s=3, otlp_traces_endpoint=otlp)
         engine = VLLMEngine(settings, model, max_sequences=4)
         await engine.start()

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
-SETTINGS = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, max_num_seqs=16)
+SETTINGS = VLLMConfig(
+    dtype="float32", max_model_len=1024, kv_cache_memory_gib=1, enforce_eager=True, max_num_seqs=16
+)
 PROMPT = Prompt("arith", "What is 3 + 4?")
 MAX_TOKENS = 64
 
