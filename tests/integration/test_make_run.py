@@ -190,6 +190,7 @@ def test_a_kv_cache_that_does_not_fit_is_one_line_and_leaves_no_engine_process(
     env = newcomer_env(mark)
     too_big = 4 * psutil.virtual_memory().total / GIB
     env["ROLLOUTD_ENGINE__VLLM__KV_CACHE_MEMORY_GIB"] = f"{too_big:.0f}"
+    env["ROLLOUTD_ENGINE__VLLM__ENFORCE_EAGER"] = "true"  # the compiled start is test_make_run's
     result = run_unstartable(tmp_path, env=env)
     assert_one_line_error(result, "engine.vllm.kv_cache_memory_gib", "vllm.log")
     log = (tmp_path / ".rolloutd" / "logs" / "vllm.log").read_text()
