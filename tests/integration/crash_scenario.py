@@ -93,26 +93,27 @@ class Scenario:
         restore."""
         before = snapshots() if snapshots is not None else 0
         p = self.serve(fault)
-        address = p.wait_listening()
-        if fault is None:
-            if snapshots is not None:
-                deadline = time.monotonic() + 120.0
-                while snapshots() <= before:
-                    assert p.proc.poll() is None, f"the service exited: {p.output}"
-                    assert time.monotonic() < deadline, "no snapshot published in 120 s"
+        try:  # a failed round leaves no service behind
+            address = p.wait_listening()
+            if fault is None:
+                if snapshots is not None:
+                    deadline = time.monotonic() + 120.0
+                    while snapshots() <= before:
+                        assert p.proc.poll() is None, f"the service exited: {p.output}"
+                        assert time.monotonic() < deadline, "no snapshot published in 120 s"
+                        time.sleep(0.05)
+                threading.Timer(rng.uniform(0.2, 1.2), p.kill).start()
+            deadline = time.monotonic() + 8.0
+            while p.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    trainer.run(address, deadline - time.monotonic())
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):  # type: ignore[attr-defined]
+                        raise
                     time.sleep(0.05)
-            threading.Timer(rng.uniform(0.2, 1.2), p.kill).start()
-        deadline = time.monotonic() + 8.0
-        while p.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                trainer.run(address, deadline - time.monotonic())
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):  # type: ignore[attr-defined]
-                    raise
-                time.sleep(0.05)
-        died = p.proc.poll()
-        p.kill()
-        return died
+            return p.proc.poll()
+        finally:
+            p.kill()
 
     def finish(self, trainer: Trainer) -> None:
         """A last, undisturbed life to the end of the epoch; then the contract is checked."""
