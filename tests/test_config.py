@@ -208,3 +208,10 @@ def test_the_umask_is_octal(raw, umask):
 def test_a_umask_that_is_not_octal_names_the_key():
     with pytest.raises(ConfigError, match=r"config key 'umask'"):
         load_config(environ={"ROLLOUTD_UMASK": "0o9"})
+
+
+def test_the_switch_interval_is_half_a_millisecond_unless_set_and_a_bad_one_names_the_key():
+    assert load_config(environ={}).switch_interval_ms == 0.5
+    assert load_config(environ={"ROLLOUTD_SWITCH_INTERVAL_MS": "5"}).switch_interval_ms == 5.0
+    with pytest.raises(ConfigError, match=r"config key 'switch_interval_ms'"):
+        load_config(environ={"ROLLOUTD_SWITCH_INTERVAL_MS": "0"})

@@ -168,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rolloutd: {exc}", file=sys.stderr)
         return 2
     _keep_freed_memory()
+    sys.setswitchinterval(config.switch_interval_ms / 1000)  # see the key's description
     # before anything is created: the store, the journal, staged weights, logs
     os.umask(config.umask)
 

@@ -377,6 +377,13 @@ class Config(_Section):
     """umask of ``rolloutd serve``: the snapshots, journal, staged weights and logs it creates
     are its user's alone (files 0600, directories 0700); ``0o027`` lets its group read them.
     Octal: ``0o027`` or ``"027"`` in YAML and in ROLLOUTD_UMASK."""
+    switch_interval_ms: float = Field(0.5, gt=0, le=100)
+    """How long a thread of ``rolloutd serve`` holds Python's GIL before another one waiting for
+    it may run (``sys.setswitchinterval``; Python's own default is 5 ms). The event loop is busy
+    most of the time (vLLM's outputs, the episodes), and the threads it hands I/O to (the
+    journal's sync, environment calls) wait up to this long at each handoff: with 5 ms an
+    episode's durable turns cost 13% of its throughput, with 0.5 ms nothing measurable
+    (benchmarks/README.md, episodes.py)."""
     grpc: GrpcConfig = GrpcConfig()
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
