@@ -45,7 +45,8 @@ a function of the completion alone, every ``step`` call appended to a log file b
    >= 0.95.
 
 ``--quick`` (about four minutes on an idle 2-core machine, mostly vLLM starts, eager as in
-``throughput.py``): one kill, three rounds of 10 s windows. The full run: three kills, five rounds of 60 s windows.
+``throughput.py``): one kill, five rounds of 8 s windows. The full run: three kills, five
+rounds of 60 s windows.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +83,14 @@ TURNS = 3
 TURN_TOKENS = 24
 """``max_tokens`` of one model turn."""
 KILLS, KILLS_QUICK = 3, 1
-KILL_AFTER_STEPS = (6, 90)
-"""The kills come once the environment has seen so many live step calls in all, drawn without
-replacement from this range and sorted: the episodes' 96 steps (3 turns of 32 episodes, in step
-with each other) have their first turn's in flight at 6-31, and two turns durable at 64-90."""
-ROUNDS, ROUNDS_QUICK = 5, 3
-WINDOW_S, WINDOW_S_QUICK = 60.0, 10.0
+KILL_AFTER_STEPS = (6, 80)
+"""The kills come as soon as the environment has seen so many live step calls in all, drawn
+without replacement from this range and sorted: the episodes' 96 steps (3 turns of 32 episodes,
+in step with each other) have their first turn's in flight at 6-31, and two turns durable from
+64. A kill in the last turn's burst of steps, later than 80, may come when every episode has
+ended (on an idle machine an epoch takes two seconds)."""
+ROUNDS, ROUNDS_QUICK = 5, 5
+WINDOW_S, WINDOW_S_QUICK = 60.0, 8.0
 SEED = 27
 TARGET_ON_VS_OFF = 0.95
 RECOVERY_TURNS = re.compile(
@@ -155,10 +159,14 @@ class Service(common.Serve):
 
 
 class Trainer:
-    """Fetches and acks in a thread; remembers every group acked."""
+    """Fetches and acks in a thread; remembers every group acked. A lease received whose ack a
+    kill cut off stays ``pending`` and is acked first by the next life's trainer, as a real
+    trainer does: the restored service takes the ack of a lease it granted before the kill."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, pending: list[Any] | None = None) -> None:
         self.acked: list[pb.Group] = []
+        # the restarted service listens on another port: the same lease, acked there
+        self.pending: list[Any] = [replace(p, endpoint=address) for p in pending or []]
         self._client = RolloutClient(address, retries=1, timeout_s=30)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -167,10 +175,12 @@ class Trainer:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                while self.pending:
+                    self._client.ack(self.pending[0], trainer_step=1)
+                    self.acked += self.pending.pop(0).groups
                 lease = self._client.fetch(max_groups=GROUPS, wait_ms=500)
                 if lease is not None:
-                    self._client.ack(lease, trainer_step=1)
-                    self.acked += lease.groups
+                    self.pending.append(lease)
             except Exception:  # the service was killed under the call
                 if not self._stop.wait(0.2):
                     continue
@@ -275,11 +285,13 @@ def control_and_crash(work: Path, kills: int) -> dict[str, Any]:
     acked: list[pb.Group] = []
     kills_at: list[dict[str, Any]] = []
     recovered: list[dict[str, float] | None] = []
+    carried: list[Any] = []
+    """Leases the killed life's trainer received but could not ack."""
     for life in range(kills + 1):
         if life:
             crash = Service(work, crash_cfg, f"crash-{life}", restore="latest")
         listening(crash, f"crash run, life {life + 1}")
-        trainer = Trainer(crash.address)
+        trainer = Trainer(crash.address, carried)
 
         def delivered(t: Trainer = trainer, before: list[pb.Group] = acked) -> bool:
             return len({g.prompt_id for g in [*before, *t.acked]}) >= GROUPS
@@ -292,7 +304,6 @@ def control_and_crash(work: Path, kills: int) -> dict[str, Any]:
                 lambda n=after: live_steps(steps_log) >= n or delivered(),
             )
             kill = not delivered()  # a run that ended first is not killed again
-            time.sleep(rng.uniform(0.0, 0.3))
         if not kill:
             wait_for(f"crash run: {GROUPS} groups delivered", delivered)
         if life:  # what the restore that started this life recovered
@@ -301,6 +312,7 @@ def control_and_crash(work: Path, kills: int) -> dict[str, Any]:
             crash.kill()
             trainer.stop()
             acked.extend(trainer.acked)
+            carried = trainer.pending
             calls = env_calls(steps_log)
             durable = durable_on_disk(store, {g.group_id for g in acked})
             kills_at.append({"life": life, "calls": len(calls), **durable})
@@ -489,6 +501,11 @@ def throughput(
     try:
         for g in generators:
             g.start()
+        for g in generators:  # each was frozen since it listened: its first minutes are not kept
+            g.thaw()
+            common.progress(f"{g.label}: warming up for {window_s:.0f} s")
+            time.sleep(window_s)
+            g.freeze()
         for r in range(rounds):
             order = generators if r % 2 == 0 else generators[::-1]  # neither always goes first
             for g in order:
