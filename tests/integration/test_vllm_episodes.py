@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter, defaultdict
@@ -29,8 +30,8 @@ from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 from tests.integration.proc import ServeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(2400)]
-"""Five vLLM starts (a control run, the first run and three restarts): each took up to four
-minutes on 2 cores under load."""
+"""Five vLLM starts (a control run beside the first run, and three restarts): each took up to
+four minutes on 2 cores under load."""
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"replayed": "ReplayedEnv", "stateful": "StatefulEnv", "served": "ServedEnv"}
@@ -123,7 +124,11 @@ def _config(tmp: Path, calls: Path, served: str) -> Path:
 
 
 def _serve(tmp: Path, cache_dir: Path, config: Path, *args: str) -> ServeProcess:
-    p = ServeProcess(
+    return _listening(_start(tmp, cache_dir, config, *args))
+
+
+def _start(tmp: Path, cache_dir: Path, config: Path, *args: str) -> ServeProcess:
+    return ServeProcess(
         [
             "--config",
             str(config),
@@ -144,6 +149,9 @@ def _serve(tmp: Path, cache_dir: Path, config: Path, *args: str) -> ServeProcess
         cwd=tmp,
         log_path=tmp / "serve.log",
     )
+
+
+def _listening(p: ServeProcess) -> ServeProcess:
     try:
         p.wait_listening(timeout=540)  # a vLLM start took 4 minutes and more on loaded cores
     except BaseException:
@@ -228,21 +236,26 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
     crash_dir.mkdir()
     control_calls, calls = control_dir / "calls.jsonl", crash_dir / "calls.jsonl"
 
-    served = ServedEnvironment(control_calls)
-    try:
-        config = _config(control_dir, control_calls, served.url)
-        control = _serve(control_dir, tiny_model_cache, config)
-        try:
-            reference = _trajectories(_collect(control))
-        finally:
-            control.terminate()
-    finally:
-        served.stop()
-
-    served = ServedEnvironment(calls)
+    # the control run and the crash run's first life start side by side (their vLLM starts
+    # overlap); the control run is collected in a thread while the crash run is killed
+    served_control, served = ServedEnvironment(control_calls), ServedEnvironment(calls)
     config = _config(crash_dir, calls, served.url)
     rng = random.Random()
     total = len(SOURCES) * PROMPTS_PER_SOURCE * GROUP_SIZE * TURNS
+    control_run = _start(
+        control_dir, tiny_model_cache, _config(control_dir, control_calls, served_control.url)
+    )
+    reference: dict[tuple[str, int], pb.Sample] = {}
+
+    def run_control() -> None:
+        try:
+            reference.update(_trajectories(_collect(_listening(control_run))))
+        finally:
+            control_run.terminate()
+            served_control.stop()
+
+    control = threading.Thread(target=run_control)
+    control.start()
     try:
         p = _serve(crash_dir, tiny_model_cache, config)
         kills = []
@@ -265,6 +278,8 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
             p.terminate()
     finally:
         served.stop()
+        control.join(timeout=900)
+    assert not control.is_alive() and reference, "the control run delivered nothing"
 
     # no group delivered twice, every prompt once
     assert Counter(g.prompt_id for g in delivered) == {
