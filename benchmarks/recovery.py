@@ -36,7 +36,7 @@ process is killed:
    service process and of vLLM's engine processes.
 
 ``--quick`` (meant to take about three minutes, most of it the vLLM starts of the crash run and
-of the restores): siblings of at most 960 tokens, 120 in the throughput windows, four rounds over
+of the restores): siblings of at most 640 tokens, 80 in the throughput windows, four rounds over
 windows of at least 4 s. The full run keeps 1920 tokens (960 in the windows), 45 s windows, and
 adds ``streaming``. The 2 cores are shared with other work: single windows vary by ±10-25% here,
 so every ratio is reported with its rounds and their spread (``*_noise`` in the JSON): a ratio
@@ -67,7 +67,7 @@ NAME = "recovery"
 CACHE = Path(__file__).resolve().parent.parent / ".rolloutd" / "cache"
 """Where the tiny model is built once and kept, as ``throughput.py`` does."""
 MAX_TOKENS = 1920
-MAX_TOKENS_QUICK = 960
+MAX_TOKENS_QUICK = 640
 KILL_AFTER_S = 1.0
 """The SIGKILL lands this long after a snapshot: the middle of the 2 s checkpoint interval."""
 WAVES = 3
