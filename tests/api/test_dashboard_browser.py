@@ -117,8 +117,10 @@ def serve(ckpt: Path, tmp_path: Path, *args: str) -> ServeProcess:
             "OTEL_SDK_DISABLED": "false",  # the dashboard draws the service's own metrics
             "ROLLOUTD_HTTP__DASHBOARD_INTERVAL_S": "1",
             # About 2 s a sibling: slower than the trainer consumes, so the buffer never fills,
-            # admission never stops, and every snapshot holds groups still generating.
+            # admission never stops, and every snapshot holds groups still generating; nor
+            # does staleness gating stop it once the trainer is gone before the SIGKILL.
             "ROLLOUTD_ENGINE__SYNTHETIC__TOKENS_PER_S": "30",
+            "ROLLOUTD_LIMITS__STALENESS_GATING": "false",
         },
         cwd=tmp_path,
         log_path=tmp_path / "serve.log",

@@ -194,4 +194,6 @@ async def test_a_refused_request_is_not_kept_in_memory(serve):
         assert (
             await refused(stub.SubmitPrompts, request)
         ).code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert live() == before
+    # the last refused call's state may still be on its way out when the client has its answer
+    # (the suite caught one copy alive once); a leak keeps one per refusal, for good
+    await eventually("every refused request released", lambda: live() == before, timeout_s=10)
