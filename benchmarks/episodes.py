@@ -70,7 +70,7 @@ import common
 import yaml
 
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.client import RolloutClient
+from rolloutd.client import Lease, RolloutClient
 from rolloutd.domain.episode_log import RecordKind
 from rolloutd.domain.state import JournaledAck, JournaledEpisode
 from rolloutd.engines.tiny_model import ensure_tiny_model
@@ -163,10 +163,10 @@ class Trainer:
     kill cut off stays ``pending`` and is acked first by the next life's trainer, as a real
     trainer does: the restored service takes the ack of a lease it granted before the kill."""
 
-    def __init__(self, address: str, pending: list[Any] | None = None) -> None:
+    def __init__(self, address: str, pending: list[Lease] | None = None) -> None:
         self.acked: list[pb.Group] = []
         # the restarted service listens on another port: the same lease, acked there
-        self.pending: list[Any] = [replace(p, endpoint=address) for p in pending or []]
+        self.pending: list[Lease] = [replace(p, endpoint=address) for p in pending or []]
         self._client = RolloutClient(address, retries=1, timeout_s=30)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -285,7 +285,7 @@ def control_and_crash(work: Path, kills: int) -> dict[str, Any]:
     acked: list[pb.Group] = []
     kills_at: list[dict[str, Any]] = []
     recovered: list[dict[str, float] | None] = []
-    carried: list[Any] = []
+    carried: list[Lease] = []
     """Leases the killed life's trainer received but could not ack."""
     for life in range(kills + 1):
         if life:
