@@ -73,16 +73,26 @@ def test_growth_stops_where_usage_in_proportion_reaches_the_soft_limit():
     assert (limit.value, limit.reason) == (12, InFlightReason.KV_CACHE_HIGH)  # 12.7 rounds down
 
 
-def test_usage_at_the_soft_limit_anywhere_in_the_turnover_holds_it():
+def test_the_mean_usage_of_the_turnover_decides_not_its_peak():
     limit = InFlightLimit(64, CONFIG)
     engine = Engine(limit)
-    engine.read()
-    engine.usage = 0.95  # a peak between two readings
-    engine.read()
-    engine.usage = 0.1
+    for usage in (0.2, 1.0, 0.3):  # a peak at the cache's edge between two low readings
+        engine.usage = usage
+        engine.read()
     engine.departed += 4
-    assert not engine.read()
-    assert (limit.value, limit.reason) == (4, InFlightReason.KV_CACHE_HIGH)
+    engine.usage = 0.3
+    assert engine.read()  # mean 0.45: in proportion 8 groups use 0.9
+    assert (limit.value, limit.reason) == (8, InFlightReason.GROWING)
+    for usage in (0.95, 0.9, 0.5, 0.95):
+        engine.usage = usage
+        engine.read()
+    engine.departed += 8
+    engine.usage = 0.95
+    assert not engine.read()  # mean 0.85: one group more would pass 0.9
+    assert (limit.value, limit.reason) == (8, InFlightReason.KV_CACHE_HIGH)
+    engine.usage = 0.92
+    assert not engine.turn_over()  # mean at the soft limit
+    assert (limit.value, limit.reason) == (8, InFlightReason.KV_CACHE_HIGH)
 
 
 def test_a_preemption_backs_off_once_per_turnover():
@@ -105,7 +115,7 @@ def test_a_preemption_backs_off_once_per_turnover():
     assert limit.value == 8
 
 
-def test_it_grows_back_to_just_below_what_overflowed_and_probes_above_it_slowly():
+def test_it_grows_back_half_way_to_what_overflowed_then_probes_above_it_slowly():
     limit = InFlightLimit(64, replace(CONFIG, initial=20, probe_after=3))
     engine = Engine(limit)
     engine.read()
@@ -114,14 +124,42 @@ def test_it_grows_back_to_just_below_what_overflowed_and_probes_above_it_slowly(
     engine.departed += 20
     engine.read(in_flight=10)  # the cooling turnover ends
     engine.usage = 0.3
-    assert engine.turn_over()
-    assert (limit.value, limit.reason) == (19, InFlightReason.GROWING)  # not 20 again
+    values = []
+    while engine.turn_over():
+        values.append(limit.value)
+    assert values == [15, 17, 18, 19]  # never 20 again
+    assert limit.reason is InFlightReason.PREEMPTED
     for _ in range(2):
         assert not engine.turn_over()
         assert (limit.value, limit.reason) == (19, InFlightReason.PREEMPTED)
-    assert not engine.turn_over()  # the third quiet turnover lets it try 20 next time
-    assert engine.turn_over()
+    assert engine.turn_over()  # the third quiet turnover lets it try 20
     assert limit.value == 20
+
+
+def test_a_try_that_preempts_goes_back_to_the_value_that_held():
+    limit = InFlightLimit(64, replace(CONFIG, initial=10))
+    engine = Engine(limit)
+    engine.usage = 0.3
+    assert engine.turn_over()
+    assert limit.value == 20  # held 10 through a turnover, grew
+    engine.preemptions += 2
+    assert engine.read()
+    assert (limit.value, limit.reason) == (10, InFlightReason.PREEMPTED)  # back, not 20 / 2
+    engine.departed += 20
+    assert not engine.read(in_flight=10)  # the cooling turnover
+    assert engine.turn_over()
+    assert limit.value == 15  # half way to the 20 that overflowed
+    assert engine.turn_over()
+    assert limit.value == 17
+    assert not engine.turn_over(in_flight=12)  # held at 17: not limiting
+    engine.preemptions += 1
+    assert engine.read()
+    assert limit.value == 15  # the value it grew from, which turned over quietly
+    engine.departed += 17
+    engine.read(in_flight=15)
+    engine.preemptions += 1  # 15 itself preempts now: the workload got heavier
+    assert engine.read()
+    assert limit.value == 7
 
 
 def test_once_usage_reached_the_soft_limit_it_grows_one_group_a_turnover():
@@ -223,7 +261,8 @@ async def test_admission_follows_the_limit_the_engine_signals_set():
         engine.preempted, engine.usage = 4, 0.95  # and the cache stays full: no growing back
         await settle(lambda: c.admission_status().in_flight_reason is InFlightReason.PREEMPTED)
         status = c.status().admission
-        assert (status.in_flight_limit, status.adaptive, status.in_flight_ceiling) == (3, True, 6)
+        # back to 4, which it grew from after a quiet turnover (not 6 x 0.5)
+        assert (status.in_flight_limit, status.adaptive, status.in_flight_ceiling) == (4, True, 6)
         mark = len(seen) + 2  # the groups in flight at the back-off finish within two rounds
         await settle(lambda: len(seen) > mark + 10)
         assert c.admission_status().in_flight_reason is InFlightReason.KV_CACHE_HIGH
@@ -232,4 +271,4 @@ async def test_admission_follows_the_limit_the_engine_signals_set():
         await c.stop()
     assert all(in_flight <= limit for in_flight, limit in growing)
     assert max(in_flight for in_flight, _ in growing) == 6
-    assert all(in_flight <= 3 for in_flight, _ in seen[mark:])
+    assert all(in_flight <= 4 for in_flight, _ in seen[mark:])

@@ -3,23 +3,29 @@
 A static ``limits.max_in_flight`` is either too low (the engine idles) or too high: past the KV
 cache's capacity vLLM preempts running requests and computes them again, and generation slows
 down several times over. With ``limits.max_in_flight: auto`` the limit follows the engine's own
-signals (``EngineCounters.kv_cache_usage`` and the cumulative ``preemptions``):
+signals (``EngineCounters.kv_cache_usage`` and the cumulative ``preemptions``), one decision per
+turnover: once the groups in flight at the last change have left flight (as many groups left
+since as there were in it), the readings in between tell whether the limit is safe. Waiting for
+a turnover matters: a sequence's KV cache grows while it decodes, so usage read right after an
+increase says little about where it goes.
 
-- **Back off on preemption.** A preemption since the last reading multiplies the limit by
-  ``backoff`` (at least one group), once per turnover: the groups in flight when it backs off go
-  on overflowing until they finish. The value that overflowed is remembered, and growth stops
-  one below it; every ``probe_after`` quiet turnovers there it may try one more, so a lighter
-  workload is found again without a sawtooth through preemptions.
-- **Grow while there is room.** Once the groups in flight at the last change have turned over
-  (as many groups left flight since as there were in it), the limit is known to be safe or not:
-  if the highest KV-cache usage seen meanwhile is under ``kv_cache_soft_limit``, the limit was
-  binding (groups were in flight up to it) and nothing was preempted, it grows, by at most
-  ``growth`` times and no further than usage projected in proportion stays under the soft
-  limit; once usage has reached the soft limit, by one group a turnover, since one turnover's
-  peak is a noisy estimate. Waiting for a turnover
-  matters: a sequence's KV cache grows while it decodes, so usage read right after an increase
-  says little about where it will peak.
+- **Back off on preemption.** A preemption since the last reading lowers the limit, once per
+  turnover (the groups in flight when it backs off go on overflowing until they finish): to the
+  value it last grew from (which turned over without a preemption), if that lies above
+  ``backoff`` times the limit, else by ``backoff``. The value that overflowed is remembered.
+- **Grow while there is room.** If the turnover's mean KV-cache usage is under
+  ``kv_cache_soft_limit``, nothing was preempted and the limit was binding (groups were in flight
+  up to it), it grows: by at most ``growth`` times and no further than the mean projected in
+  proportion stays under the soft limit; once the mean has reached the soft limit, by one group
+  a turnover. Below a value that overflowed it halves the distance to it and stops one below;
+  every ``probe_after`` quiet turnovers there it may try one more, so a lighter workload is found
+  again, and a try that preempts goes straight back.
 - **Never above** ``limits.max_in_flight_ceiling``.
+
+The mean, not the peak: samples of different lengths start and finish at different times, and
+usage swings by a block per sequence as they grow; the peak of a turnover sits near the cache's
+edge long before sequences run out of room, while the mean says how much of the cache the groups
+keep busy. Preemption is what bounds the limit from above.
 
 The reason for the current value is an enum (:class:`InFlightReason`), reported beside it. The
 value is part of every snapshot (:class:`ConcurrencyState`), so a restart continues from what
@@ -43,9 +49,10 @@ class InFlightReason(enum.Enum):
     STARTING = "starting"
     """Adaptive, at its initial (or restored) value, no decision made yet."""
     GROWING = "growing"
-    """It grew: usage stayed under the soft limit through a turnover, with no preemption."""
+    """It grew: mean usage stayed under the soft limit through a turnover, with no preemption."""
     KV_CACHE_HIGH = "kv_cache_high"
-    """Held: KV-cache usage reached the soft limit during the last turnover."""
+    """Held: mean KV-cache usage over the last turnover reached the soft limit (or would, one
+    group more)."""
     PREEMPTED = "preempted"
     """Backed off because the engine preempted requests, or held just below the value that
     made it preempt."""
@@ -64,12 +71,13 @@ class ConcurrencyConfig:
     ceiling: int = 64
     """The most groups in flight ``limits.max_in_flight: auto`` may reach."""
     kv_cache_soft_limit: float = 0.9
-    """With ``limits.max_in_flight: auto``: the limit grows only while the engine's KV-cache
-    usage stays under this fraction (vLLM preempts when it is full)."""
+    """With ``limits.max_in_flight: auto``: the limit grows only while the engine's mean KV-cache
+    usage over a turnover stays under this fraction (vLLM preempts when it is full)."""
     initial: int = 8
     """Groups in flight before the engine has been read (capped by ``ceiling``)."""
     backoff: float = 0.5
-    """Factor applied to the limit when the engine preempted requests."""
+    """Factor applied to the limit when the engine preempted requests (unless a value that
+    turned over without a preemption lies between)."""
     growth: float = 2.0
     """Most the limit grows by in one step."""
     interval_s: float = 0.25
@@ -118,12 +126,17 @@ class InFlightLimit:
         """The engine's count at the previous reading (None: not read yet)."""
         self._window: tuple[int, int] | None = None
         """(departed, in flight) when the current window began: it ends at a turnover."""
-        self._peak = 0.0
-        """Highest KV-cache usage read in the current window."""
+        self._usage = 0.0
+        """Sum of the KV-cache usage read in the current window."""
+        self._readings = 0
+        """Readings in the current window."""
         self._busiest = 0
         """Most groups in flight read in the current window."""
         self._cooling = False
         """Backed off in the current window: its readings judge the groups in flight before."""
+        self._held: int | None = None
+        """The value it last grew from, after a turnover there without a preemption (None: none
+        since the last back-off): a preemption above it goes back to it."""
         self._overflow: int | None = None
         """The lowest value known to have made the engine preempt (None: none yet). Growth stops
         below it; it creeps up by one every ``probe_after`` quiet turnovers spent just below it,
@@ -131,9 +144,8 @@ class InFlightLimit:
         self._quiet = 0
         """Turnovers spent just below ``_overflow`` without a preemption."""
         self._near_full = False
-        """Usage once reached the soft limit: from then on it grows by one group a turnover,
-        since one turnover's peak is a noisy estimate (after a back-off it grows back in
-        proportion, up to just below the value that overflowed)."""
+        """The mean usage once reached the soft limit: from then on it grows by one group a
+        turnover, since one turnover's mean is a noisy estimate."""
 
     @property
     def adaptive(self) -> bool:
@@ -149,14 +161,9 @@ class InFlightLimit:
         if self._window is None:
             self._new_window(reading)
         if preempted and not self._cooling:
-            # the groups in flight when it backs off go on overflowing until they finish: one
-            # back-off per turnover, not one per reading
-            self._cooling = True
-            self._overflow = min(self.value, self._overflow or self.value)
-            self._quiet = 0
-            value = max(1, math.floor(self.value * cfg.backoff))
-            return self._set(value, reading, InFlightReason.PREEMPTED)
-        self._peak = max(self._peak, reading.kv_cache_usage)
+            return self._back_off(reading, cfg)
+        self._usage += reading.kv_cache_usage
+        self._readings += 1
         self._busiest = max(self._busiest, reading.in_flight)
         assert self._window is not None
         departed, in_flight = self._window
@@ -165,7 +172,8 @@ class InFlightLimit:
         if self._cooling:
             self._cooling = False
             return self._hold(reading, InFlightReason.PREEMPTED)
-        if self._peak >= cfg.kv_cache_soft_limit:
+        usage = self._usage / self._readings
+        if usage >= cfg.kv_cache_soft_limit:
             self._near_full = True
             return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
         if self.value >= self.ceiling:
@@ -173,26 +181,42 @@ class InFlightLimit:
         if self._busiest < self.value:
             return self._hold(reading, InFlightReason.NOT_LIMITING)
         grown = math.floor(self.value * cfg.growth)
-        if self._peak > 0:
+        if usage > 0:
             # usage grows about in proportion to the groups in flight
-            grown = min(grown, math.floor(self.value * cfg.kv_cache_soft_limit / self._peak))
+            grown = min(grown, math.floor(self.value * cfg.kv_cache_soft_limit / usage))
         grown = min(grown, self.ceiling, self.value + 1 if self._near_full else grown)
         if grown <= self.value:
             self._near_full = True
             return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
-        if self._overflow is not None and grown >= self._overflow:
-            grown = self._overflow - 1
+        if self._overflow is not None:
+            # half the way to what overflowed, at most to one below it
+            grown = min(grown, self.value + max(1, (self._overflow - self.value) // 2))
+            if grown >= self._overflow:
+                grown = self._overflow - 1
             if grown <= self.value:
                 self._quiet += 1
                 if self._quiet >= cfg.probe_after:
                     self._overflow, self._quiet = self._overflow + 1, 0
                 return self._hold(reading, InFlightReason.PREEMPTED)
+        self._held = self.value
         return self._set(grown, reading, InFlightReason.GROWING)
+
+    def _back_off(self, reading: EngineReading, cfg: ConcurrencyConfig) -> bool:
+        """The engine preempted: the groups in flight when it backs off go on overflowing until
+        they finish, so one back-off per turnover, not one per reading."""
+        self._cooling = True
+        self._overflow = min(self.value, self._overflow or self.value)
+        self._quiet = 0
+        value = max(1, math.floor(self.value * cfg.backoff))
+        if self._held is not None and value < self._held < self.value:
+            value = self._held  # it turned over there without a preemption
+        self._held = None
+        return self._set(value, reading, InFlightReason.PREEMPTED)
 
     def _new_window(self, reading: EngineReading) -> None:
         """A window begins after ``reading``, which ended the previous one."""
         self._window = (reading.departed, reading.in_flight)
-        self._peak, self._busiest = 0.0, 0
+        self._usage, self._readings, self._busiest = 0.0, 0, 0
 
     def _hold(self, reading: EngineReading, reason: InFlightReason) -> bool:
         self.reason = reason
@@ -216,3 +240,4 @@ class InFlightLimit:
         self.reason = InFlightReason.STARTING
         self._window = None
         self._cooling = False
+        self._held = None
