@@ -112,7 +112,7 @@ async def test_an_episode_is_an_agent_span_of_turns_and_tool_calls_under_its_gro
         conversation = attributes[AgentAttr.CONVERSATION_ID]
         conversations.add(conversation)
         assert attributes[GenAIAttr.OPERATION_NAME] == INVOKE_AGENT
-        assert attributes[AgentAttr.PROVIDER_NAME] == "synthetic"
+        assert attributes[GenAIAttr.PROVIDER_NAME] == "synthetic"
         assert attributes[EpisodeAttr.END] == "done" and attributes[EpisodeAttr.TURNS] == 3
         assert attributes[EpisodeAttr.TURNS_REUSED] == 0
         assert agent.status.status_code is StatusCode.UNSET

@@ -52,10 +52,9 @@ TURN_REUSED_EVENT = "rolloutd.episode.turn.reused"
 
 
 class AgentAttr:
-    """GenAI semantic-convention keys of agent spans (the request keys are :class:`GenAIAttr`)."""
+    """GenAI semantic-convention keys of agent spans (the request keys, and the provider's name,
+    are :class:`GenAIAttr`)."""
 
-    PROVIDER_NAME = "gen_ai.provider.name"
-    """The engine (``vllm``, ``synthetic``)."""
     AGENT_NAME = "gen_ai.agent.name"
     """The name of the episode's source (``dataset`` for a single dataset, ``submitted``)."""
     CONVERSATION_ID = "gen_ai.conversation.id"
@@ -118,7 +117,7 @@ class EpisodeSpans:
     def _common(self, episode_id: str) -> dict[str, AttributeValue]:
         attributes: dict[str, AttributeValue] = {AgentAttr.CONVERSATION_ID: episode_id}
         if self._generation.engine is not None:
-            attributes[AgentAttr.PROVIDER_NAME] = self._generation.engine
+            attributes[GenAIAttr.PROVIDER_NAME] = self._generation.engine
         if self._generation.model is not None:
             attributes[GenAIAttr.REQUEST_MODEL] = self._generation.model
         return attributes
