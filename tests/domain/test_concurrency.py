@@ -73,26 +73,25 @@ def test_growth_stops_where_usage_in_proportion_reaches_the_soft_limit():
     assert (limit.value, limit.reason) == (12, InFlightReason.KV_CACHE_HIGH)  # 12.7 rounds down
 
 
-def test_the_mean_usage_of_the_turnover_decides_not_its_peak():
+def test_the_peak_sizes_a_jump_and_past_it_it_creeps_while_the_mean_has_room():
     limit = InFlightLimit(64, CONFIG)
     engine = Engine(limit)
-    for usage in (0.2, 1.0, 0.3):  # a peak at the cache's edge between two low readings
+    for usage in (0.2, 0.45, 0.3):  # peak 0.45 at 4 groups: 8 would peak at 0.9
         engine.usage = usage
         engine.read()
     engine.departed += 4
-    engine.usage = 0.3
-    assert engine.read()  # mean 0.45: in proportion 8 groups use 0.9
+    assert engine.read()
     assert (limit.value, limit.reason) == (8, InFlightReason.GROWING)
-    for usage in (0.95, 0.9, 0.5, 0.95):
+    for usage in (0.4, 1.0, 0.5):  # a peak at the cache's edge, mean 0.6 at 8 groups
         engine.usage = usage
         engine.read()
     engine.departed += 8
-    engine.usage = 0.95
-    assert not engine.read()  # mean 0.85: one group more would pass 0.9
-    assert (limit.value, limit.reason) == (8, InFlightReason.KV_CACHE_HIGH)
-    engine.usage = 0.92
-    assert not engine.turn_over()  # mean at the soft limit
-    assert (limit.value, limit.reason) == (8, InFlightReason.KV_CACHE_HIGH)
+    engine.usage = 0.5
+    assert engine.read()
+    assert limit.value == 9  # past the peak: one group, as the mean has room for it
+    engine.usage = 0.82  # 0.82 x 10 / 9 = 0.91: one group more would reach the soft limit
+    assert not engine.turn_over()
+    assert (limit.value, limit.reason) == (9, InFlightReason.KV_CACHE_HIGH)
 
 
 def test_a_preemption_backs_off_once_per_turnover():
@@ -137,6 +136,7 @@ def test_it_grows_back_half_way_to_what_overflowed_then_probes_above_it_slowly()
 
 
 def test_a_try_that_preempts_goes_back_to_the_value_that_held():
+    """And a preemption at a value that held goes one below it."""
     limit = InFlightLimit(64, replace(CONFIG, initial=10))
     engine = Engine(limit)
     engine.usage = 0.3
@@ -149,28 +149,36 @@ def test_a_try_that_preempts_goes_back_to_the_value_that_held():
     assert not engine.read(in_flight=10)  # the cooling turnover
     assert engine.turn_over()
     assert limit.value == 15  # half way to the 20 that overflowed
-    assert engine.turn_over()
-    assert limit.value == 17
-    assert not engine.turn_over(in_flight=12)  # held at 17: not limiting
     engine.preemptions += 1
     assert engine.read()
-    assert limit.value == 15  # the value it grew from, which turned over quietly
-    engine.departed += 17
-    engine.read(in_flight=15)
-    engine.preemptions += 1  # 15 itself preempts now: the workload got heavier
+    assert limit.value == 10  # the value it grew from, which turned over quietly
+    engine.departed += 15
+    assert not engine.read(in_flight=10)  # the cooling turnover
+    assert engine.turn_over()
+    assert limit.value == 12  # half way to the 15 that overflowed
+    engine.read(in_flight=9)
+    engine.departed += 12
+    assert not engine.read(in_flight=9)
+    assert limit.reason is InFlightReason.NOT_LIMITING  # a quiet turnover at 12
+    engine.preemptions += 1
     assert engine.read()
-    assert limit.value == 7
+    assert limit.value == 11  # 12 itself held once: one below it
+    engine.departed += 12
+    engine.read(in_flight=11)  # the cooling turnover
+    engine.preemptions += 1  # 11 preempts before it ever turned over quietly: heavier samples
+    assert engine.read()
+    assert limit.value == 5
 
 
-def test_once_usage_reached_the_soft_limit_it_grows_one_group_a_turnover():
+def test_a_lighter_turnover_after_a_full_one_jumps_again():
     limit = InFlightLimit(64, replace(CONFIG, initial=10))
     engine = Engine(limit)
     engine.usage = 0.92
     assert not engine.turn_over()
     assert limit.reason is InFlightReason.KV_CACHE_HIGH
-    engine.usage = 0.5  # a lighter turnover: in proportion it would be 18, but one peak is noise
+    engine.usage = 0.5  # lighter samples: in proportion 18 groups peak at 0.9
     assert engine.turn_over()
-    assert (limit.value, limit.reason) == (11, InFlightReason.GROWING)
+    assert (limit.value, limit.reason) == (18, InFlightReason.GROWING)
 
 
 def test_an_engine_that_restarted_counts_from_zero_without_a_back_off():
@@ -261,8 +269,8 @@ async def test_admission_follows_the_limit_the_engine_signals_set():
         engine.preempted, engine.usage = 4, 0.95  # and the cache stays full: no growing back
         await settle(lambda: c.admission_status().in_flight_reason is InFlightReason.PREEMPTED)
         status = c.status().admission
-        # back to 4, which it grew from after a quiet turnover (not 6 x 0.5)
-        assert (status.in_flight_limit, status.adaptive, status.in_flight_ceiling) == (4, True, 6)
+        # 6 had turned over without a preemption: one below it, not 6 x 0.5
+        assert (status.in_flight_limit, status.adaptive, status.in_flight_ceiling) == (5, True, 6)
         mark = len(seen) + 2  # the groups in flight at the back-off finish within two rounds
         await settle(lambda: len(seen) > mark + 10)
         assert c.admission_status().in_flight_reason is InFlightReason.KV_CACHE_HIGH
@@ -271,4 +279,4 @@ async def test_admission_follows_the_limit_the_engine_signals_set():
         await c.stop()
     assert all(in_flight <= limit for in_flight, limit in growing)
     assert max(in_flight for in_flight, _ in growing) == 6
-    assert all(in_flight <= 4 for in_flight, _ in seen[mark:])
+    assert all(in_flight <= 5 for in_flight, _ in seen[mark:])

@@ -11,21 +11,23 @@ increase says little about where it goes.
 
 - **Back off on preemption.** A preemption since the last reading lowers the limit, once per
   turnover (the groups in flight when it backs off go on overflowing until they finish): to the
-  value it last grew from (which turned over without a preemption), if that lies above
-  ``backoff`` times the limit, else by ``backoff``. The value that overflowed is remembered.
-- **Grow while there is room.** If the turnover's mean KV-cache usage is under
-  ``kv_cache_soft_limit``, nothing was preempted and the limit was binding (groups were in flight
-  up to it), it grows: by at most ``growth`` times and no further than the mean projected in
-  proportion stays under the soft limit; once the mean has reached the soft limit, by one group
-  a turnover. Below a value that overflowed it halves the distance to it and stops one below;
+  value of the last turnover without a preemption (one below the limit if that was the limit
+  itself), if that lies above ``backoff`` times the limit, else by ``backoff``. The value that
+  overflowed is remembered.
+- **Grow while there is room.** If nothing was preempted in the turnover, the limit was binding
+  (groups were in flight up to it) and its mean KV-cache usage, in proportion to one group more,
+  stays under ``kv_cache_soft_limit``, it grows: at once to where its *peak* usage, in
+  proportion, would meet the soft limit (at most ``growth`` times), and past that by one group a
+  turnover. Below a value that overflowed it halves the distance to it and stops one below;
   every ``probe_after`` quiet turnovers there it may try one more, so a lighter workload is found
   again, and a try that preempts goes straight back.
 - **Never above** ``limits.max_in_flight_ceiling``.
 
-The mean, not the peak: samples of different lengths start and finish at different times, and
-usage swings by a block per sequence as they grow; the peak of a turnover sits near the cache's
-edge long before sequences run out of room, while the mean says how much of the cache the groups
-keep busy. Preemption is what bounds the limit from above.
+The peak sizes the jumps, the mean and preemption bound the creep: samples of different lengths
+start and finish at different times, and usage swings by a block per sequence as they grow, so a
+turnover's peak touches the cache's edge long before sequences run out of room (a limit held
+under the peak leaves a third of the cache idle), while a jump past the peak overflows the cache
+all at once, and every sequence in flight preempts until it finishes.
 
 The reason for the current value is an enum (:class:`InFlightReason`), reported beside it. The
 value is part of every snapshot (:class:`ConcurrencyState`), so a restart continues from what
@@ -128,6 +130,8 @@ class InFlightLimit:
         """(departed, in flight) when the current window began: it ends at a turnover."""
         self._usage = 0.0
         """Sum of the KV-cache usage read in the current window."""
+        self._peak = 0.0
+        """Highest KV-cache usage read in the current window."""
         self._readings = 0
         """Readings in the current window."""
         self._busiest = 0
@@ -135,17 +139,14 @@ class InFlightLimit:
         self._cooling = False
         """Backed off in the current window: its readings judge the groups in flight before."""
         self._held: int | None = None
-        """The value it last grew from, after a turnover there without a preemption (None: none
-        since the last back-off): a preemption above it goes back to it."""
+        """The value of the last turnover without a preemption (None: none since the last
+        back-off): a preemption above it goes back to it, one at it goes one below."""
         self._overflow: int | None = None
         """The lowest value known to have made the engine preempt (None: none yet). Growth stops
         below it; it creeps up by one every ``probe_after`` quiet turnovers spent just below it,
         so a lighter workload is found again."""
         self._quiet = 0
         """Turnovers spent just below ``_overflow`` without a preemption."""
-        self._near_full = False
-        """The mean usage once reached the soft limit: from then on it grows by one group a
-        turnover, since one turnover's mean is a noisy estimate."""
 
     @property
     def adaptive(self) -> bool:
@@ -163,6 +164,7 @@ class InFlightLimit:
         if preempted and not self._cooling:
             return self._back_off(reading, cfg)
         self._usage += reading.kv_cache_usage
+        self._peak = max(self._peak, reading.kv_cache_usage)
         self._readings += 1
         self._busiest = max(self._busiest, reading.in_flight)
         assert self._window is not None
@@ -172,22 +174,20 @@ class InFlightLimit:
         if self._cooling:
             self._cooling = False
             return self._hold(reading, InFlightReason.PREEMPTED)
-        usage = self._usage / self._readings
-        if usage >= cfg.kv_cache_soft_limit:
-            self._near_full = True
-            return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
+        self._held = self.value
+        mean, soft = self._usage / self._readings, cfg.kv_cache_soft_limit
+        if mean * (self.value + 1) / self.value >= soft:
+            return self._hold(reading, InFlightReason.KV_CACHE_HIGH)  # one group more reaches it
         if self.value >= self.ceiling:
             return self._hold(reading, InFlightReason.CEILING)
         if self._busiest < self.value:
             return self._hold(reading, InFlightReason.NOT_LIMITING)
+        # a jump to where the peak, in proportion to the groups, meets the soft limit; past it,
+        # one group a turnover
         grown = math.floor(self.value * cfg.growth)
-        if usage > 0:
-            # usage grows about in proportion to the groups in flight
-            grown = min(grown, math.floor(self.value * cfg.kv_cache_soft_limit / usage))
-        grown = min(grown, self.ceiling, self.value + 1 if self._near_full else grown)
-        if grown <= self.value:
-            self._near_full = True
-            return self._hold(reading, InFlightReason.KV_CACHE_HIGH)
+        if self._peak > 0:
+            grown = min(grown, math.floor(self.value * soft / self._peak))
+        grown = min(max(grown, self.value + 1), self.ceiling)
         if self._overflow is not None:
             # half the way to what overflowed, at most to one below it
             grown = min(grown, self.value + max(1, (self._overflow - self.value) // 2))
@@ -198,7 +198,6 @@ class InFlightLimit:
                 if self._quiet >= cfg.probe_after:
                     self._overflow, self._quiet = self._overflow + 1, 0
                 return self._hold(reading, InFlightReason.PREEMPTED)
-        self._held = self.value
         return self._set(grown, reading, InFlightReason.GROWING)
 
     def _back_off(self, reading: EngineReading, cfg: ConcurrencyConfig) -> bool:
@@ -208,15 +207,15 @@ class InFlightLimit:
         self._overflow = min(self.value, self._overflow or self.value)
         self._quiet = 0
         value = max(1, math.floor(self.value * cfg.backoff))
-        if self._held is not None and value < self._held < self.value:
-            value = self._held  # it turned over there without a preemption
+        if self._held is not None:  # it turned over there without a preemption
+            value = max(value, min(self._held, self.value - 1))
         self._held = None
         return self._set(value, reading, InFlightReason.PREEMPTED)
 
     def _new_window(self, reading: EngineReading) -> None:
         """A window begins after ``reading``, which ended the previous one."""
         self._window = (reading.departed, reading.in_flight)
-        self._usage, self._readings, self._busiest = 0.0, 0, 0
+        self._usage, self._peak, self._readings, self._busiest = 0.0, 0.0, 0, 0
 
     def _hold(self, reading: EngineReading, reason: InFlightReason) -> bool:
         self.reason = reason
