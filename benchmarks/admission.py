@@ -10,11 +10,15 @@ run is a real ``RolloutService`` (gRPC and all) on that engine, through ``throug
 ``SharedEngine``, with a trainer in this process calling it over gRPC.
 
 1. **Concurrency.** Each round runs every variant once, in an order rotated from round to round:
-   ``limits.max_in_flight`` 8, 16, 32 and 64 (static), and ``auto`` (ceiling 64). The trainer
+   ``limits.max_in_flight`` 8, 16, 32 and 64 (static), and ``auto`` (ceiling 64). The prompts are
+   the bundled set, each with its own ``generation.max_tokens`` drawn from :attr:`Plan.lengths`
+   (8-96): the tiny model never stops early, and real samples end at different lengths
+   (``--lockstep``: every sample runs to ``max_tokens``, so the groups in flight start and finish
+   in waves, the hardest case for a limit that avoids preemption). The trainer
    fetches and acks as fast as groups come and never changes the weights (staleness gating has
    nothing to hold back). A run warms up for ``warm_up_turnovers`` turnovers of the groups in
-   flight (``auto``, which starts at 8 groups and may change once per turnover: that many at a
-   limit that held), then measures generated tokens/s (the engine's own counter; committed
+   flight (``auto``, which starts at 8 groups and may change once per turnover: one more, at a
+   limit that did not change), then measures generated tokens/s (the engine's own counter; committed
    tokens/s beside it move in steps of a group) over a window of ``window_tokens`` generated
    tokens. Warm-up and window are work, not seconds, so a loaded machine measures as many engine
    steps as an idle one, only slower. Preemptions are the engine's own count
@@ -46,22 +50,24 @@ run is a real ``RolloutService`` (gRPC and all) on that engine, through ``throug
      accounting is from the engine's (target 1). The run also checks that the delivered fate
      holds exactly the tokens the trainer received.
 
-``--quick``: 2 rounds of 6,000-token windows after one turnover, 8 trainer steps (full: 4 rounds
-of 24,000 tokens after two turnovers; 2 staleness rounds of 20 steps).
+``--quick``: 3 rounds of 16,000-token windows after one turnover, 8 trainer steps (full: 4 rounds
+of 48,000 tokens after two turnovers; 2 staleness rounds of 20 steps).
 
-Usage: ``python benchmarks/admission.py [--quick] [--json FILE]``.
+Usage: ``python benchmarks/admission.py [--quick] [--lockstep] [--json FILE]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +76,7 @@ import grpc
 from throughput import SharedEngine, engine_overrides
 
 from rolloutd.config import Config, load_config
-from rolloutd.domain.concurrency import InFlightReason
+from rolloutd.dataset import load_prompts
 from rolloutd.domain.engine import GenerationRequest, SamplingParams
 from rolloutd.domain.fate import TokenFate
 from rolloutd.domain.group import Prompt
@@ -95,7 +101,7 @@ class Plan:
     rounds: int = 4
     warm_up_turnovers: int = 2
     """Turnovers of the groups in flight before measuring (with ``auto``, at a settled limit)."""
-    window_tokens: int = 24_000
+    window_tokens: int = 48_000
     """Generated tokens a measured window lasts: work, not seconds, so that a window holds as
     many of the engine's steps on a loaded machine as on an idle one."""
     max_window_s: float = 300.0
@@ -104,14 +110,22 @@ class Plan:
     staleness_rounds: int = 2
     group_size: int = 4
     max_tokens: int = 48
+    """Tokens a sample runs to in the staleness part, and in the concurrency part when
+    ``lengths`` is None."""
+    lengths: tuple[int, int] | None = (8, 96)
+    """Concurrency part: each prompt's own ``generation.max_tokens``, drawn uniformly from this
+    range (seeded). The tiny model never stops early, so without it every sample runs to
+    ``max_tokens`` and the groups in flight start and finish in lockstep waves: KV-cache usage
+    swings from a wave's start to its end, and no limit that never preempts can use the cache
+    between peaks. Real samples stop at their own length."""
     max_model_len: int = 256
     block_size: int = 32
     """Tokens per KV-cache block (``engine.vllm.block_size``; vLLM's CPU default is 128, which a
     short sample never outgrows)."""
-    kv_blocks: int = 160
-    """KV-cache size in blocks: a group's 4 siblings share their prompt's first block and need
-    two more each at full length (about 35 prompt tokens + 48), 9 blocks: 16 groups fit, 32
-    overflow once they grow."""
+    kv_blocks: int = 320
+    """KV-cache size in blocks: a sibling of a ~35-token prompt takes 2 blocks when it starts and
+    up to 5 at 96 new tokens, so 16 groups of 4 keep about half of it busy and 32 overflow it as
+    they grow."""
     ceiling: int = 64
     staleness_max_tokens: int = 16
     batch: int = 4
@@ -123,21 +137,28 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(rounds=2, warm_up_turnovers=1, window_tokens=6_000, steps=8, staleness_rounds=1)
+QUICK = Plan(rounds=3, warm_up_turnovers=1, window_tokens=16_000, steps=8, staleness_rounds=1)
 QUICK_CHANGES = (
-    "quick: 2 rounds of 6,000-token windows after 1 turnover, 1 staleness round of 8 steps "
-    "(full: 4 rounds of 24,000 tokens after 2 turnovers; 2 staleness rounds of 20 steps)"
+    "quick: 3 rounds of 16,000-token windows after 1 turnover, 1 staleness round of 8 steps "
+    "(full: 4 rounds of 48,000 tokens after 2 turnovers; 2 staleness rounds of 20 steps)"
 )
 
 
 # --- the service and its trainer ------------------------------------------------------------
 
 
-def config(plan: Plan, workdir: Path, max_tokens: int | None = None, **limits: Any) -> Config:
+def config(
+    plan: Plan,
+    workdir: Path,
+    max_tokens: int | None = None,
+    dataset: Path | None = None,
+    **limits: Any,
+) -> Config:
     """The service's configuration: ``limits`` are ``limits.*`` keys."""
     return load_config(
         overrides={
             **engine_overrides(),
+            "dataset.path": str(dataset) if dataset else None,
             "engine.vllm.max_model_len": plan.max_model_len,
             "engine.vllm.block_size": plan.block_size,
             "engine.max_tokens": max_tokens or plan.max_tokens,
@@ -241,31 +262,33 @@ async def until(condition: Callable[[], bool], timeout_s: float, every_s: float 
 
 
 async def warm_up_run(s: Served, plan: Plan, adaptive: bool) -> float:
-    """Until the groups in flight have turned over ``warm_up_turnovers`` times at the limit (with
-    ``auto``: the limit it settled at, one turnover without a change); returns how long it took.
-    Measured in groups, not seconds, so that a loaded machine warms up as far as an idle one."""
+    """Until the groups in flight have turned over ``warm_up_turnovers`` times at the limit;
+    with ``auto``, until the limit has not changed for one turnover more than that, counted in
+    the groups in flight when it last changed (after a back-off, those that overflowed: the
+    controller's next decision comes only after they left). Returns how long it took. Measured
+    in groups, not seconds, so that a loaded machine warms up as far as an idle one."""
     started = time.monotonic()
     generation = s.service.controller.generation
-    settling = {InFlightReason.STARTING, InFlightReason.GROWING}
-    turnovers = 0
-    while turnovers < plan.warm_up_turnovers:
-        limit, departed = generation.limit.value, generation.departed
-        if not await until(
-            lambda n=limit, d=departed: generation.departed - d >= n, plan.max_window_s
-        ):
+    turnovers = plan.warm_up_turnovers + (1 if adaptive else 0)
+    deadline = started + plan.max_window_s
+    value, since, span = -1, 0, 1
+    while time.monotonic() < deadline:
+        if generation.limit.value != value:
+            value, since = generation.limit.value, generation.departed
+            span = max(value, len(generation.siblings))
+        elif generation.departed - since >= turnovers * span:
             break
-        settled = generation.limit.value == limit and generation.limit.reason not in settling
-        turnovers = turnovers + 1 if settled or not adaptive else 0
+        await asyncio.sleep(0.02)
     return time.monotonic() - started
 
 
 async def run_concurrency(
-    plan: Plan, engine: SharedEngine, variant: int | str, workdir: Path
+    plan: Plan, engine: SharedEngine, variant: int | str, workdir: Path, dataset: Path | None
 ) -> dict[str, Any]:
     limits: dict[str, Any] = {"max_in_flight": variant, "buffer_capacity": 256}
     if variant == AUTO:
         limits["max_in_flight_ceiling"] = plan.ceiling
-    cfg = config(plan, workdir, **limits)
+    cfg = config(plan, workdir, dataset=dataset, **limits)
     await idle(engine)
     preempted0 = engine.counters().preemptions
     sampled = Sampled()
@@ -320,6 +343,21 @@ def schedule(round_index: int) -> list[int | str]:
     order: list[int | str] = [*STATIC, AUTO]
     k = round_index % len(order)
     return order[k:] + order[:k]
+
+
+def varied_lengths(plan: Plan, path: Path) -> Path | None:
+    """The bundled prompts, each with its own ``generation.max_tokens`` from ``plan.lengths``
+    (None: no lengths, the bundled set as it is)."""
+    if plan.lengths is None:
+        return None
+    low, high = plan.lengths
+    rng = random.Random(0)
+    with path.open("w") as out:
+        for p in load_prompts(None)[0]:
+            row = {"id": p.prompt_id, "prompt": p.text}
+            out.write(json.dumps({**row, "generation": {"max_tokens": rng.randint(low, high)}}))
+            out.write("\n")
+    return path
 
 
 # --- part 2: staleness ------------------------------------------------------------------------
@@ -415,7 +453,6 @@ async def start_engine(plan: Plan, base: Config) -> tuple[VLLMEngine, Path, dict
     per_token = kv_bytes_per_token(read_model_config(tiny), base.engine.vllm.dtype)
     kv_bytes = plan.kv_blocks * plan.block_size * per_token
     settings = base.engine_factory().vllm
-    from dataclasses import replace
 
     engine = VLLMEngine(
         replace(settings, kv_cache_memory_gib=kv_bytes / GIB), tiny, max_sequences=256
@@ -436,6 +473,7 @@ async def run(plan: Plan, quick: bool) -> dict[str, Any]:
     staleness: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rolloutd-admission-") as tmp:
         base = config(plan, Path(tmp))
+        dataset = varied_lengths(plan, Path(tmp) / "prompts.jsonl")
         common.progress(
             f"starting vLLM on the tiny model with a KV cache of {plan.kv_blocks} blocks "
             f"of {plan.block_size} tokens ({plan.kv_blocks * plan.block_size:,} tokens)"
@@ -451,7 +489,10 @@ async def run(plan: Plan, quick: bool) -> dict[str, Any]:
             for i in range(plan.rounds):
                 for variant in schedule(i):
                     workdir = Path(tmp) / f"c{i}-{variant}"
-                    r = {"round": i + 1, **await run_concurrency(plan, shared, variant, workdir)}
+                    r = {
+                        "round": i + 1,
+                        **await run_concurrency(plan, shared, variant, workdir, dataset),
+                    }
                     concurrency.append(r)
                     common.progress(describe_concurrency(r))
             for i in range(plan.staleness_rounds):
@@ -603,6 +644,18 @@ def assemble(
 # --- results ----------------------------------------------------------------------------------
 
 
+def lengths_note(p: dict[str, Any]) -> str:
+    low_high = p["lengths"]
+    staleness = f"{p['staleness_max_tokens']} tokens a sample in the staleness part"
+    if low_high is None:
+        return f"every sample runs to {p['max_tokens']} tokens (lockstep waves); {staleness}"
+    low, high = low_high
+    return (
+        f"each prompt's max_tokens drawn from {low}-{high} in the concurrency part (the tiny "
+        f"model runs every sample to it), {staleness}"
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     p, c = result["plan"], result["conditions"]
     sweep = result["static_sweep_tokens_per_s"]
@@ -611,7 +664,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{'Quick run. ' + result['quick_changes'] + '.' if result['quick'] else 'Full run.'} "
         f"vLLM on the tiny model (float32, CPU) with a KV cache of {p['kv_blocks']} blocks "
         f"of {p['block_size']} tokens ({c['kv_cache_bytes'] / 2**20:.0f} MiB); "
-        f"groups of {p['group_size']}, up to {p['max_tokens']} tokens a sample. Commit "
+        f"groups of {p['group_size']}; {lengths_note(p)}. Commit "
         f"{c['commit']}"
         + (f" with uncommitted {', '.join(c['uncommitted'])}" if c["uncommitted"] else "")
         + f"; {c['cpus']} CPUs shared with other work, load average "
@@ -677,9 +730,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     common.save_figure(fig, path)
 
 
+def lockstep_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every sample of the concurrency part runs to max_tokens: groups start and finish "
+        "in waves (the hardest case for a limit that avoids preemption)",
+    )
+
+
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], extra=lockstep_flag)
     plan = QUICK if args.quick else FULL
+    if args.lockstep:
+        plan = replace(plan, lengths=None)
     # the KV cache is sized by engine.vllm.kv_cache_memory_gib here; vLLM's variable would win
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

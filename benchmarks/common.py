@@ -27,9 +27,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 """Where ``run_all.py`` asks each benchmark to write, and where its summary goes."""
 
 
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The arguments every benchmark takes: ``--quick`` and ``--json FILE``."""
+def parse_args(
+    description: str,
+    argv: Sequence[str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> argparse.Namespace:
+    """The arguments every benchmark takes: ``--quick`` and ``--json FILE``; ``extra`` adds a
+    benchmark's own."""
     parser = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(parser)
     parser.add_argument(
         "--quick", action="store_true", help="a smaller run for development (under a minute)"
     )
