@@ -33,7 +33,9 @@ def parse_args(
     extra: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.Namespace:
     """The arguments every benchmark takes: ``--quick`` and ``--json FILE``; ``extra`` adds a
-    benchmark's own."""
+    benchmark's own. From here on SIGTERM ends the benchmark as Ctrl-C does (see
+    :func:`exit_on_sigterm`)."""
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=description)
     if extra is not None:
         extra(parser)
@@ -47,6 +49,18 @@ def parse_args(
         help="write the figures here (a .md table and a .png plot go next to it)",
     )
     return parser.parse_args(argv)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, ``pkill``, a job's timeout) raises ``SystemExit`` in the main thread, so
+    that the ``finally`` blocks that stop a benchmark's services and engines run. Python's default
+    is to die at once, which left services running (frozen ones for good) and vLLM engine
+    processes behind."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 # --- progress ----------------------------------------------------------------------------------
