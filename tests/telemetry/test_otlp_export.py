@@ -8,7 +8,9 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from prometheus_client import generate_latest
 
 from rolloutd.domain.report import CheckpointPhase, RestorePhase
 from rolloutd.telemetry.catalogue import CATALOGUE, SECONDS_BUCKETS
@@ -119,3 +121,38 @@ async def test_an_unreachable_collector_is_logged_at_a_bounded_rate(protocol, mo
     kinds = {(r.name, r.levelno, r.msg) for r in export_errors}
     assert len(export_errors) <= len(kinds) + 1, [r.getMessage() for r in export_errors]
     assert len(kinds) <= 6, kinds
+
+
+@pytest.mark.parametrize(
+    ("preference", "readers", "exported"),
+    [(None, 1, [3, 8]), ("delta", 2, [3, 5])],
+    ids=["cumulative: one collection", "delta: a reader of its own"],
+)
+def test_metrics_pushed_over_otlp_and_scraped_come_from_one_aggregation(
+    preference, readers, exported, receiver, monkeypatch
+):
+    """Every measurement is aggregated once per metric reader: /metrics and an OTLP exporter that
+    wants the same cumulative points share one, an exporter that wants deltas gets its own."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "rolloutd-one-reader")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint("grpc"))
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "3600000")  # pushes only when flushed
+    if preference:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", preference)
+    telemetry = setup_telemetry()
+    all_readers = telemetry.meter_provider._metric_readers
+    assert len(all_readers) == readers
+    # a scrape-only reader keeps what a flush collects for the next scrape: flush the others
+    pushing = [r for r in all_readers if type(r) is not PrometheusMetricReader]
+    counter = telemetry.meter_provider.get_meter("test").create_counter("test.items")
+    pushed = []
+    for n in (3, 5):
+        counter.add(n)
+        assert all(r.force_flush(10_000) for r in pushing)
+        [point] = receiver.metrics("rolloutd-one-reader")["test.items"].sum.data_points
+        pushed.append(point.as_int)
+    scraped = generate_latest(telemetry.prometheus_registry).decode()
+    telemetry.shutdown(timeout_s=20)
+    assert pushed == exported
+    [total] = [line for line in scraped.splitlines() if line.startswith("test_items_total{")]
+    assert total.endswith(" 8.0")  # a scrape sees every measurement, pushed or not

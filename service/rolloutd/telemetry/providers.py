@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
+from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
 from rolloutd.telemetry.otel_sdk import (
     EncodingSpanExporter,
@@ -333,14 +334,7 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
         exporter = _span_exporter(name, settings.traces, settings.export_timeout_s)
         tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
 
-    readers: list[MetricReader] = [PrometheusMetricReader(registry=registry)]
-    for name in settings.metrics.exporters:
-        readers.append(
-            PeriodicExportingMetricReader(
-                _metric_exporter(name, settings.metrics, settings.export_timeout_s),
-                export_interval_millis=settings.metric_export_interval_s * 1000,
-            )
-        )
+    readers = _metric_readers(settings, registry)
     meter_provider = SdkMeterProvider(
         resource=resource,
         metric_readers=readers,
@@ -358,6 +352,30 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
         _describe(settings.metrics),
     )
     return Telemetry(settings, registry, resource, _SdkProviders(tracer_provider, meter_provider))
+
+
+def _metric_readers(settings: TelemetrySettings, registry: CollectorRegistry) -> list[MetricReader]:
+    """The ``/metrics`` reader, which also pushes to the first exporter when that exporter wants
+    what a scrape collects (metric_reader.py: one aggregation per measurement, not one per
+    reader); other exporters get a periodic reader of their own."""
+    exporters = [
+        _metric_exporter(name, settings.metrics, settings.export_timeout_s)
+        for name in settings.metrics.exporters
+    ]
+    interval_s = settings.metric_export_interval_s
+    if not exporters or not shares_collection():
+        return [
+            PrometheusMetricReader(registry=registry),
+            *(
+                PeriodicExportingMetricReader(e, export_interval_millis=interval_s * 1000)
+                for e in exporters
+            ),
+        ]
+    first, *rest = exporters
+    return [
+        PrometheusExportingReader(registry, first, interval_s),
+        *(PeriodicExportingMetricReader(e, export_interval_millis=interval_s * 1000) for e in rest),
+    ]
 
 
 def _describe(export: SignalExport) -> str:
