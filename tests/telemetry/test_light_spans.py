@@ -17,10 +17,12 @@ from opentelemetry.trace import (
     Status,
     StatusCode,
     TraceFlags,
+    TraceState,
     set_span_in_context,
 )
 
 from rolloutd.telemetry.light_spans import LightTracer
+from rolloutd.telemetry.otel_sdk import GatedTracerProvider
 from tests.telemetry.span_shapes import LOCAL, REMOTE
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -114,3 +116,44 @@ def test_links_and_events_keep_the_sdks_limits(monkeypatch):
     [finished] = exporter.get_finished_spans()
     assert len(finished.links) == 2 and finished.dropped_links == 2
     assert len(finished.events) == 1 and finished.dropped_events == 3
+
+
+@pytest.mark.parametrize(
+    "parent",
+    [
+        None,
+        SpanContext(
+            1, 2, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")])
+        ),
+        SpanContext(
+            1, 2, is_remote=True, trace_flags=TraceFlags(0), trace_state=TraceState([("k", "v")])
+        ),
+        SpanContext(1, 2, is_remote=False, trace_flags=TraceFlags(0)),
+    ],
+    ids=["root", "sampled remote parent", "unsampled remote parent", "unsampled local parent"],
+)
+def test_the_default_samplers_decision_without_calling_it_is_the_samplers(parent):
+    """The service's provider with the SDK's default sampler, ParentBased(ALWAYS_ON): a light span
+    decides as the sampler would (recorded, sampled, trace state, starting attributes)."""
+    exporter = InMemorySpanExporter()
+    tp = GatedTracerProvider(
+        resource=Resource({"service.name": "rolloutd"}), shutdown_on_exit=False
+    )
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = tp.get_tracer("rolloutd")
+    assert isinstance(tracer, SdkTracer) and tp.gate.parent_based_always_on
+    context = None if parent is None else set_span_in_context(NonRecordingSpan(parent))
+    sdk = tracer.start_span("s", context, SpanKind.SERVER, {"n": 1}, start_time=4)
+    light = LightTracer(tracer).start("s", context, SpanKind.SERVER, {"n": 1}, 4)
+    for span in (sdk, light):
+        assert span.get_span_context().is_valid
+    recorded = sdk.is_recording()
+    assert light.is_recording() == recorded
+    assert light.get_span_context().trace_flags == sdk.get_span_context().trace_flags
+    assert light.get_span_context().trace_state == sdk.get_span_context().trace_state
+    sdk.end(end_time=7)
+    light.end(end_time=7)
+    finished = [comparable(span) for span in exporter.get_finished_spans()]
+    for span in finished:
+        span.pop("trace_id")  # a root's is random; a child's is its parent's (flags compared above)
+    assert finished == ([finished[0]] * 2 if recorded else [])

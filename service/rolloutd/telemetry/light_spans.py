@@ -36,6 +36,8 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import Attributes, AttributeValue
 
+from rolloutd.telemetry.otel_sdk import UntilProcessed
+
 
 class LightTracer:
     """Starts light spans on an SDK tracer's id generator, sampler and span processors."""
@@ -68,8 +70,18 @@ class LightTracer:
         else:
             trace_id = parent_context.trace_id
             random = parent_context.trace_flags.random_trace_id
-        sampling = tracer.sampler.should_sample(parent, trace_id, name, kind, attributes)
-        flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
+        gate = tracer.sampler
+        if isinstance(gate, UntilProcessed) and gate.parent_based_always_on:
+            # the default sampler's decision (a sampled span keeps the attributes it starts
+            # with), without building its result
+            sampled = parent_context is None or parent_context.trace_flags.sampled
+            recording, state = sampled, parent_context.trace_state if parent_context else None
+            sampled_attributes: dict[str, AttributeValue] = dict(attributes)
+        else:
+            sampling = gate.should_sample(parent, trace_id, name, kind, attributes)
+            sampled, recording = sampling.decision.is_sampled(), sampling.decision.is_recording()
+            state, sampled_attributes = sampling.trace_state, dict(sampling.attributes or {})
+        flags = TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT
         if random:
             flags |= TraceFlags.RANDOM_TRACE_ID
         context = SpanContext(
@@ -77,9 +89,9 @@ class LightTracer:
             ids.generate_span_id(),
             is_remote=False,
             trace_flags=TraceFlags(flags),
-            trace_state=sampling.trace_state,
+            trace_state=state,
         )
-        if not sampling.decision.is_recording():
+        if not recording:
             return NonRecordingSpan(context)
         return LightSpan(
             self,
@@ -87,7 +99,7 @@ class LightTracer:
             context,
             parent_context,
             kind,
-            dict(sampling.attributes or {}),
+            sampled_attributes,
             time.time_ns() if start_ns is None else start_ns,
         )
 

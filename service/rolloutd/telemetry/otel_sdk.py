@@ -24,7 +24,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, Tracer, TracerProvider
-from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.sdk.trace.sampling import DEFAULT_ON, Decision, Sampler, SamplingResult
 
 from rolloutd.telemetry.otlp_spans import SpanEncoder
 
@@ -50,6 +50,14 @@ class UntilProcessed(Sampler):
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
         self.processed = False
+
+    @property
+    def parent_based_always_on(self) -> bool:
+        """Spans are processed and the sampler is the SDK's default, ``ParentBased(ALWAYS_ON)``:
+        a span records and is sampled exactly when it is a root or its parent is sampled, and
+        carries its parent's trace state (:mod:`rolloutd.telemetry.light_spans` decides so
+        without calling the sampler)."""
+        return self.processed and self.sampler is DEFAULT_ON
 
     def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
         if self.processed:
