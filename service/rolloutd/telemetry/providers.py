@@ -363,19 +363,14 @@ def _metric_readers(settings: TelemetrySettings, registry: CollectorRegistry) ->
         for name in settings.metrics.exporters
     ]
     interval_s = settings.metric_export_interval_s
-    if not exporters or not shares_collection():
-        return [
-            PrometheusMetricReader(registry=registry),
-            *(
-                PeriodicExportingMetricReader(e, export_interval_millis=interval_s * 1000)
-                for e in exporters
-            ),
-        ]
-    first, *rest = exporters
-    return [
-        PrometheusExportingReader(registry, first, interval_s),
-        *(PeriodicExportingMetricReader(e, export_interval_millis=interval_s * 1000) for e in rest),
-    ]
+
+    def periodic(exporter: MetricExporter) -> MetricReader:
+        return PeriodicExportingMetricReader(exporter, export_interval_millis=interval_s * 1000)
+
+    if exporters and shares_collection():
+        first, *rest = exporters
+        return [PrometheusExportingReader(registry, first, interval_s), *map(periodic, rest)]
+    return [PrometheusMetricReader(registry=registry), *map(periodic, exporters)]
 
 
 def _describe(export: SignalExport) -> str:
