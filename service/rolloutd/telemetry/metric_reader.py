@@ -67,8 +67,8 @@ class PrometheusExportingReader(PrometheusMetricReader):
             self._pushing.active = True
             try:
                 self.collect(timeout_millis=timeout_millis)
-            except Exception:  # the exporter's own failures are logged (throttled) by it
-                logger.exception("metric export failed")
+            except Exception:  # a callback that raised or a collection that timed out
+                logger.exception("metric collection for export failed; the next interval retries")
             finally:
                 self._pushing.active = False
 
