@@ -57,3 +57,31 @@ def test_an_encoder_reused_across_batches_writes_each_alike(repeat):
     encoder = SpanEncoder()
     for _ in range(repeat):
         assert ExportTraceServiceRequest.FromString(encoder.encode(spans)) == encode_spans(spans)
+
+
+def test_equal_resources_held_by_different_objects_are_one_resource_as_in_the_stock_encoder():
+    """Spans are grouped by resource equality, not identity: a run of spans sharing one
+    resource object is looked up once, and equal objects still merge."""
+    first, second = Resource({"service.name": "a"}), Resource({"service.name": "a"})
+    assert first is not second
+    spans = [*recorded(first), *recorded(second), *recorded(Resource({"service.name": "b"}))]
+    spans += list(recorded(first))
+    same_request(spans)
+    assert (
+        len(ExportTraceServiceRequest.FromString(SpanEncoder().encode(spans)).resource_spans) == 2
+    )
+
+
+@pytest.mark.parametrize(
+    "value", [0, 127, 128, 16_383, 16_384, 2**31, 2**63 - 1, -1, -(2**63)], ids=str
+)
+def test_integer_attributes_of_every_varint_width(value):
+    span = ReadableSpan(
+        "ints",
+        context=LOCAL,
+        resource=Resource({}),
+        attributes={"n": value, "": value, "same": value},
+        start_time=1,
+        end_time=2,
+    )
+    same_request([span, *recorded(Resource({}))])

@@ -40,6 +40,8 @@ class Unencodable(Exception):
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return _SMALL[n] if n >= 0 else _varint(n + (1 << 64))
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)
@@ -66,6 +68,7 @@ class SpanEncoder:
 
     def __init__(self) -> None:
         self._fields: dict[tuple[int, str, type, Any], bytes] = {}
+        self._keys: dict[str, bytes] = {}
         self._resources: dict[Resource, bytes] = {}
         self._scopes: dict[InstrumentationScope | None, bytes] = {}
 
@@ -77,11 +80,18 @@ class SpanEncoder:
             return encode_spans(spans).SerializeToString()
 
     def _request(self, spans: Sequence[ReadableSpan]) -> bytes:
-        # Grouped by resource, then scope, in first-seen order, as the stock encoder does.
+        # Grouped by resource, then scope, in first-seen order, as the stock encoder does. A
+        # resource hashes its attributes as JSON, so a run of spans sharing one resource object
+        # (every span of a service) looks it up once.
         grouped: dict[Resource, dict[InstrumentationScope | None, list[bytes]]] = {}
+        resource: Resource | None = None
+        scopes: dict[InstrumentationScope | None, list[bytes]] = {}
         for span in spans:
+            if span.resource is not resource:
+                resource = span.resource
+                scopes = grouped.setdefault(resource, {})
             scope = span.instrumentation_scope or None
-            grouped.setdefault(span.resource, {}).setdefault(scope, []).append(self._span(span))
+            scopes.setdefault(scope, []).append(self._span(span))
         out = []
         for resource, scopes in grouped.items():
             body = [self._resource(resource)]
@@ -153,11 +163,23 @@ class SpanEncoder:
         return b"".join(parts)
 
     def _attributes(self, tag: int, attributes: Mapping[str, Any]) -> bytes:
-        """Each attribute as a repeated ``KeyValue`` field of number ``tag >> 3``. Whole fields
-        are kept by (tag, key, type, value): most attributes repeat from span to span."""
+        """Each attribute as a repeated ``KeyValue`` field of number ``tag >> 3``. Most
+        attributes repeat from span to span, so whole fields are kept by (tag, key, type,
+        value); integers are mostly counters and ids that do not repeat, so only their key's
+        encoding is kept."""
         fields = self._fields
         out = []
         for key, value in attributes.items():
+            if type(value) is int:
+                name = self._keys.get(key)
+                if name is None:
+                    if len(self._keys) >= _MAX_FIELDS:
+                        self._keys.clear()
+                    name = self._keys[key] = _field(0x0A, key.encode()) if key else b""
+                any_value = b"\x18" + _varint(value)
+                kv = name + b"\x12" + _SMALL[len(any_value)] + any_value
+                out.append(_TAGS[tag] + _varint(len(kv)) + kv)
+                continue
             field = fields.get((tag, key, type(value), value))
             if field is None:
                 if len(fields) >= _MAX_FIELDS:
