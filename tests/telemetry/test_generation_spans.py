@@ -13,7 +13,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
-from opentelemetry.trace import NoOpTracerProvider, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    NoOpTracerProvider,
+    SpanContext,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+    set_span_in_context,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.engine import EngineCounters
@@ -21,8 +30,15 @@ from rolloutd.domain.group import Prompt
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
 from rolloutd.domain.sampler import Sampler, Source
 from rolloutd.domain.spec import GenerationSpec, SamplingParams
-from rolloutd.telemetry.generation import GENERATE_SPAN, GenAIAttr, GenerationSpans, GroupAttr
+from rolloutd.telemetry.generation import (
+    GENERATE_SPAN,
+    GenAIAttr,
+    GenerationSpans,
+    GroupAttr,
+    TraceHeaders,
+)
 from rolloutd.telemetry.observer import TelemetryObserver
+from rolloutd.telemetry.otel_sdk import GatedTracerProvider
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from tests.fakes import GatedEngine, settle
 from tests.integration.proc import ServeProcess
@@ -97,6 +113,44 @@ def test_the_sampler_decides_and_the_siblings_carry_the_decision():
     assert not int(traceparent(headers)[2], 16) & 1  # vLLM's parent-based sampler drops it too
     spans.committed(GroupCommitted(1, 5, True, 0.1, prompt_tokens=1, group_size=4))
     assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize("state", [None, TraceState([("vendor", "a1"), ("other", "b2")])])
+@pytest.mark.parametrize("sampled", [True, False])
+def test_trace_headers_are_what_the_w3c_propagator_writes(state, sampled):
+    """The headers a group's siblings carry, written when read, and the context a fetch links."""
+    context = SpanContext(
+        0x0AF7651916CD43DD8448EB211C80319C,
+        0x00F067AA0BA902B7,
+        is_remote=False,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT),
+        trace_state=state,
+    )
+    written: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(written, set_span_in_context(NonRecordingSpan(context)))
+    headers = TraceHeaders(context)
+    assert len(headers) == len(written)
+    assert dict(headers) == written
+    assert headers.get("traceparent") == written["traceparent"]
+    assert headers.get("baggage") is None
+    assert headers.context is context
+
+
+def test_without_a_span_processor_the_siblings_carry_an_unsampled_context():
+    """The service's provider before any processor (no trace exporter): no span, but a context
+    whose decision vLLM's parent-based sampler follows; once a processor is added, spans again."""
+    provider = GatedTracerProvider(shutdown_on_exit=False)
+    spans = GenerationSpans(provider.get_tracer("t"))
+    headers = spans.started(started(1, time.time()))
+    trace_id, span_id, flags = traceparent(headers)
+    assert int(trace_id, 16) and int(span_id, 16) and not int(flags, 16) & 1
+    assert len(spans) == 0
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert int(traceparent(spans.started(started(2, time.time())))[2], 16) & 1
+    spans.committed(GroupCommitted(2, 5, True, 0.1, prompt_tokens=1, group_size=4))
+    [span] = exporter.get_finished_spans()
+    assert span.attributes[GroupAttr.ID] == 2
 
 
 def test_with_telemetry_off_there_is_nothing_to_carry():

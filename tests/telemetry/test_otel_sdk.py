@@ -4,6 +4,7 @@ what the overrides rely on; an upgrade of opentelemetry-sdk that moves one fails
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -12,11 +13,13 @@ from opentelemetry.metrics import NoOpMeter
 from opentelemetry.sdk.metrics import Meter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Tracer, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Tracer, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import SpanKind
 
+from rolloutd.telemetry.light_spans import LightTracer
 from rolloutd.telemetry.otel_sdk import (
     EncodingSpanExporter,
     GatedTracerProvider,
@@ -95,3 +98,25 @@ def test_the_grpc_span_exporter_sends_what_its_translate_step_makes():
     finally:
         receiver.stop()
     assert request == encode_spans(spans)
+
+
+def test_a_readable_span_holds_the_fields_a_light_span_sets():
+    """LightSpan sets ReadableSpan's fields itself (otel_sdk.py): every field a ReadableSpan's
+    constructor sets is one a light span has, and the stock console exporter's JSON of a light
+    span reads them."""
+    stock = set(vars(ReadableSpan("probe")))
+    provider = TracerProvider(shutdown_on_exit=False)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    span = LightTracer(provider.get_tracer("t")).start("probe", None, SpanKind.SERVER, {"n": 1})
+    span.end(end_time=span.start_time + 5)  # type: ignore[attr-defined]
+    assert stock <= set(vars(span)), stock - set(vars(span))
+    [finished] = exporter.get_finished_spans()
+    assert finished is span
+    described = json.loads(finished.to_json())
+    assert (described["name"], described["kind"], described["attributes"]) == (
+        "probe",
+        "SpanKind.SERVER",
+        {"n": 1},
+    )
+    assert described["status"] == {"status_code": "UNSET"}

@@ -14,7 +14,7 @@ the service stops has no span: it was never finished.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -74,6 +74,42 @@ class GroupAttr:
     """Why a group never committed (evicted, dropped)."""
 
 
+class TraceHeaders(Mapping[str, str]):
+    """The W3C headers of a span's context, as the W3C propagator writes them: ``traceparent``,
+    and ``tracestate`` when the context has one. They are written on first read: an engine that
+    traces nothing never reads them, and a fetch links to :attr:`context` itself."""
+
+    __slots__ = ("_written", "context")
+
+    def __init__(self, context: SpanContext) -> None:
+        self.context = context
+        self._written: dict[str, str] | None = None
+
+    def _headers(self) -> dict[str, str]:
+        if self._written is None:
+            context = self.context
+            headers = {
+                TRACEPARENT: f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+                f"{context.trace_flags:02x}"
+            }
+            if context.trace_state:
+                headers[TRACESTATE] = context.trace_state.to_header()
+            self._written = headers
+        return self._written
+
+    def __getitem__(self, key: str) -> str:
+        return self._headers()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._headers())
+
+    def __len__(self) -> int:
+        return 2 if self.context.trace_state else 1
+
+    def __repr__(self) -> str:
+        return f"TraceHeaders({self._headers()!r})"
+
+
 class GenerationSpans:
     """The open ``rolloutd.group.generate`` spans, by group id (event-loop only): light spans
     (:mod:`rolloutd.telemetry.light_spans`), a hundred of them a second on a busy node. With a
@@ -91,6 +127,9 @@ class GenerationSpans:
     def started(self, event: GenerationStarted) -> Mapping[str, str]:
         if self._tracer is None:
             return {}  # telemetry off: nothing to propagate, nothing to end
+        if not self._tracer.records:  # no span processor: the context alone, unsampled
+            span = self._tracer.start(GENERATE_SPAN, _ROOT, SpanKind.INTERNAL, {})
+            return TraceHeaders(span.get_span_context())
         attributes: dict[str, AttributeValue] = {
             GenAIAttr.OPERATION_NAME: OPERATION,
             GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
@@ -115,15 +154,7 @@ class GenerationSpans:
         )
         if span.is_recording():
             self._spans[event.group_id] = span
-        # what the W3C propagator writes for the span's context
-        context = span.get_span_context()
-        headers = {
-            TRACEPARENT: f"00-{context.trace_id:032x}-{context.span_id:016x}-"
-            f"{context.trace_flags:02x}"
-        }
-        if context.trace_state:
-            headers[TRACESTATE] = context.trace_state.to_header()
-        return headers
+        return TraceHeaders(span.get_span_context())
 
     def get(self, group_id: int) -> Span | None:
         """The group's open span (None once it ended, or when it is not recorded)."""
@@ -156,7 +187,10 @@ def link_generations(traces: Callable[[], Iterable[tuple[int, Mapping[str, str]]
     if not span.is_recording():
         return
     for group_id, headers in traces():
-        context = _span_context(headers.get(TRACEPARENT, ""))
+        if isinstance(headers, TraceHeaders):
+            context: SpanContext | None = headers.context
+        else:
+            context = _span_context(headers.get(TRACEPARENT, ""))
         if context is not None:
             span.add_link(context, {GroupAttr.ID: group_id})
 

@@ -44,11 +44,20 @@ class LightTracer:
 
     def __init__(self, tracer: SdkTracer) -> None:
         self._tracer = tracer
-        info = tracer.instrumentation_info
+        info = self.instrumentation_info = tracer.instrumentation_info
+        self.resource = tracer.resource
         self.scope = (
             None if info is None else InstrumentationScope(info.name, info.version, info.schema_url)
         )
         self.limits = SpanLimits()
+        self._processor = tracer.span_processor
+
+    @property
+    def records(self) -> bool:
+        """False while the service's gate drops every span (no span processor yet): a span
+        started now carries its context and records nothing."""
+        gate = self._tracer.sampler
+        return not isinstance(gate, UntilProcessed) or gate.processed
 
     def start(
         self,
@@ -59,7 +68,8 @@ class LightTracer:
         start_ns: int | None = None,
     ) -> Span:
         """A span under ``parent``'s current span (a root when it has none); a light recording
-        span when the sampler records it, else a non-recording one that carries its context."""
+        span when the sampler records it, else a non-recording one that carries its context.
+        The span keeps ``attributes`` itself (the caller's fresh dict), not a copy."""
         tracer = self._tracer
         parent_context: SpanContext | None = get_current_span(parent).get_span_context()
         ids = tracer.id_generator
@@ -76,7 +86,7 @@ class LightTracer:
             # with), without building its result
             sampled = parent_context is None or parent_context.trace_flags.sampled
             recording, state = sampled, parent_context.trace_state if parent_context else None
-            sampled_attributes: dict[str, AttributeValue] = dict(attributes)
+            sampled_attributes: dict[str, AttributeValue] = attributes
         else:
             sampling = gate.should_sample(parent, trace_id, name, kind, attributes)
             sampled, recording = sampling.decision.is_sampled(), sampling.decision.is_recording()
@@ -88,7 +98,7 @@ class LightTracer:
             trace_id,
             ids.generate_span_id(),
             is_remote=False,
-            trace_flags=TraceFlags(flags),
+            trace_flags=_FLAGS[flags],
             trace_state=state,
         )
         if not recording:
@@ -104,19 +114,14 @@ class LightTracer:
         )
 
     def end(self, span: ReadableSpan) -> None:
-        self._tracer.span_processor.on_end(span)
-
-    @property
-    def resource(self) -> Any:
-        return self._tracer.resource
-
-    @property
-    def instrumentation_info(self) -> Any:
-        return self._tracer.instrumentation_info
+        self._processor.on_end(span)
 
 
-class LightSpan(Span):
-    """A recording span that gathers what it is told and hands it over once, at its end."""
+class LightSpan(Span, ReadableSpan):
+    """A recording span that is, once ended, the finished span its processors receive: it sets
+    the fields :class:`ReadableSpan` reads itself, as the SDK's own span does
+    (:mod:`rolloutd.telemetry.otel_sdk` names them, and a test checks them against the SDK), so
+    that ending it builds no second object."""
 
     def __init__(
         self,
@@ -133,40 +138,44 @@ class LightSpan(Span):
         self._context = context
         self._parent = parent
         self._kind = kind
-        self._attributes = attributes
-        self._start_ns = start_ns
-        self._events: BoundedList | None = None
-        self._links: BoundedList | None = None
-        self._status = Status(StatusCode.UNSET)
-        self._ended = False
+        self._attributes = self._values = attributes
+        """The same dict twice: ``ReadableSpan`` reads the first, typed read-only."""
+        self._start_time = start_ns
+        self._end_time: int | None = None
+        self._events: Sequence[Event] = _NONE
+        self._links: Sequence[Link] = _NONE
+        self._status = _UNSET
+        self._resource = tracer.resource
+        self._instrumentation_info = tracer.instrumentation_info
+        self._instrumentation_scope = tracer.scope
 
     def get_span_context(self) -> SpanContext:
-        return self._context
+        return self._context  # type: ignore[return-value]  # set above, never None
 
     def is_recording(self) -> bool:
-        return not self._ended
+        return self._end_time is None
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self._attributes[key] = value
+        self._values[key] = value
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        self._attributes.update(attributes)
+        self._values.update(attributes)
 
     def add_event(
         self, name: str, attributes: Attributes = None, timestamp: int | None = None
     ) -> None:
-        if self._events is None:
+        if self._events is _NONE:
             self._events = BoundedList(self._tracer.limits.max_events)
-        self._events.append(
+        self._events.append(  # type: ignore[attr-defined]
             Event(name, attributes or {}, time.time_ns() if timestamp is None else timestamp)
         )
 
     def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
         if not context.is_valid:
             return
-        if self._links is None:
+        if self._links is _NONE:
             self._links = BoundedList(self._tracer.limits.max_links)
-        self._links.append(Link(context, attributes or {}))
+        self._links.append(Link(context, attributes or {}))  # type: ignore[attr-defined]
 
     def update_name(self, name: str) -> None:
         self._name = name
@@ -200,27 +209,13 @@ class LightSpan(Span):
         self.add_event("exception", event, timestamp)
 
     def end(self, end_time: int | None = None) -> None:
-        if self._ended:
+        if self._end_time is not None:
             return
-        self._ended = True
-        tracer = self._tracer
-        tracer.end(
-            ReadableSpan(
-                self._name,
-                context=self._context,
-                parent=self._parent,
-                resource=tracer.resource,
-                attributes=self._attributes,
-                events=self._events if self._events is not None else _NONE,
-                links=self._links if self._links is not None else _NONE,
-                kind=self._kind,
-                instrumentation_info=tracer.instrumentation_info,
-                status=self._status,
-                start_time=self._start_ns,
-                end_time=time.time_ns() if end_time is None else end_time,
-                instrumentation_scope=tracer.scope,
-            )
-        )
+        self._end_time = time.time_ns() if end_time is None else end_time
+        self._tracer.end(self)
 
 
 _NONE: Sequence[Any] = ()
+_FLAGS = tuple(TraceFlags(flags) for flags in range(4))
+"""Trace flags by value: sampled, random trace id."""
+_UNSET = Status(StatusCode.UNSET)

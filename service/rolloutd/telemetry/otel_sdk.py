@@ -1,5 +1,5 @@
-"""The three places where rolloutd reaches past the OpenTelemetry SDK's public surface, kept here
-and nowhere else.
+"""The places where rolloutd reaches past the OpenTelemetry SDK's public surface: three kept here,
+and one in :mod:`rolloutd.telemetry.light_spans`.
 
 - :class:`ScrapeOnlyMeterProvider` clears the meter provider's private ``_disabled`` flag, which
   the SDK sets from ``OTEL_SDK_DISABLED`` in its constructor with no argument to override it.
@@ -9,6 +9,11 @@ and nowhere else.
 - :class:`EncodingSpanExporter` overrides the OTLP/gRPC span exporter's ``_translate_data``, the
   one step between the finished spans and the request it sends, with rolloutd's own encoder
   (:mod:`rolloutd.telemetry.otlp_spans`), which makes the same request at a third of the cost.
+- :class:`~rolloutd.telemetry.light_spans.LightSpan` is a ``ReadableSpan`` that sets the fields
+  ``ReadableSpan``'s properties read (``_name``, ``_context``, ``_parent``, ``_kind``,
+  ``_attributes``, ``_events``, ``_links``, ``_status``, ``_start_time``, ``_end_time``,
+  ``_resource``, ``_instrumentation_info``, ``_instrumentation_scope``) itself, as the SDK's own
+  span does, so that ending a span hands the processors the span itself, not a copy.
 
 ``pyproject.toml`` pins ``opentelemetry-sdk`` (and the exporter) to the minor versions these were
 checked against; ``tests/telemetry/test_otel_sdk.py`` fails when an upgrade moves any of them.
