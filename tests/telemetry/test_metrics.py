@@ -13,6 +13,7 @@ from opentelemetry.sdk.metrics.export import (
     Metric,
     Sum,
 )
+from opentelemetry.sdk.trace import TracerProvider
 
 from rolloutd.domain.finishing import SampleScore, ScoreStatus, Verdict
 from rolloutd.domain.observer import GroupDropped, GroupFinished
@@ -300,3 +301,20 @@ def test_the_telemetry_observer_logs_instead_of_raising_into_the_domain(
 def test_every_checkpoint_reason_belongs_to_one_outcome():
     assert set(REASON_OUTCOME) == set(Reason)
     assert set(REASON_OUTCOME.values()) == set(Outcome)
+
+
+def test_a_fetchs_exemplar_is_on_its_rpc_duration_not_on_each_group_it_leased(metric_reader):
+    """Inside a sampled server span the RPC's duration carries an exemplar of it (the SDK's
+    default trace-based filter); the per-group values recorded in the same span carry none."""
+    provider, reader = metric_reader
+    observer = observer_with_sources(provider)
+    tracer = TracerProvider(shutdown_on_exit=False).get_tracer("t")
+    with tracer.start_as_current_span("rolloutd.v1.RolloutService/FetchGroups") as span:
+        observer.groups_leased([0.25, 0.5, 2.0], [0, 1, 1])
+        observer.rpc_finished("FetchGroups", 0, 0.01)
+    metrics = collect(reader)
+    [rpc] = metrics["rpc.server.duration"].data.data_points
+    assert [e.span_id for e in rpc.exemplars] == [span.get_span_context().span_id]
+    for name in ("rolloutd.group.queue.duration", "rolloutd.delivered.staleness"):
+        [point] = metrics[name].data.data_points
+        assert point.count == 3 and not point.exemplars, name

@@ -21,6 +21,7 @@ from opentelemetry.metrics import (
     Observation,
     _Gauge,
 )
+from opentelemetry.trace import INVALID_SPAN, set_span_in_context
 
 from rolloutd import __version__
 from rolloutd.domain.engine import EngineCounters, FinishedRequest
@@ -54,6 +55,10 @@ from rolloutd.telemetry.series import CatalogueSeries as _Series
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 
 logger = logging.getLogger(__name__)
+
+_NO_SPAN = set_span_in_context(INVALID_SPAN)
+"""A context whose span is no span: values recorded in it carry no exemplar (an empty context
+would not do: ``record`` takes the current one instead)."""
 
 METER_NAME = "rolloutd"
 ENGINE_ATTR = "engine"
@@ -310,10 +315,13 @@ class MetricsObserver:
         self._dropped_tokens.add(event.tokens, attributes)
 
     def groups_leased(self, queue_s: list[float], staleness: list[int]) -> None:
+        """Recorded without the current span: each group's values would otherwise carry an
+        exemplar of the fetch's span, the one the fetch's ``rpc.server.duration`` already
+        carries, at the cost of an exemplar per group."""
         for seconds in queue_s:
-            self._group_queue.record(seconds)
+            self._group_queue.record(seconds, context=_NO_SPAN)
         for versions in staleness:
-            self._delivered_staleness.record(versions)
+            self._delivered_staleness.record(versions, context=_NO_SPAN)
 
     def groups_evicted(self, count: int) -> None:
         self._evicted_groups.add(count)
