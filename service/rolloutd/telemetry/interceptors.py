@@ -14,7 +14,6 @@ caller's trace id, at a fraction of a span's cost per call.
 from __future__ import annotations
 
 import collections
-import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -238,13 +237,25 @@ def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
         RpcAttr.SERVICE: service,
     }
 
+    starting: dict[tuple[str, str | None], dict[str, AttributeValue]] = {}
+    """The attributes a span starts with, by peer and user agent (both repeat on a
+    connection), copied for each span."""
+
+    def attributes_of(peer: str, agent: str | None) -> dict[str, AttributeValue]:
+        known = starting.get((peer, agent))
+        if known is None:
+            if len(starting) >= 1024:
+                starting.clear()
+            known = starting[(peer, agent)] = {**base, **_peer_attributes(peer)}
+            if agent is not None:
+                known[RpcAttr.USER_AGENT] = agent
+        return known.copy()
+
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = context.invocation_metadata()
         carrier = {m.key: m.value for m in metadata} if metadata else {}
         parent = extract(carrier) if carrier else None
-        attributes = {**base, **_peer_attributes(context.peer())}
-        if (agent := carrier.get("user-agent")) is not None:
-            attributes[RpcAttr.USER_AGENT] = agent
+        attributes = attributes_of(context.peer(), carrier.get("user-agent"))
         span = start(name, parent, SpanKind.SERVER, attributes)
         token = attach(trace.set_span_in_context(span, parent))
         try:
@@ -265,10 +276,9 @@ def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
     return run
 
 
-@functools.lru_cache(maxsize=1024)
 def _peer_attributes(peer: str) -> Mapping[str, AttributeValue]:
     """``net.peer.*`` of a gRPC peer (``ipv4:127.0.0.1:57284``, ``ipv6:[::1]:57284``), as the
-    instrumentation derives them; none for a Unix socket. Peers repeat on a connection."""
+    instrumentation derives them; none for a Unix socket."""
     if peer.startswith("unix:"):
         return {}
     try:
