@@ -152,6 +152,29 @@ class LightSpan(Span, ReadableSpan):
     def get_span_context(self) -> SpanContext:
         return self._context  # type: ignore[return-value]  # set above, never None
 
+    # What ``ReadableSpan`` works out with ``isinstance`` checks against abstract classes, known
+    # here: the attributes are never bounded, events and links are once there are any.
+
+    @property
+    def dropped_attributes(self) -> int:
+        return 0
+
+    @property
+    def dropped_events(self) -> int:
+        return 0 if self._events is _NONE else self._events.dropped  # type: ignore[attr-defined]
+
+    @property
+    def dropped_links(self) -> int:
+        return 0 if self._links is _NONE else self._links.dropped  # type: ignore[attr-defined]
+
+    @property
+    def events(self) -> Sequence[Event]:
+        return _NONE if self._events is _NONE else tuple(self._events)
+
+    @property
+    def links(self) -> Sequence[Link]:
+        return _NONE if self._links is _NONE else tuple(self._links)
+
     def is_recording(self) -> bool:
         return self._end_time is None
 

@@ -21,7 +21,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext
+from opentelemetry.trace import SpanContext, SpanKind
 
 _HAS_IS_REMOTE = 0x100
 """``SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK``"""
@@ -59,6 +59,8 @@ def _field(tag: int, payload: bytes) -> bytes:
 
 
 _TAGS = [bytes((i,)) for i in range(0x80)]
+_KINDS = [b"\x30" + _SMALL[value + 1] for value in range(len(SpanKind))]
+"""``Span.kind`` by ``SpanKind`` value (the protocol's numbers are one higher)."""
 
 
 class SpanEncoder:
@@ -80,18 +82,19 @@ class SpanEncoder:
             return encode_spans(spans).SerializeToString()
 
     def _request(self, spans: Sequence[ReadableSpan]) -> bytes:
-        # Grouped by resource, then scope, in first-seen order, as the stock encoder does. A
-        # resource hashes its attributes as JSON, so a run of spans sharing one resource object
-        # (every span of a service) looks it up once.
+        # Grouped by resource, then scope, in first-seen order, as the stock encoder does. Both
+        # compare by value (a resource hashes its attributes as JSON), so each pair of objects
+        # is looked up once, by identity: the spans hold them for the whole call.
         grouped: dict[Resource, dict[InstrumentationScope | None, list[bytes]]] = {}
-        resource: Resource | None = None
-        scopes: dict[InstrumentationScope | None, list[bytes]] = {}
+        known: dict[tuple[int, int], list[bytes]] = {}
         for span in spans:
-            if span.resource is not resource:
-                resource = span.resource
-                scopes = grouped.setdefault(resource, {})
-            scope = span.instrumentation_scope or None
-            scopes.setdefault(scope, []).append(self._span(span))
+            resource, scope = span.resource, span.instrumentation_scope or None
+            encoded = known.get((id(resource), id(scope)))
+            if encoded is None:
+                encoded = known[(id(resource), id(scope))] = grouped.setdefault(
+                    resource, {}
+                ).setdefault(scope, [])
+            encoded.append(self._span(span))
         out = []
         for resource, scopes in grouped.items():
             body = [self._resource(resource)]
@@ -120,7 +123,7 @@ class SpanEncoder:
             parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
         if span.name:
             parts.append(_field(0x2A, span.name.encode()))
-        parts.append(b"\x30" + _SMALL[span.kind.value + 1])
+        parts.append(_KINDS[span.kind._value_])  # the enum's value, without its descriptor
         if span.start_time:
             parts.append(b"\x39" + _FIXED64.pack(span.start_time))
         if span.end_time:
@@ -154,8 +157,8 @@ class SpanEncoder:
         if span.dropped_links:
             parts.append(b"\x70" + _varint(span.dropped_links))
         status = b""
-        if span.status.status_code.value:
-            status = b"\x18" + _SMALL[span.status.status_code.value]
+        if code := span.status.status_code._value_:
+            status = b"\x18" + _SMALL[code]
         if span.status.description:
             status = _field(0x12, span.status.description.encode()) + status
         parts.append(_field(0x7A, status))
