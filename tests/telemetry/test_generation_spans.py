@@ -94,6 +94,32 @@ def test_a_group_is_one_span_from_admission_to_commit_with_genai_attributes(span
     assert len(spans) == 0
 
 
+def test_groups_of_the_same_settings_share_their_common_attributes():
+    """The settings' attributes are one dict for all groups that share them (an encoder writes
+    it once); a temperature given as an integer is still a double, as the GenAI conventions
+    say."""
+    provider = GatedTracerProvider(shutdown_on_exit=False)  # the service's: the default sampler
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = GenerationSpans(provider.get_tracer("t"))
+    spans.model, spans.engine = "tiny-llama", "vllm"
+    now = time.time()
+    spans.started(started(1, now))
+    spans.started(started(2, now))
+    spans.started(GenerationStarted(3, "p3", 4, now, 32, 1, 1, seed=9))
+    spans.started(GenerationStarted(4, "p4", 4, now, 32, 1.0, 1.0, seed=9))
+    first, second, third, fourth = (spans.get(i) for i in range(1, 5))
+    assert first.common is second.common and third.common is fourth.common
+    assert first.common is not third.common
+    for group_id in range(1, 5):
+        spans.committed(GroupCommitted(group_id, 9, True, 1.0, prompt_tokens=3, group_size=4))
+    finished = {s.attributes[GroupAttr.ID]: s.attributes for s in exporter.get_finished_spans()}
+    assert finished[3][GenAIAttr.REQUEST_TEMPERATURE] == 1.0
+    assert type(finished[3][GenAIAttr.REQUEST_TEMPERATURE]) is float
+    assert (finished[1][GroupAttr.PROMPT_ID], finished[2][GroupAttr.PROMPT_ID]) == ("p1", "p2")
+    assert GroupAttr.SOURCE not in finished[3] and GenAIAttr.REQUEST_TOP_K not in finished[3]
+
+
 def test_an_abandoned_group_ends_its_span_with_an_error(span_exporter):
     provider, exporter = span_exporter
     spans = GenerationSpans(provider.get_tracer("t"))

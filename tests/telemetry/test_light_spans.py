@@ -157,3 +157,46 @@ def test_the_default_samplers_decision_without_calling_it_is_the_samplers(parent
     for span in finished:
         span.pop("trace_id")  # a root's is random; a child's is its parent's (flags compared above)
     assert finished == ([finished[0]] * 2 if recorded else [])
+
+
+def test_common_attributes_come_first_and_stop_being_common_once_a_key_of_theirs_is_set():
+    exporter = InMemorySpanExporter()
+    tp = GatedTracerProvider(shutdown_on_exit=False)  # the service's: the default sampler
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = tp.get_tracer("rolloutd")
+    assert isinstance(tracer, SdkTracer)
+    light = LightTracer(tracer)
+    common = {"rpc.system": "grpc", "rpc.method": "Ack"}
+    kept = light.start("kept", None, SpanKind.SERVER, {"own": 1}, None, common)
+    overlapping = light.start("overlap", None, SpanKind.SERVER, {"rpc.method": "X"}, None, common)
+    set_one = light.start("set one", None, SpanKind.SERVER, {}, None, common)
+    set_many = light.start("set many", None, SpanKind.SERVER, {}, None, common)
+    assert kept.common is common and set_one.common is common
+    assert overlapping.common is None  # its own value replaces a common one
+    kept.set_attribute("late", 2)
+    kept.set_attributes({"later": 3})
+    assert kept.common is common
+    set_one.set_attribute("rpc.method", "Fetch")
+    set_many.set_attributes({"x": 1, "rpc.system": "other"})
+    assert set_one.common is None and set_many.common is None
+    for span in (kept, overlapping, set_one, set_many):
+        span.end()
+    assert common == {"rpc.system": "grpc", "rpc.method": "Ack"}  # the shared dict unchanged
+    by_name = {s.name: list(s.attributes.items()) for s in exporter.get_finished_spans()}
+    assert by_name == {
+        "kept": [("rpc.system", "grpc"), ("rpc.method", "Ack"), ("own", 1), ("late", 2),
+                 ("later", 3)],
+        "overlap": [("rpc.system", "grpc"), ("rpc.method", "X")],
+        "set one": [("rpc.system", "grpc"), ("rpc.method", "Fetch")],
+        "set many": [("rpc.system", "other"), ("rpc.method", "Ack"), ("x", 1)],
+    }  # fmt: skip
+
+
+def test_a_sampler_that_is_not_the_default_makes_the_attributes_its_own():
+    tracer, exporter = provider(ParentBased(ALWAYS_ON))
+    common = {"rpc.system": "grpc"}
+    span = LightTracer(tracer).start("s", None, SpanKind.SERVER, {"n": 1}, None, common)
+    assert span.common is None
+    span.end()
+    [finished] = exporter.get_finished_spans()
+    assert dict(finished.attributes) == {"rpc.system": "grpc", "n": 1}

@@ -24,8 +24,8 @@ from rolloutd.telemetry.otel_sdk import (
     EncodingSpanExporter,
     GatedTracerProvider,
     ScrapeOnlyMeterProvider,
-    UntilProcessed,
 )
+from rolloutd.telemetry.sampling import UntilProcessed
 from tests.telemetry.otlp_receiver import OtlpReceiver
 from tests.telemetry.span_shapes import recorded
 

@@ -118,6 +118,7 @@ class GenerationSpans:
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = LightTracer(tracer) if isinstance(tracer, SdkTracer) else None
         self._spans: dict[int, Span] = {}
+        self._settings: dict[tuple[object, ...], dict[str, AttributeValue]] = {}
         self.model: str | None = None
         self.engine: str | None = None
 
@@ -131,30 +132,57 @@ class GenerationSpans:
             span = self._tracer.start(GENERATE_SPAN, _ROOT, SpanKind.INTERNAL, {})
             return TraceHeaders(span.get_span_context())
         attributes: dict[str, AttributeValue] = {
-            GenAIAttr.OPERATION_NAME: OPERATION,
-            GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
-            GenAIAttr.REQUEST_TEMPERATURE: event.temperature,
-            GenAIAttr.REQUEST_TOP_P: event.top_p,
-            GenAIAttr.REQUEST_SEED: event.seed,
-            GenAIAttr.REQUEST_CHOICE_COUNT: event.group_size,
             GroupAttr.ID: event.group_id,
-            GroupAttr.SIZE: event.group_size,
             GroupAttr.PROMPT_ID: event.prompt_id,
+            GenAIAttr.REQUEST_SEED: event.seed,
         }
-        if event.top_k:
-            attributes[GenAIAttr.REQUEST_TOP_K] = event.top_k
-        if event.source:
-            attributes[GroupAttr.SOURCE] = event.source
-        if self.model is not None:
-            attributes[GenAIAttr.REQUEST_MODEL] = self.model
-        if self.engine is not None:
-            attributes[GroupAttr.ENGINE] = self.engine
         span = self._tracer.start(  # a root, whatever span is current
-            GENERATE_SPAN, _ROOT, SpanKind.INTERNAL, attributes, int(event.admitted_at * 1e9)
+            GENERATE_SPAN,
+            _ROOT,
+            SpanKind.INTERNAL,
+            attributes,
+            int(event.admitted_at * 1e9),
+            self._settings_of(event),
         )
         if span.is_recording():
             self._spans[event.group_id] = span
         return TraceHeaders(span.get_span_context())
+
+    def _settings_of(self, event: GenerationStarted) -> dict[str, AttributeValue]:
+        """The attributes of the group's sampling settings, model and engine: one dict for all
+        groups of the same ones, the common attributes of their spans (never changed)."""
+        key = (
+            event.max_tokens,
+            float(event.temperature),
+            float(event.top_p),
+            event.top_k,
+            event.group_size,
+            event.source,
+            self.model,
+            self.engine,
+        )
+        settings = self._settings.get(key)
+        if settings is None:
+            if len(self._settings) >= 1024:
+                self._settings.clear()
+            settings = {
+                GenAIAttr.OPERATION_NAME: OPERATION,
+                GenAIAttr.REQUEST_MAX_TOKENS: event.max_tokens,
+                GenAIAttr.REQUEST_TEMPERATURE: key[1],
+                GenAIAttr.REQUEST_TOP_P: key[2],
+                GenAIAttr.REQUEST_CHOICE_COUNT: event.group_size,
+                GroupAttr.SIZE: event.group_size,
+            }
+            if event.top_k:
+                settings[GenAIAttr.REQUEST_TOP_K] = event.top_k
+            if event.source:
+                settings[GroupAttr.SOURCE] = event.source
+            if self.model is not None:
+                settings[GenAIAttr.REQUEST_MODEL] = self.model
+            if self.engine is not None:
+                settings[GroupAttr.ENGINE] = self.engine
+            self._settings[key] = settings
+        return settings
 
     def get(self, group_id: int) -> Span | None:
         """The group's open span (None once it ended, or when it is not recorded)."""

@@ -227,7 +227,7 @@ _ERROR_CODES = frozenset(
 def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
     """``behavior`` in a server span of its own (see :class:`_ServerInterceptor`): a light one
     (:mod:`rolloutd.telemetry.light_spans`) from an SDK tracer."""
-    start = LightTracer(tracer).start if isinstance(tracer, SdkTracer) else tracer.start_span
+    light = LightTracer(tracer) if isinstance(tracer, SdkTracer) else None
     name = span_name(path)
     service, _, method = name.partition("/")
     base: dict[str, AttributeValue] = {
@@ -239,24 +239,29 @@ def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
 
     starting: dict[tuple[str, str | None], dict[str, AttributeValue]] = {}
     """The attributes a span starts with, by peer and user agent (both repeat on a
-    connection), copied for each span."""
+    connection): each dict is the common attributes of its spans, never changed once made."""
 
     def attributes_of(peer: str, agent: str | None) -> dict[str, AttributeValue]:
         known = starting.get((peer, agent))
         if known is None:
             if len(starting) >= 1024:
                 starting.clear()
-            known = starting[(peer, agent)] = {**base, **_peer_attributes(peer)}
+            known = {**base, **_peer_attributes(peer)}
             if agent is not None:
                 known[RpcAttr.USER_AGENT] = agent
-        return known.copy()
+            starting[(peer, agent)] = known
+        return known
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = context.invocation_metadata()
         carrier = {m.key: m.value for m in metadata} if metadata else {}
         parent = extract(carrier) if carrier else None
-        attributes = attributes_of(context.peer(), carrier.get("user-agent"))
-        span = start(name, parent, SpanKind.SERVER, attributes)
+        common = attributes_of(context.peer(), carrier.get("user-agent"))
+        span = (
+            light.start(name, parent, SpanKind.SERVER, {}, None, common)
+            if light is not None
+            else tracer.start_span(name, parent, SpanKind.SERVER, dict(common))
+        )
         token = attach(trace.set_span_in_context(span, parent))
         try:
             return await behavior(request, context)

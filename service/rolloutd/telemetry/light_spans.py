@@ -36,7 +36,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import Attributes, AttributeValue
 
-from rolloutd.telemetry.otel_sdk import UntilProcessed
+from rolloutd.telemetry.sampling import UntilProcessed
 
 
 class LightTracer:
@@ -66,11 +66,21 @@ class LightTracer:
         kind: SpanKind,
         attributes: dict[str, AttributeValue],
         start_ns: int | None = None,
+        common: Mapping[str, AttributeValue] | None = None,
     ) -> Span:
         """A span under ``parent``'s current span (a root when it has none); a light recording
         span when the sampler records it, else a non-recording one that carries its context.
-        The span keeps ``attributes`` itself (the caller's fresh dict), not a copy."""
+
+        The span's attributes are ``common``'s, then ``attributes``'s. ``common`` is a dict that
+        many spans share and nobody changes (the attributes of a connection, or of a group's
+        settings): an encoder writes it once for all of them (:attr:`LightSpan.common`).
+        Without it the span keeps ``attributes`` itself (the caller's fresh dict), not a copy."""
         tracer = self._tracer
+        if common is not None:
+            merged = {**common, **attributes}
+            if len(merged) != len(common) + len(attributes):
+                common = None  # a key of its own replaces a common one: not common any more
+            attributes = merged
         parent_context: SpanContext | None = get_current_span(parent).get_span_context()
         ids = tracer.id_generator
         if parent_context is None or not parent_context.is_valid:
@@ -91,6 +101,7 @@ class LightTracer:
             sampling = gate.should_sample(parent, trace_id, name, kind, attributes)
             sampled, recording = sampling.decision.is_sampled(), sampling.decision.is_recording()
             state, sampled_attributes = sampling.trace_state, dict(sampling.attributes or {})
+            common = None  # the sampler's attributes
         flags = TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT
         if random:
             flags |= TraceFlags.RANDOM_TRACE_ID
@@ -111,6 +122,7 @@ class LightTracer:
             kind,
             sampled_attributes,
             time.time_ns() if start_ns is None else start_ns,
+            common,
         )
 
     def end(self, span: ReadableSpan) -> None:
@@ -132,6 +144,7 @@ class LightSpan(Span, ReadableSpan):
         kind: SpanKind,
         attributes: dict[str, AttributeValue],
         start_ns: int,
+        common: Mapping[str, AttributeValue] | None = None,
     ) -> None:
         self._tracer = tracer
         self._name = name
@@ -144,10 +157,13 @@ class LightSpan(Span, ReadableSpan):
         self._end_time: int | None = None
         self._events: Sequence[Event] = _NONE
         self._links: Sequence[Link] = _NONE
-        self._status = _UNSET
+        self._status = UNSET
         self._resource = tracer.resource
         self._instrumentation_info = tracer.instrumentation_info
         self._instrumentation_scope = tracer.scope
+        self.common = common
+        """The shared dict whose items are the first of the span's attributes, in its order and
+        with its values (None once a key of it is set anew): see :meth:`LightTracer.start`."""
 
     def get_span_context(self) -> SpanContext:
         return self._context  # type: ignore[return-value]  # set above, never None
@@ -179,9 +195,13 @@ class LightSpan(Span, ReadableSpan):
         return self._end_time is None
 
     def set_attribute(self, key: str, value: Any) -> None:
+        if self.common is not None and key in self.common:
+            self.common = None
         self._values[key] = value
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        if self.common is not None and not self.common.keys().isdisjoint(attributes):
+            self.common = None
         self._values.update(attributes)
 
     def add_event(
@@ -241,4 +261,5 @@ class LightSpan(Span, ReadableSpan):
 _NONE: Sequence[Any] = ()
 _FLAGS = tuple(TraceFlags(flags) for flags in range(4))
 """Trace flags by value: sampled, random trace id."""
-_UNSET = Status(StatusCode.UNSET)
+UNSET = Status(StatusCode.UNSET)
+"""The status a span starts with (one object, so that an encoder can tell it by identity)."""
