@@ -164,14 +164,8 @@ class SpanEncoder:
                 parts.append(self._items(0x4A, islice(attributes.items(), common, None)))
         elif attributes:
             parts.append(self._items(0x4A, attributes.items()))
-        if span._events:
-            parts.append(self._events(span._events))
-            if span.dropped_events:
-                parts.append(b"\x60" + _varint(span.dropped_events))
-        if span._links:
-            parts.append(self._links(span._links))
-            if span.dropped_links:
-                parts.append(b"\x70" + _varint(span.dropped_links))
+        if span._events or span._links:  # none dropped without some kept
+            parts.append(self._events_and_links(span, span._events, span._links))
         parts.append(_NO_STATUS if span._status is UNSET else _status(span._status))
         parts.append(_REMOTE_FLAGS if parent is not None and parent[2] else _LOCAL_FLAGS)
         return b"".join(parts)
@@ -200,16 +194,24 @@ class SpanEncoder:
             parts.append(self._attributes(0x4A, span.attributes))
         if span.dropped_attributes:
             parts.append(b"\x50" + _varint(span.dropped_attributes))
-        if span.events:
-            parts.append(self._events(span.events))
-        if span.dropped_events:
-            parts.append(b"\x60" + _varint(span.dropped_events))
-        if span.links:
-            parts.append(self._links(span.links))
-        if span.dropped_links:
-            parts.append(b"\x70" + _varint(span.dropped_links))
+        parts.append(self._events_and_links(span, span.events, span.links))
         parts.append(_status(span.status))
         parts.append(_REMOTE_FLAGS if parent is not None and parent.is_remote else _LOCAL_FLAGS)
+        return b"".join(parts)
+
+    def _events_and_links(
+        self, span: ReadableSpan, events: Sequence[Event], links: Sequence[Link]
+    ) -> bytes:
+        """A span's events and links, each followed by how many were dropped."""
+        parts = []
+        if events:
+            parts.append(self._events(events))
+        if span.dropped_events:
+            parts.append(b"\x60" + _varint(span.dropped_events))
+        if links:
+            parts.append(self._links(links))
+        if span.dropped_links:
+            parts.append(b"\x70" + _varint(span.dropped_links))
         return b"".join(parts)
 
     def _events(self, events: Iterable[Event]) -> bytes:
