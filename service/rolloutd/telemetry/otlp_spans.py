@@ -178,8 +178,7 @@ class SpanEncoder:
             b"\x12\x08" + context.span_id.to_bytes(8, "big"),
         ]
         if context.trace_state:
-            state = ",".join(f"{k}={v}" for k, v in context.trace_state.items())
-            parts.append(_field(0x1A, state.encode()))
+            parts.append(_field(0x1A, context.trace_state.to_header().encode()))
         parent = span.parent
         if parent:
             parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
