@@ -72,10 +72,12 @@ ALLOWED: dict[str, set[str]] = {
         "scoring",
         "config_episodes",
         "config_dataset",
+        "config_endpoints",
     },
-    # the configuration's episodes and dataset sections
+    # the configuration's episodes, dataset and endpoints (grpc, http, auth) sections
     "config_episodes": {"pydantic", "domain"},
     "config_dataset": {"pydantic", "domain", "config_episodes"},
+    "config_endpoints": {"pydantic"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
