@@ -14,7 +14,8 @@ What must hold, and how:
   sample's ``policy_version`` is read from the labels of its own tokens. A request queued during
   an update therefore carries the new version even if it was submitted before the update began.
 - **Streaming and resume.** With a delta sink, requests run with ``RequestOutputKind.DELTA`` and
-  tokens and logprobs go to the sink every :data:`STREAM_TOKENS` tokens. A request with a prefix (a sibling
+  tokens and logprobs go to the sink every
+  :data:`~rolloutd.engines.vllm_requests.STREAM_TOKENS` tokens. A request with a prefix (a sibling
   resumed after a restart) is a new request whose prompt is the prompt's token ids followed by
   the prefix's, for the remaining ``max_tokens``; the sample joins the prefix and the
   continuation. A stop string that spans the boundary ends the sample where an uninterrupted run
@@ -29,8 +30,9 @@ What must hold, and how:
   ``errored`` state (its monitor thread sees the engine-core process die) and whether the
   engine-core processes are still alive, without an engine call.
 
-Settings (:class:`~rolloutd.engines.vllm_config.VLLMConfig`) and the KV cache's size
-(:mod:`rolloutd.engines.vllm_kv_cache`) are kept free of vLLM imports.
+How a request is put to vLLM (its rendered prompt, sampling parameters and trace headers) is
+:mod:`rolloutd.engines.vllm_requests`. Settings (:class:`~rolloutd.engines.vllm_config.VLLMConfig`)
+and the KV cache's size (:mod:`rolloutd.engines.vllm_kv_cache`) are kept free of vLLM imports.
 """
 
 from __future__ import annotations
@@ -46,16 +48,13 @@ from array import array
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import EngineInput
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
-from vllm.renderers.params import ChatParams
-from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.engine.exceptions import EngineGenerateError
@@ -79,6 +78,7 @@ from rolloutd.engines.stop_boundary import StopBoundary
 from rolloutd.engines.vllm_config import VLLMConfig
 from rolloutd.engines.vllm_kv_cache import kv_cache_bytes, read_model_config
 from rolloutd.engines.vllm_outputs import Collected, to_sample, version_of, weight_labels
+from rolloutd.engines.vllm_requests import render, sampling_params, trace_headers
 from rolloutd.engines.vllm_start import (
     THREADS_BIND_ENV,
     describe_start_failure,
@@ -95,21 +95,8 @@ _WATCH_INTERVAL_S = 0.1
 _PROGRESS_EVERY_S = 15.0
 """How often a start that is still going says so."""
 
-STREAM_TOKENS = 64
-"""Tokens per streamed delta. Each delta is a vLLM output object and a wake-up of the request's
-task in the service process, which shares the cores with the engine: with 16 siblings of the tiny
-model on 2 CPU cores that process spent 49 ms of CPU per 1,000 tokens without streaming, 64 with a
-delta per token, 51 with one every 16 tokens and 49 with one every 64. A checkpoint then misses at
-most this many tokens of each sibling, well under what a sibling generates between checkpoints
-(about 150 tokens per second per sibling here, with checkpoints seconds apart). A resumed request
-with stop strings streams every token, so that a stop string across the boundary ends the sample
-at the exact token."""
-
 _ENGINE_CORE = "EngineCore"
 """What vLLM names its engine-core processes (``EngineCore``, ``EngineCore_DP<rank>``)."""
-
-_CHAT_PARAMS = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
-"""Chat prompts end with the assistant's turn opener, so the completion is the assistant's reply."""
 
 
 class VLLMEngine:
@@ -308,7 +295,7 @@ class VLLMEngine:
                     [{"prompt_token_ids": list(request.context)}]
                 )
             else:
-                engine_input = await self._render(llm, request.prompt)
+                engine_input = await render(llm, request.prompt)
             prompt_ids = list(engine_input["prompt_token_ids"])  # type: ignore[typeddict-item]
             self._check_fits(request, len(prompt_ids))
             prefix = request.prefix
@@ -332,7 +319,7 @@ class VLLMEngine:
 
     async def prompt_tokens(self, prompt: Prompt) -> int:
         """Tokens of ``prompt`` as :meth:`generate` renders it (``PromptMeter``)."""
-        engine_input = await self._render(self._live_engine(), prompt)
+        engine_input = await render(self._live_engine(), prompt)
         return len(engine_input["prompt_token_ids"])  # type: ignore[typeddict-item]
 
     def _check_fits(self, request: GenerationRequest, prompt_tokens: int) -> None:
@@ -391,18 +378,6 @@ class VLLMEngine:
             if task is not None:
                 task.cancel()
 
-    async def _render(self, llm: AsyncLLM, prompt: Prompt) -> EngineInput:
-        try:
-            if prompt.messages:
-                messages = cast(Any, [dict(m) for m in prompt.messages])
-                _, inputs = await llm.renderer.render_chat_async([messages], _CHAT_PARAMS)
-            else:
-                inputs = await llm.renderer.render_cmpl_async([{"prompt": prompt.text}])
-        except VLLMClientError as exc:
-            raise EngineError(f"prompt {prompt.prompt_id} rejected: {exc}") from exc
-        engine_input: EngineInput = inputs[0]
-        return engine_input
-
     async def _run(
         self,
         llm: AsyncLLM,
@@ -412,28 +387,17 @@ class VLLMEngine:
     ) -> Collected:
         p = request.params
         prefix = request.prefix
-        done = len(prefix) if prefix is not None else 0
         boundary = (
             StopBoundary(self._decode, prefix.token_ids(), p.stop)
             if prefix is not None and p.stop
             else None
         )
-        stream = on_delta is not None or boundary is not None
-        params = VLLMSamplingParams(
-            n=1,
-            max_tokens=p.max_tokens - done,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=request.seed,
-            stop=list(p.stop) or None,
-            logprobs=0,
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-            stream_interval=None if boundary is not None else STREAM_TOKENS,
+        params = sampling_params(
+            request,
+            stream=on_delta is not None or boundary is not None,
+            every_token=boundary is not None,
         )
-        headers = self._trace_headers(request.trace_headers)
+        headers = trace_headers(self._config.otlp_traces_endpoint, request.trace_headers)
         got = Collected()
         final: RequestOutput | None = None
         try:
@@ -474,12 +438,6 @@ class VLLMEngine:
             if got.stopped_at is not None:
                 got.finish_reason = "stop"
         return got
-
-    def _trace_headers(self, headers: Mapping[str, str]) -> Mapping[str, str] | None:
-        """vLLM only accepts trace headers with its tracing on; it would warn on every request."""
-        if self._config.otlp_traces_endpoint is None or not headers:
-            return None
-        return dict(headers)
 
     # -- weights ---------------------------------------------------------------------------------
 
