@@ -22,15 +22,10 @@ What else must hold, whatever a caller sends:
 
 - a path or URL is checked against ``weights.allowed_urls`` / ``weights.local_root``
   (:mod:`rolloutd.weights.policy`) before anything is read;
-- one update runs at a time (any source); a second is ``FAILED_PRECONDITION`` at once, and so is
-  every update while the threads of one abandoned after its timeout have not ended, so the
-  updater never holds more than its own few threads;
-- the blocking work of updates (listing, copying, hashing, decoding) runs on the updater's own
-  small pool, never on the event loop's default executor, which the journal and checkpoints use:
-  a URL that never answers cannot stall leases, acks or snapshots;
-- a transfer ends within ``weights.transfer_timeout_s`` (``DEADLINE_EXCEEDED``), a push that sends
-  nothing for ``weights.push_idle_timeout_s`` too, and a full staging disk is
-  ``RESOURCE_EXHAUSTED``.
+- one update runs at a time (any source), its blocking work on the updater's own small pool; a
+  transfer ends within ``weights.transfer_timeout_s`` (``DEADLINE_EXCEEDED``), and a full staging
+  disk is ``RESOURCE_EXHAUSTED`` (:mod:`rolloutd.weights.pool` holds these rules);
+- a push that sends nothing for ``weights.push_idle_timeout_s`` ends too (``DEADLINE_EXCEEDED``).
 """
 
 from __future__ import annotations
@@ -38,11 +33,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import fsspec
 
@@ -60,16 +54,12 @@ from rolloutd.weights import delta
 from rolloutd.weights.fetch import Source, remote_errors, remote_failure
 from rolloutd.weights.layout import ModelLayout, WeightsRejected, check_headers, weights_file
 from rolloutd.weights.policy import SourcePolicy, is_url
+from rolloutd.weights.pool import UpdatePool
 from rolloutd.weights.receive import PushChunk, PushHeader, PushReceiver
 from rolloutd.weights.staging import FileSpec, StagingArea, check_specs, disk_full, verify_files
 from rolloutd.weights.store import CatchUp, WeightsStore
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-POOL_THREADS = 2
-"""Threads of the updater's own pool: one update's blocking step, and a receiver's writer join."""
 
 
 class WeightsTarget(Protocol):
@@ -131,13 +121,8 @@ class WeightsUpdater:
         ``policy``: the paths and URLs ``UpdateWeights`` may name (default: local paths only)."""
         self._target = target
         self._policy = policy or SourcePolicy()
-        self._transfer_timeout_s = transfer_timeout_s
         self._push_idle_timeout_s = push_idle_timeout_s
-        self._pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="rolloutd-weights")
-        self._threads: list[Future[Any]] = []
-        """Work submitted to the pool that may still run (an abandoned transfer's included)."""
-        self._in_progress: str | None = None
-        """The update running, or the one whose abandoned threads have not ended; None: idle."""
+        self._pool = UpdatePool(transfer_timeout_s)
         self._staging = staging
         self._layout = layout
         self._storage_options = dict(storage_options)
@@ -156,78 +141,7 @@ class WeightsUpdater:
 
     def close(self) -> None:
         """Stops the pool (without waiting for a transfer that hangs on the network)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the updater's pool; a full staging disk is RESOURCE_EXHAUSTED."""
-        future = self._pool.submit(fn, *args)
-        self._threads = [f for f in self._threads if not f.done()] + [future]
-        try:
-            return await asyncio.wrap_future(future)
-        except OSError as exc:
-            if (full := disk_full(exc)) is not None:
-                raise full from exc
-            raise
-
-    async def _transfer(
-        self, deadline: float, source: Source | None, fn: Callable[..., T], *args: Any
-    ) -> T:
-        """:meth:`_run` bounded by the update's transfer ``deadline`` (loop time)."""
-        bound = asyncio.timeout_at(deadline)
-        try:
-            async with bound:
-                return await self._run(fn, *args)
-        except TimeoutError:
-            if not bound.expired():
-                raise
-            if source is not None:
-                source.abandon()
-            raise DeadlineExceeded(
-                "weights_path: the transfer took longer than weights.transfer_timeout_s "
-                f"({self._transfer_timeout_s:g} s) and was abandoned"
-            ) from None
-
-    def _deadline(self) -> float:
-        return asyncio.get_running_loop().time() + self._transfer_timeout_s
-
-    async def _one_at_a_time(
-        self, what: str, work: Coroutine[Any, Any, UpdateResult]
-    ) -> UpdateResult:
-        """Runs ``work`` unless another update runs, or its abandoned threads still do."""
-        if self._in_progress is not None:
-            work.close()
-            raise FailedPrecondition(
-                f"weights: {self._in_progress} is in progress; updates run one at a time, retry "
-                "when it has ended"
-            )
-        self._in_progress = what
-        try:
-            return await work
-        finally:
-            self._release(what)
-
-    def _release(self, what: str) -> None:
-        running = [f for f in self._threads if not f.done()]
-        if not running:
-            self._in_progress = None
-            return
-        logger.warning(
-            "weights: the abandoned transfer of %s still holds %d thread(s); updates are refused "
-            "until it ends", what, len(running),
-        )  # fmt: skip
-        self._in_progress = f"the abandoned transfer of {what}"
-        loop = asyncio.get_running_loop()
-
-        def ended(_: Future[Any]) -> None:
-            loop.call_soon_threadsafe(self._release_if_idle)
-
-        for future in running:
-            future.add_done_callback(ended)
-
-    def _release_if_idle(self) -> None:
-        if self._in_progress is not None and all(f.done() for f in self._threads):
-            logger.info("weights: %s ended; updates are accepted again", self._in_progress)
-            self._in_progress = None
+        self._pool.close()
 
     def snapshot_started(self) -> int:
         """A snapshot is being taken: the staged version it records must survive later updates.
@@ -287,11 +201,13 @@ class WeightsUpdater:
             work = self._update_delta(attempt, weights_path)
         else:
             work = self._update(attempt, weights_path)
-        return await self._reported(attempt, self._one_at_a_time(f"the update to v{version}", work))
+        return await self._reported(
+            attempt, self._pool.one_at_a_time(f"the update to v{version}", work)
+        )
 
     async def push(self, messages: AsyncIterator[PushHeader | PushChunk]) -> UpdateResult:
         """``PushWeights``: a header, then chunks, written to staging, checked, then loaded."""
-        messages = self._paced(messages, self._deadline())
+        messages = self._paced(messages, self._pool.deadline())
         first = await anext(messages, None)
         if not isinstance(first, PushHeader):
             raise InvalidArgument("header", "the first message of a push must be its header")
@@ -300,7 +216,7 @@ class WeightsUpdater:
             attempt.kind, attempt.base_version = WeightsKind.DELTA, first.base_version
         work = self._push(attempt, first, messages)
         return await self._reported(
-            attempt, self._one_at_a_time(f"the push of v{first.version}", work)
+            attempt, self._pool.one_at_a_time(f"the push of v{first.version}", work)
         )
 
     async def _paced(
@@ -327,7 +243,7 @@ class WeightsUpdater:
                     ) from None
                 raise DeadlineExceeded(
                     "push: the stream took longer than weights.transfer_timeout_s "
-                    f"({self._transfer_timeout_s:g} s) and was abandoned"
+                    f"({self._pool.transfer_timeout_s:g} s) and was abandoned"
                 ) from None
             yield message
 
@@ -338,7 +254,7 @@ class WeightsUpdater:
         if self._store is None:
             return None
         current = self._target.policy_version
-        plan = await self._run(self._store.plan, current)
+        plan = await self._pool.run(self._store.plan, current)
         if plan is None:
             logger.info("weights store %s: v%d is the newest", self._store.url, current)
             return None
@@ -352,7 +268,7 @@ class WeightsUpdater:
         attempt.base_version = None if plan.anchor is not None else current
         work = self._catch_up(attempt, plan)
         return await self._reported(
-            attempt, self._one_at_a_time(f"the catch-up to v{plan.target}", work)
+            attempt, self._pool.one_at_a_time(f"the catch-up to v{plan.target}", work)
         )
 
     async def _reported(self, attempt: _Attempt, work: Awaitable[UpdateResult]) -> UpdateResult:
@@ -371,14 +287,14 @@ class WeightsUpdater:
         self._policy.check(weights_path)
         if attempt.source is WeightsSource.PATH:
             return await self._load_in_place(attempt, weights_path)
-        deadline = self._deadline()
+        deadline = self._pool.deadline()
         source = Source(weights_path, self._storage_options)
-        specs = await self._transfer(deadline, source, source.files)
+        specs = await self._pool.transfer(deadline, source, source.files)
         attempt.files, attempt.bytes = len(specs), sum(s.size for s in specs)
         staged = self._staging.new(attempt.bytes)
         try:
             with attempt.timeline.phase(WeightsPhase.TRANSFER):
-                await self._transfer(
+                await self._pool.transfer(
                     deadline, source, source.copy, specs, staged, self._concurrency
                 )
             return await self._verify_and_load(attempt, staged, specs)
@@ -398,7 +314,7 @@ class WeightsUpdater:
         )
         attempt.files, attempt.bytes = len(specs), sum(s.size for s in specs)
         staged = self._staging.new(attempt.bytes)
-        receiver = PushReceiver(tuple(specs), staged, executor=self._pool)
+        receiver = PushReceiver(tuple(specs), staged, executor=self._pool.executor)
         try:
             with attempt.timeline.phase(WeightsPhase.TRANSFER):
                 try:
@@ -411,7 +327,7 @@ class WeightsUpdater:
                     await receiver.close()
             if attempt.base_version is not None:
                 with attempt.timeline.phase(WeightsPhase.VERIFY):
-                    await self._run(verify_files, staged, specs, self._concurrency)
+                    await self._pool.run(verify_files, staged, specs, self._concurrency)
                 [spec] = specs
                 return await self._apply_and_load(attempt, staged / spec.name)
             return await self._verify_and_load(attempt, staged, specs)
@@ -429,8 +345,13 @@ class WeightsUpdater:
         try:
             with attempt.timeline.phase(WeightsPhase.TRANSFER):
                 file = staged / weights_path.rstrip("/").rsplit("/", 1)[-1]
-                await self._transfer(
-                    self._deadline(), None, _fetch_file, weights_path, file, self._storage_options
+                await self._pool.transfer(
+                    self._pool.deadline(),
+                    None,
+                    _fetch_file,
+                    weights_path,
+                    file,
+                    self._storage_options,
                 )
             return await self._apply_and_load(attempt, file)
         finally:
@@ -441,7 +362,7 @@ class WeightsUpdater:
         resulting tensor checked), then loads the tensors that changed."""
         assert attempt.base_version is not None
         with attempt.timeline.phase(WeightsPhase.DECODE):
-            size, header = await self._run(_read_delta, file)
+            size, header = await self._pool.run(_read_delta, file)
             attempt.files, attempt.bytes = 1, size
             attempt.density = header.density
             if (header.base_version, header.version) != (attempt.base_version, attempt.version):
@@ -452,9 +373,9 @@ class WeightsUpdater:
                 )
             base = self._base
             assert base is not None
-            out = self._staging.new(await self._run(_safetensors_bytes, base))
+            out = self._staging.new(await self._pool.run(_safetensors_bytes, base))
             try:
-                applied = await self._run(delta.apply_delta, file, base, out)
+                applied = await self._pool.run(delta.apply_delta, file, base, out)
             except BaseException:
                 self._staging.discard(out)
                 raise
@@ -471,19 +392,19 @@ class WeightsUpdater:
         work: list[Path] = []
         try:
             base = self._base
-            deadline = self._deadline()
+            deadline = self._pool.deadline()
             if plan.anchor_url is not None:
                 source = Source(plan.anchor_url, self._storage_options)
-                specs = await self._transfer(deadline, source, source.files)
+                specs = await self._pool.transfer(deadline, source, source.files)
                 anchor = self._staging.new(sum(s.size for s in specs))
                 work.append(anchor)
                 with attempt.timeline.phase(WeightsPhase.TRANSFER):
-                    attempt.bytes += await self._transfer(
+                    attempt.bytes += await self._pool.transfer(
                         deadline, source, source.copy, specs, anchor, self._concurrency
                     )
                 with attempt.timeline.phase(WeightsPhase.VERIFY):
-                    await self._run(verify_files, anchor, specs, self._concurrency)
-                    await self._run(self._check_tensors, self._staging.files(anchor, specs))
+                    await self._pool.run(verify_files, anchor, specs, self._concurrency)
+                    await self._pool.run(self._check_tensors, self._staging.files(anchor, specs))
                 base = anchor
             if base is None:
                 raise FailedPrecondition(
@@ -496,22 +417,22 @@ class WeightsUpdater:
                 work.append(folder)
                 file = folder / f"v{version}{delta.SUFFIX}"
                 with attempt.timeline.phase(WeightsPhase.TRANSFER):
-                    await self._transfer(
+                    await self._pool.transfer(
                         deadline, None, _fetch_file, url, file, self._storage_options
                     )
                 with attempt.timeline.phase(WeightsPhase.DECODE):
-                    size, header = await self._run(_read_delta, file)
+                    size, header = await self._pool.run(_read_delta, file)
                     attempt.bytes += size
                     if (header.base_version, header.version) != (base_version, version):
                         raise WeightsRejected(
                             url, f"holds the delta from v{header.base_version} to v{header.version}"
                         )
-                    out = self._staging.new(await self._run(_safetensors_bytes, base))
+                    out = self._staging.new(await self._pool.run(_safetensors_bytes, base))
                     work.append(out)
-                    await self._run(delta.apply_delta, file, base, out, url)
+                    await self._pool.run(delta.apply_delta, file, base, out, url)
                 changed += header.changed
                 base = out
-            attempt.files = len(await self._run(_safetensors_in, base))
+            attempt.files = len(await self._pool.run(_safetensors_in, base))
             if plan.deltas and plan.anchor is None:
                 attempt.density = changed / max(1, len(plan.deltas) * header.elements)
             return await self._load_staged(attempt, base, None)
@@ -542,18 +463,18 @@ class WeightsUpdater:
         self, attempt: _Attempt, staged: Path, specs: list[FileSpec]
     ) -> UpdateResult:
         with attempt.timeline.phase(WeightsPhase.VERIFY):
-            await self._run(verify_files, staged, specs, self._concurrency)
-            await self._run(self._check_tensors, self._staging.files(staged, specs))
+            await self._pool.run(verify_files, staged, specs, self._concurrency)
+            await self._pool.run(self._check_tensors, self._staging.files(staged, specs))
         return await self._load_staged(attempt, staged, None)
 
     async def _load_in_place(self, attempt: _Attempt, weights_path: str) -> UpdateResult:
         directory = Path(weights_path)
         if self._layout is not None:
             with attempt.timeline.phase(WeightsPhase.VERIFY):
-                files = await self._run(_safetensors_in, directory)
+                files = await self._pool.run(_safetensors_in, directory)
                 attempt.files = len(files)
                 attempt.bytes = sum(p.stat().st_size for p in files.values())
-                await self._run(self._check_tensors, files)
+                await self._pool.run(self._check_tensors, files)
         async with self._load_lock:
             result = await self._load(attempt, directory)
             self._served, self._base = None, directory
