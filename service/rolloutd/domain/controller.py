@@ -32,8 +32,9 @@ from rolloutd.domain.encoder import E, GroupEncoder
 from rolloutd.domain.engine import GenerationEngine, SamplingParams
 from rolloutd.domain.fate import TokenAccount
 from rolloutd.domain.finishing import FinishingStage
-from rolloutd.domain.generation import ID_BITS, ID_BLOCK, Generation, local_id
+from rolloutd.domain.generation import Generation
 from rolloutd.domain.group import Group, GroupState
+from rolloutd.domain.ids import ID_BITS, ID_BLOCK, local_id
 from rolloutd.domain.observer import Observer
 from rolloutd.domain.recovery import Recovered, Recovery, RecoveryCounts
 from rolloutd.domain.report import PhaseClock

@@ -140,7 +140,7 @@ class Core:
         """Trainers' pace per policy version, and the admissions it allows (admission.py)."""
         self.weights_path: str | None = None
         self.next_group_id = 1
-        """The replica-local counter of the next group id (see ``generation.ID_BITS``)."""
+        """The replica-local counter of the next group id (see ``ids.ID_BITS``)."""
         self.ids_reserved_through = 0
         """Local ids up to this one are journaled as reserved and may be issued."""
         self.max_acked_step = -1

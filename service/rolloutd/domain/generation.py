@@ -34,6 +34,7 @@ from rolloutd.domain.errors import InvalidArgument, InvariantError, Unavailable
 from rolloutd.domain.fate import ENGINE_ERROR, REFUSED, STAGE_FAILED, EngineState
 from rolloutd.domain.finishing import CommitAll, FinishingGroup, FinishingStage, Verdict
 from rolloutd.domain.group import Group, GroupMeta, GroupScores, GroupState, Sample
+from rolloutd.domain.ids import ID_BITS, ID_BLOCK, request_id
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.observer import (
     GenerationStarted,
@@ -49,21 +50,6 @@ from rolloutd.domain.state import JournaledDrop
 from rolloutd.domain.weights import WeightsTimeline
 
 log = logging.getLogger(__name__)
-
-ID_BITS = 40
-"""Low bits of a group id count within a replica; the bits above are the replica's index, so ids
-are unique across a fleet (replica 0's ids are the plain counter)."""
-ID_BLOCK = 1024
-"""Group ids reserved in the journal at a time: one durable write per this many admissions."""
-
-
-def local_id(group_id: int) -> int:
-    """The replica-local counter of a group id."""
-    return group_id & ((1 << ID_BITS) - 1)
-
-
-def request_id(group_id: int, index: int) -> str:
-    return f"g{group_id}-s{index}"
 
 
 class Generation:

@@ -34,8 +34,9 @@ from rolloutd.domain.core import Core
 from rolloutd.domain.delivery import Delivery
 from rolloutd.domain.episode_log import EpisodeRecord, RecordKind, merged
 from rolloutd.domain.errors import InvariantError, RestoreRefused
-from rolloutd.domain.generation import ID_BITS, Generation, local_id
+from rolloutd.domain.generation import Generation
 from rolloutd.domain.group import UNFINISHED, Group, GroupMeta, GroupState, GroupTable
+from rolloutd.domain.ids import ID_BITS, local_id
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.report import (
