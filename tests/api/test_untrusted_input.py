@@ -197,3 +197,21 @@ async def test_a_refused_request_is_not_kept_in_memory(serve):
     # the last refused call's state may still be on its way out when the client has its answer
     # (the suite caught one copy alive once); a leak keeps one per refusal, for good
     await eventually("every refused request released", lambda: live() == before, timeout_s=10)
+
+
+async def test_a_request_refused_for_its_token_is_not_kept_in_memory(serve):
+    """As above, for a call refused before it reaches the domain: no token, or a wrong one."""
+    _, stub = await serve(**{"auth.token": "s3cret"})
+    request = pb.SubmitPromptsRequest(prompts=[prompt("p", {"k": "v"})])
+
+    def live() -> int:
+        gc.collect()
+        return sum(type(o) is pb.SubmitPromptsRequest for o in gc.get_objects())
+
+    before = live()
+    for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", "s3cret"),)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SubmitPrompts(request, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert info.value.details() == "a valid bearer token is required"
+    await eventually("every refused request released", lambda: live() == before, timeout_s=10)

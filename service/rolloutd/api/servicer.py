@@ -73,8 +73,11 @@ def rpc(
         async def wrapper(
             self: RolloutServicer, request: Req, context: grpc.aio.ServicerContext
         ) -> Resp:
-            if mutating:
-                await self._authorize(context)
+            if mutating and not self._authorized(context):
+                # set, not abort, as below
+                context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+                context.set_details("a valid bearer token is required")
+                return None  # type: ignore[return-value]
             try:
                 state = self._host.state
                 if mutating and not (state.ready or (not new_work and state in SETTLING)):
@@ -109,16 +112,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._weights = weights
         self._token = auth_token.encode() if auth_token else None
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         if self._token is None:
-            return
+            return True
         metadata = dict(context.invocation_metadata() or ())
         scheme, _, given = str(metadata.get("authorization", "")).partition(" ")
         # the scheme in any case (RFC 9110 11.1), as on the admin port
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
+        return scheme.lower() == "bearer" and hmac.compare_digest(
             given.strip().encode(), self._token
-        ):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
+        )
 
     @rpc(mutating=True)
     async def FetchGroups(
