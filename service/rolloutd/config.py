@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
 from rolloutd.config_dataset import DatasetConfig
 from rolloutd.config_endpoints import AuthConfig, GrpcConfig, HttpConfig, unauthenticated_binds
 from rolloutd.config_episodes import EpisodesSettings
+from rolloutd.config_section import Section
 from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
@@ -95,11 +96,7 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class SyntheticSettings(_Section):
+class SyntheticSettings(Section):
     tokens_per_s: float = owned(SyntheticConfig, "tokens_per_s", ge=0)
     latency_s: float = owned(SyntheticConfig, "latency_s", ge=0)
     latency_sigma: float = owned(SyntheticConfig, "latency_sigma", ge=0)
@@ -107,7 +104,7 @@ class SyntheticSettings(_Section):
     kv_cache_sequences: int = owned(SyntheticConfig, "kv_cache_sequences", ge=0)
 
 
-class VLLMSettings(_Section):
+class VLLMSettings(Section):
     dtype: str = owned(VLLMConfig, "dtype")
     max_model_len: int = owned(VLLMConfig, "max_model_len", gt=0)
     gpu_memory_utilization: float = owned(VLLMConfig, "gpu_memory_utilization", gt=0, le=1)
@@ -127,7 +124,7 @@ class VLLMSettings(_Section):
     shutdown_grace_s: float = owned(VLLMConfig, "shutdown_grace_s", gt=0)
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     kind: Literal["vllm", "synthetic"] = owned(EngineFactoryConfig, "kind")
     model: str | None = owned(EngineFactoryConfig, "model")
     cache_dir: str = owned(EngineFactoryConfig, "cache_dir")
@@ -141,7 +138,7 @@ class EngineConfig(_Section):
     vllm: VLLMSettings = VLLMSettings()
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(Section):
     max_in_flight: int | Literal["auto"] = Field(ControllerConfig.max_in_flight)
     """Most groups generating or finishing at once; ``auto``: as many as the engine's KV cache
     holds without preempting, found from its KV-cache usage and preemptions, up to
@@ -181,7 +178,7 @@ class LimitsConfig(_Section):
         return self.max_in_flight_ceiling if self.max_in_flight == "auto" else self.max_in_flight
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     dir: str = "./.rolloutd/checkpoints"
     """Snapshot store: a directory or an fsspec URL (s3://bucket/prefix)."""
     interval_s: float = owned(CheckpointerConfig, "interval_s", ge=0)
@@ -209,7 +206,7 @@ class CheckpointConfig(_Section):
         return 1.5 * self.lock_timeout_s if self.claim_wait_s is None else self.claim_wait_s
 
 
-class WeightsConfig(_Section):
+class WeightsConfig(Section):
     staging_dir: str = "./.rolloutd/weights"
     """Local directory where weights from a URL or a push are staged and verified before loading;
     it also keeps the weights served and those the latest snapshot records, so a restarted service
@@ -249,7 +246,7 @@ class WeightsConfig(_Section):
         return value
 
 
-class RecoveryConfig(_Section):
+class RecoveryConfig(Section):
     granularity: Literal["token", "sibling", "group"] = "token"
     """What a restart keeps of unfinished groups: their finished siblings and the tokens the
     snapshot held of the others, which continue from there (token); their finished siblings only
@@ -257,7 +254,7 @@ class RecoveryConfig(_Section):
     tokens into checkpoints."""
 
 
-class ScoringSettings(_Section):
+class ScoringSettings(Section):
     verifier: str | None = owned(ScoringConfig, "verifier")
     group_verifier: str | None = owned(ScoringConfig, "group_verifier")
     workers: int = owned(ScoringConfig, "workers", gt=0)
@@ -270,7 +267,7 @@ class ScoringSettings(_Section):
     http_backoff_s: float = owned(ScoringConfig, "http_backoff_s", ge=0)
 
 
-class FilterSettings(_Section):
+class FilterSettings(Section):
     zero_variance: bool = owned(FilterConfig, "zero_variance")
     min_reward_std: float = owned(FilterConfig, "min_reward_std", ge=0)
     max_oversample_ratio: float = Field(0.5, ge=0, le=10)
@@ -279,7 +276,7 @@ class FilterSettings(_Section):
     replaced without waiting; however many get dropped, no more are admitted."""
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     sibling_runner: str | None = Field(None, pattern=SPEC.pattern)
     """Entry point ``package.module:attribute`` of a sibling runner: a class (or factory) called
     with no arguments, whose ``async run(job)`` produces one sibling (see
@@ -291,12 +288,12 @@ class PipelineConfig(_Section):
     committed."""
 
 
-class FleetConfig(_Section):
+class FleetConfig(Section):
     replica: int = owned(ControllerConfig, "replica", ge=0)
     replicas: int = owned(ControllerConfig, "replicas", gt=0)
 
 
-class Config(_Section):
+class Config(Section):
     engine: EngineConfig = EngineConfig()
     dataset: DatasetConfig = DatasetConfig()
     group_size: int = owned(ControllerConfig, "group_size", gt=0)

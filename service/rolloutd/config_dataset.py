@@ -7,17 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from rolloutd.config_episodes import ENVIRONMENT_PATTERN
+from rolloutd.config_section import Section
 from rolloutd.domain.spec import GenerationSpec
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class GenerationSettings(_Section):
+class GenerationSettings(Section):
     """Generation settings of a source's prompts (a row's own ``generation`` wins); each one unset
     here comes from ``engine.*`` and ``group_size``."""
 
@@ -43,7 +40,7 @@ class GenerationSettings(_Section):
         return GenerationSpec(**self.model_dump())
 
 
-class SourceSettings(_Section):
+class SourceSettings(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     """The source's name: a metric label and what delivered groups carry (letters, digits,
     ``_ . -``; at most 63)."""
@@ -62,7 +59,7 @@ class SourceSettings(_Section):
     """Keyword arguments of this source's environment (unset: ``episodes.environment_config``)."""
 
 
-class DatasetConfig(_Section):
+class DatasetConfig(Section):
     path: str | None = None
     """JSONL or Parquet prompt file; unset uses the bundled arithmetic prompt set. Exclusive
     with ``sources``."""

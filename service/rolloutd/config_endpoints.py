@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from rolloutd.config_section import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class GrpcConfig(_Section):
+class GrpcConfig(Section):
     host: str = "127.0.0.1"
     """Address the gRPC server binds: this machine only by default. Any other address (0.0.0.0
     for every interface) needs auth.token or grpc.tls_client_ca, or auth.allow_unauthenticated."""
@@ -35,7 +33,7 @@ class GrpcConfig(_Section):
     Needs tls_cert and tls_key."""
 
 
-class HttpConfig(_Section):
+class HttpConfig(Section):
     enabled: bool = True
     """Serve the admin HTTP app (health, readiness, /metrics, status)."""
     host: str = "127.0.0.1"
@@ -59,7 +57,7 @@ class HttpConfig(_Section):
     after it opened, or after its previous response, is closed."""
 
 
-class AuthConfig(_Section):
+class AuthConfig(Section):
     token: str | None = None
     """Bearer token required on mutating RPCs and on the admin port's POST routes; unset: no
     authentication, which only a loopback bind or auth.allow_unauthenticated allows. Keep it out

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from rolloutd.config_section import Section
 from rolloutd.domain.episode import EpisodeLimits
 
 _LIMITS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EpisodeLimits)}
@@ -19,9 +20,7 @@ ENVIRONMENT_PATTERN = r"^(https?://\S+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
 """``package.module:Class`` or ``http(s)://host:port[/prefix]``."""
 
 
-class EpisodesSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
+class EpisodesSettings(Section):
     environment: str | None = Field(None, pattern=ENVIRONMENT_PATTERN)
     """The environment every prompt's episode runs in: ``package.module:Class`` (imported from
     the service's Python path, built with ``environment_config``) or ``http://host:port`` (an
