@@ -230,10 +230,12 @@ def _collect(p: ServeProcess) -> list[pb.Group]:
     return groups
 
 
-def _wait(condition, what: str, within_s: float = 600) -> None:  # type: ignore[no-untyped-def]
+def _wait(condition, what, within_s: float = 600) -> None:  # type: ignore[no-untyped-def]
+    """Polls ``condition``; ``what`` says what it waits for (a callable: read at the timeout)."""
     deadline = time.monotonic() + within_s
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.05)
 
 
@@ -280,7 +282,12 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
             kills.append(at)
             _wait(
                 lambda at=at, since=since: _kill_now(calls, since, at, covered),
-                f"{at} live steps with a replaying episode in flight",
+                lambda at=at, since=since: (
+                    f"{at} live steps with a replaying episode in flight (kills {kills}; "
+                    f"now {_live_steps(calls)} live, {_steps_left(calls)} left, in flight "
+                    f"{sorted(_replaying_in_flight(calls, since))}, covered {sorted(covered)}, "
+                    f"finished {sorted(_finished(calls))})"
+                ),
             )
             covered.update(_replaying_in_flight(calls, since))
             p.kill()
