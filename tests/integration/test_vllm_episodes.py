@@ -40,6 +40,8 @@ REPLAYING = ("ReplayedEnv", "ServedEnv")
 PROMPTS_PER_SOURCE = 4
 GROUP_SIZE = 4
 TURNS = 3
+STEPS = len(SOURCES) * PROMPTS_PER_SOURCE * GROUP_SIZE * TURNS
+"""Live steps an uninterrupted run makes."""
 
 
 class ServedEnvironment:
@@ -178,7 +180,7 @@ def _steps_left(path: Path) -> int:
         for c in _calls(path)
         if c["call"] == "step" and not c["replay"]
     }
-    return len(SOURCES) * PROMPTS_PER_SOURCE * GROUP_SIZE * TURNS - len(made)
+    return STEPS - len(made)
 
 
 def _replaying_in_flight(path: Path, since: int) -> set[str]:
@@ -254,7 +256,6 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
     served_control, served = ServedEnvironment(control_calls), ServedEnvironment(calls)
     config = _config(crash_dir, calls, served.url)
     rng = random.Random()
-    total = len(SOURCES) * PROMPTS_PER_SOURCE * GROUP_SIZE * TURNS
     control_run = _start(
         control_dir, tiny_model_cache, _config(control_dir, control_calls, served_control.url)
     )
@@ -278,7 +279,7 @@ def test_episodes_sigkilled_three_times_end_as_an_uninterrupted_run(tmp_path, ti
             since = len(_calls(calls))
             # within the steps left, so the run reaches it (a kill that waited long for a
             # replaying source's episode may leave fewer than the next draw)
-            at = _live_steps(calls) + min(rng.randint(6, total // 6), _steps_left(calls))
+            at = _live_steps(calls) + min(rng.randint(6, STEPS // 6), _steps_left(calls))
             kills.append(at)
             _wait(
                 lambda at=at, since=since: _kill_now(calls, since, at, covered),
