@@ -22,9 +22,9 @@ from rolloutd.checkpoint.reader import SnapshotNotFound
 from rolloutd.config import load_config
 from rolloutd.domain.engine import EngineDeadError, EngineError
 from rolloutd.domain.errors import InvalidArgument, InvariantError, RestoreRefused, RolloutError
+from rolloutd.domain.journal import JournaledAck
 from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import Outcome, Trigger
-from rolloutd.domain.state import JournaledAck
 from rolloutd.server import RolloutService
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc

@@ -434,6 +434,7 @@ class Config(Section):
             replica=self.fleet.replica,
             replicas=self.fleet.replicas,
             capture_partials=self.recovery.granularity == "token",
+            durable_turns=self.episodes.durable_turns,
         )
 
     def episodes_configured(self) -> bool:

@@ -243,7 +243,6 @@ class RolloutService:
             runner=runner,
             stage=stage,
         )
-        self.controller.generation.durable_turns = config.episodes.durable_turns
         self.fingerprint = config.semantic_fingerprint(dataset_digest, model_id)
         weights = config.weights
         self.staging = StagingArea(weights.staging_dir)

@@ -132,7 +132,7 @@ async def test_a_restored_pod_catches_up_through_the_chain_before_admitting(
     checkpoint = await stub.Checkpoint(pb.CheckpointRequest(tag="at-v1"))
     assert checkpoint.outcome == pb.CHECKPOINT_OUTCOME_COMPLETED
     await first.shutdown(final_checkpoint=False)  # gone, as after a crash
-    new_ids_from = first.controller.next_group_id  # group ids are never reused by a store
+    new_ids_from = first.controller.rooms.ids.next_local  # group ids are never reused by a store
     weights = v1
     for version in (2, 3):
         new = nudge(weights, tmp_path / f"v{version}", seed=version)

@@ -223,7 +223,7 @@ async def test_a_fetch_waiting_when_the_drain_begins_is_unavailable(serve):
     service, stub = await serve(**{"limits.max_in_flight": 1, "limits.buffer_capacity": 1})
     first = await stub.FetchGroups(pb.FetchGroupsRequest(max_groups=1, wait_ms=5000))
     assert first.lease_id  # the buffer is full now: the next fetch waits
-    fetchable = service.controller.core.fetchable
+    fetchable = service.controller.rooms.wakeups.fetchable
     wait_for_ready = fetchable.wait_for
     fetch_waits = asyncio.Event()
 

@@ -4,6 +4,7 @@ through a real snapshot store."""
 from rolloutd.domain.concurrency import ConcurrencyConfig, EngineReading, InFlightReason
 from rolloutd.domain.group import Prompt
 from tests.checkpoint.helpers import Location, StoreNode
+from tests.controllers import fetch
 from tests.fakes import settle
 
 ADAPTIVE = ConcurrencyConfig(ceiling=40, initial=4)
@@ -20,23 +21,23 @@ async def test_the_adaptive_limit_and_the_trainers_pace_come_back_after_a_restor
     prompts = [Prompt(f"p{i}", f"question {i}") for i in range(20)]
     first = node(Location(str(tmp_path / "store")), prompts)
     c = first.controller
-    limit = c.generation.limit
+    limit = c.rooms.admitter.limit
     # the engine turned over twice with room to spare: 4 -> 8 -> 12 (0.6 at 8 groups: 0.9 at 12)
     for usage, departed in ((0.1, 0), (0.1, 4), (0.6, 4), (0.6, 12)):
         limit.observe(EngineReading(usage, 0, limit.value, departed))
     assert (limit.value, limit.reason) == (12, InFlightReason.GROWING)
     c.start()
-    await settle(lambda: c.buffer.ready_count >= 3)
-    lease, _ = await c.fetch(3, 0, "t")
+    await settle(lambda: c.rooms.buffer.ready_count >= 3)
+    lease, _ = await fetch(c, 3, 0, "t")
     await c.ack(lease.lease_id, 1)
     await c.update_weights(1, "/w")  # 3 groups consumed at version 0
     await first.checkpoint()
     await c.stop()
 
     second = node(first.location, prompts)
-    assert second.controller.generation.limit.value == ADAPTIVE.initial
+    assert second.controller.rooms.admitter.limit.value == ADAPTIVE.initial
     await second.restore()
     status = second.controller.admission_status()
     assert (status.in_flight_limit, status.in_flight_reason) == (12, InFlightReason.STARTING)
     assert status.consumed_per_version == 3
-    assert second.controller.core.gate.version == 1
+    assert second.controller.rooms.policy.gate.version == 1

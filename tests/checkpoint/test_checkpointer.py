@@ -28,6 +28,7 @@ from rolloutd.domain.report import (
     Trigger,
 )
 from rolloutd.domain.sampler import Sampler
+from tests.controllers import fetch, generating_groups
 from tests.fakes import GatedEngine, settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(40)]
@@ -38,7 +39,15 @@ class Node:
     """One controller + store + checkpointer, as a process would have them."""
 
     def __init__(
-        self, root, *, engine=None, fingerprint=FINGERPRINT, sealer=None, runner=None, **limits
+        self,
+        root,
+        *,
+        engine=None,
+        fingerprint=FINGERPRINT,
+        sealer=None,
+        runner=None,
+        observer=None,
+        **limits,
     ):
         cfg = {
             "group_size": 2,
@@ -58,6 +67,7 @@ class Node:
             journal=self.journal,
             sealer=sealer,
             runner=runner,
+            observer=observer,
         )
         self.checkpointer = Checkpointer(
             self.controller,
@@ -99,7 +109,7 @@ async def test_snapshots_are_incremental(nodes):
     first = await a.checkpoint()
     assert first.outcome is Outcome.COMPLETED and first.rows[RowKind.NEW] == 12
     assert [p.phase for p in first.phases] == list(CheckpointPhase)
-    lease, _groups = await a.controller.fetch(1, 100, "t")
+    lease, _groups = await fetch(a.controller, 1, 100, "t")
     await a.controller.ack(lease.lease_id, 1)
     await a.controller.finalize(1)  # one group (2 rows) removed, a new one admitted
     await settle(lambda: a.controller.status().buffer.committed == 6)
@@ -142,14 +152,14 @@ async def test_restore_brings_back_every_state(nodes):
     engine.release(4)  # two groups complete
     await settle(lambda: a.controller.status().buffer.committed == 2)
     engine.release(1)  # a third group has one sibling staged
-    await settle(lambda: sum(len(g.samples) for g in a.controller.generating_groups()) == 1)
-    acked_lease, acked = await a.controller.fetch(1, 100, "t")
+    await settle(lambda: sum(len(g.samples) for g in generating_groups(a.controller)) == 1)
+    acked_lease, acked = await fetch(a.controller, 1, 100, "t")
     await a.controller.ack(acked_lease.lease_id, 7)
-    _leased_lease, leased = await a.controller.fetch(1, 100, "t")
+    _leased_lease, leased = await fetch(a.controller, 1, 100, "t")
     report = await a.checkpoint()
     assert report.outcome is Outcome.COMPLETED
-    cursor = a.controller.sampler.cursor
-    unfinished = a.controller.generating_groups()
+    cursor = a.controller.rooms.sampler.cursor
+    unfinished = generating_groups(a.controller)
     staged = sum(len(g.samples) for g in unfinished)
     assert staged == 1 and len(unfinished) == 3  # the partial group plus two admitted meanwhile
     await a.controller.stop()
@@ -166,11 +176,11 @@ async def test_restore_brings_back_every_state(nodes):
     await settle(
         lambda: len(b.engine.requests) == 2 * len(unfinished) - staged
     )  # only the missing ones
-    assert b.controller.sampler.cursor == cursor
-    g_acked = b.controller.buffer.groups[acked[0].group_id]
+    assert b.controller.rooms.sampler.cursor == cursor
+    g_acked = b.controller.rooms.buffer.groups[acked[0].group_id]
     assert g_acked.state is GroupState.ACKED and g_acked.meta.ack_step == 7
     # the lease has not expired: it lives on, and its ack succeeds after the restart
-    assert b.controller.buffer.groups[leased[0].group_id].state is GroupState.LEASED
+    assert b.controller.rooms.buffer.groups[leased[0].group_id].state is GroupState.LEASED
     assert not (await b.controller.ack(_leased_lease.lease_id, 5)).already_acked
     assert (
         await b.controller.ack(acked_lease.lease_id, 7)
@@ -183,15 +193,15 @@ async def test_restored_rows_stay_in_the_snapshot_buffers_until_delivered(nodes)
     a = nodes()
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
-    before = {g.group_id: g.ordered_samples() for g in a.controller.buffer.groups.values()}
+    before = {g.group_id: g.ordered_samples() for g in a.controller.rooms.buffer.groups.values()}
     await a.checkpoint()
     await a.controller.stop()
 
     b = nodes(engine=GatedEngine())
     await b.restore()
-    groups = b.controller.buffer.groups
+    groups = b.controller.rooms.buffer.groups
     assert all(isinstance(g.samples, KeptSamples) for g in groups.values())
-    lease, delivered = await b.controller.fetch(2, 100, "t")
+    lease, delivered = await fetch(b.controller, 2, 100, "t")
     assert {g.group_id: g.ordered_samples() for g in delivered} == {
         g.group_id: before[g.group_id] for g in delivered
     }
@@ -204,12 +214,12 @@ async def test_restored_rows_stay_in_the_snapshot_buffers_until_delivered(nodes)
 
 
 def _samples(node):
-    return {gid: g.ordered_samples() for gid, g in node.controller.buffer.groups.items()}
+    return {gid: g.ordered_samples() for gid, g in node.controller.rooms.buffer.groups.items()}
 
 
 async def _consume_one(node):
     """Fetch, ack and finalize the oldest committed group; wait for its replacement."""
-    lease, groups = await node.controller.fetch(1, 100, "t")
+    lease, groups = await fetch(node.controller, 1, 100, "t")
     await node.controller.ack(lease.lease_id, 1)
     await node.controller.finalize(1)
     await settle(lambda: node.controller.status().buffer.committed == 6)
@@ -221,15 +231,15 @@ async def test_sealed_rows_are_delivered_written_and_restored_unchanged(nodes):
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
     before = _samples(a)
-    a.controller.buffer.seal()
-    groups = a.controller.buffer.groups
+    a.controller.rooms.buffer.seal()
+    groups = a.controller.rooms.buffer.groups
     assert all(isinstance(g.samples, KeptSamples) for g in groups.values())
     assert _samples(a) == before  # every field read back from the columns
 
     consumed = await _consume_one(a)  # sealed, never captured: neither new nor removed
     first = await a.checkpoint()
     assert first.rows == {RowKind.NEW: 12, RowKind.REMOVED: 0, RowKind.LIVE: 12}
-    a.controller.buffer.seal()  # the replacement, captured as objects, is sealed afterwards
+    a.controller.rooms.buffer.seal()  # the replacement, captured as objects, is sealed afterwards
     assert consumed not in groups and all(
         isinstance(g.samples, KeptSamples) for g in groups.values()
     )
@@ -248,7 +258,7 @@ async def test_a_failed_snapshot_hands_its_sealed_rows_to_the_next(nodes):
     a = nodes(sealer=ArrowSealer())
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
-    a.controller.buffer.seal()
+    a.controller.rooms.buffer.seal()
 
     def broken(*args, **kw):
         raise OSError(28, "No space left on device")
@@ -310,8 +320,8 @@ async def test_changed_groups_go_to_a_group_segment_and_supersede_their_old_row(
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
     first = a.store.load((await a.checkpoint()).sequence)
-    assert [g.live_rows for g in first.groups] == [len(a.controller.buffer.groups)]
-    lease, (leased,) = await a.controller.fetch(1, 100, "t")
+    assert [g.live_rows for g in first.groups] == [len(a.controller.rooms.buffer.groups)]
+    lease, (leased,) = await fetch(a.controller, 1, 100, "t")
     await a.controller.ack(lease.lease_id, 3)
     report = await a.checkpoint()
     second = a.store.load(report.sequence)
@@ -324,7 +334,7 @@ async def test_changed_groups_go_to_a_group_segment_and_supersede_their_old_row(
 
     b = nodes(engine=GatedEngine())
     await b.restore()
-    restored = b.controller.buffer.groups
+    restored = b.controller.rooms.buffer.groups
     assert len(restored) == sum(g.live_rows for g in second.groups)
     assert restored[leased.group_id].meta.ack_step == 3
 
@@ -335,7 +345,7 @@ async def test_granularity_group_reruns_whole_groups(nodes):
     a.controller.start()
     await settle(lambda: len(engine.requests) == 2)
     engine.release(1)
-    await settle(lambda: sum(len(g.samples) for g in a.controller.generating_groups()) == 1)
+    await settle(lambda: sum(len(g.samples) for g in generating_groups(a.controller)) == 1)
     await a.checkpoint()
     await a.controller.stop()
     b = nodes(engine=GatedEngine())
@@ -350,16 +360,20 @@ async def test_acks_journaled_after_the_snapshot_are_applied(nodes):
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 4)
     await a.checkpoint()
-    in_snapshot = await a.controller.fetch(1, 100, "t")
+    in_snapshot = await fetch(a.controller, 1, 100, "t")
     await a.controller.ack(in_snapshot[0].lease_id, 3)
     # a group admitted and acked after the snapshot: its rows were never durable
     await settle(
-        lambda: a.controller.status().buffer.committed == 4 and a.controller.next_group_id > 5
+        lambda: (
+            a.controller.status().buffer.committed == 4 and a.controller.rooms.ids.next_local > 5
+        )
     )
-    ready = [g for g in a.controller.buffer.groups.values() if g.state is GroupState.COMMITTED]
+    ready = [
+        g for g in a.controller.rooms.buffer.groups.values() if g.state is GroupState.COMMITTED
+    ]
     newest = max(ready, key=lambda g: g.group_id)
     while True:
-        lease, groups = await a.controller.fetch(1, 100, "t")
+        lease, groups = await fetch(a.controller, 1, 100, "t")
         await a.controller.ack(lease.lease_id, 4)
         if groups[0].group_id == newest.group_id:
             break
@@ -367,11 +381,11 @@ async def test_acks_journaled_after_the_snapshot_are_applied(nodes):
 
     b = nodes()
     await b.restore()
-    assert b.controller.buffer.groups[in_snapshot[1][0].group_id].state is GroupState.ACKED
-    assert newest.group_id not in b.controller.buffer.groups
+    assert b.controller.rooms.buffer.groups[in_snapshot[1][0].group_id].state is GroupState.ACKED
+    assert newest.group_id not in b.controller.rooms.buffer.groups
     b.controller.start()
     delivered = []
-    while (leased := await b.controller.fetch(4, 300, "t")) is not None:
+    while (leased := await fetch(b.controller, 4, 300, "t")) is not None:
         delivered += [g.meta.position for g in leased[1]]
         await b.controller.ack(leased[0].lease_id, 5)
     assert newest.meta.position not in delivered  # its position is never admitted again
@@ -386,21 +400,24 @@ async def test_a_lease_that_expired_by_the_restore_does_not_deliver_stale_groups
     a = nodes(max_staleness=0, lease_timeout_s=0.2, reap_interval_s=3600, staleness_gating=False)
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
-    lease, [group] = await a.controller.fetch(1, 100, "t")
+    lease, [group] = await fetch(a.controller, 1, 100, "t")
     await a.controller.update_weights(1, str(tmp_path))  # the leased group stays the trainer's
-    assert a.controller.buffer.groups[group.group_id].state is GroupState.LEASED
+    assert a.controller.rooms.buffer.groups[group.group_id].state is GroupState.LEASED
     await a.checkpoint()
     await a.controller.stop()
     await settle(lambda: time.time() > lease.expires_at)
 
     b = nodes(max_staleness=0, staleness_gating=False)
     await b.restore()
-    assert group.group_id not in b.controller.buffer.groups
-    assert b.controller.counters.evicted_groups == a.controller.counters.evicted_groups + 1
+    assert group.group_id not in b.controller.rooms.buffer.groups
+    assert (
+        b.controller.rooms.accounting.counters.evicted_groups
+        == a.controller.rooms.accounting.counters.evicted_groups + 1
+    )
     b.controller.start()
     await settle(lambda: any(r.prompt == group.meta.prompt for r in b.engine.requests))
     await settle(lambda: b.controller.status().buffer.committed == 6)
-    while (leased := await b.controller.fetch(8, 0, "t")) is not None:
+    while (leased := await fetch(b.controller, 8, 0, "t")) is not None:
         assert {g.policy_version for g in leased[1]} == {1}
 
 
@@ -420,7 +437,7 @@ async def test_a_corrupt_newest_snapshot_falls_back_with_a_reason(nodes, tmp_pat
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 2)
     first = await a.checkpoint()
-    await a.controller.fetch(1, 100, "t")
+    await fetch(a.controller, 1, 100, "t")
     second = await a.checkpoint()
     await a.controller.stop()
     [newest] = (tmp_path / "store" / "sidecars").glob(f"{second.sequence:020d}-*")
@@ -439,8 +456,8 @@ async def _two_snapshots(nodes):
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed == 6)
     first = await a.checkpoint()
-    before = {g.group_id: g.meta for g in a.controller.buffer.groups.values()}
-    lease, _ = await a.controller.fetch(2, 100, "t")
+    before = {g.group_id: g.meta for g in a.controller.rooms.buffer.groups.values()}
+    lease, _ = await fetch(a.controller, 2, 100, "t")
     await a.controller.ack(lease.lease_id, 1)
     await a.controller.finalize(1)  # room for new groups: the second snapshot has new rows
     await settle(lambda: a.controller.status().buffer.committed == 6)
@@ -471,7 +488,7 @@ async def test_a_corrupt_segment_is_skipped_with_its_reason(nodes, tmp_path, kin
     assert [s.sequence for s in r.skipped] == [second.sequence]
     assert newest.file.path in r.skipped[0].reason and "checksum" in r.skipped[0].reason
     # the first snapshot's groups (with the ack journaled after it), none of the second's
-    restored = b.controller.buffer.groups
+    restored = b.controller.rooms.buffer.groups
     assert {gid: g.meta.prompt for gid, g in restored.items()} == {
         gid: m.prompt for gid, m in before.items()
     }
@@ -495,7 +512,7 @@ async def test_io_errors_are_failed_attempts_and_count_in_a_row(nodes, tmp_path)
     del a.store.write_segment  # the disk has room again: the next attempt writes everything
     r = await a.checkpoint()
     assert r.outcome is Outcome.COMPLETED and not a.checkpointer.failing
-    staged = sum(len(g.samples) for g in a.controller.buffer.groups.values())
+    staged = sum(len(g.samples) for g in a.controller.rooms.buffer.groups.values())
     assert r.rows[RowKind.NEW] == r.rows[RowKind.LIVE] == staged  # nothing lost by the failures
 
 
@@ -515,7 +532,7 @@ async def test_an_on_demand_attempt_waits_for_the_running_one_and_finalizes_its_
     a = nodes()
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 2)
-    lease, groups = await a.controller.fetch(2, 0, "t")
+    lease, groups = await fetch(a.controller, 2, 0, "t")
     await a.controller.ack(lease.lease_id, 4)
     running = asyncio.ensure_future(a.checkpointer.checkpoint(Trigger.PERIODIC, tag="p"))
     await asyncio.sleep(0)  # the periodic attempt holds the checkpointer
@@ -523,8 +540,8 @@ async def test_an_on_demand_attempt_waits_for_the_running_one_and_finalizes_its_
     assert (await running).outcome is Outcome.COMPLETED
     assert (on_demand.outcome, on_demand.reason) == (Outcome.COMPLETED, Reason.COMPLETED)
     assert on_demand.sequence == (await running).sequence + 1
-    assert a.controller.counters.finalized_groups == len(groups)
-    assert all(g.group_id not in a.controller.buffer.groups for g in groups)
+    assert a.controller.rooms.accounting.counters.finalized_groups == len(groups)
+    assert all(g.group_id not in a.controller.rooms.buffer.groups for g in groups)
 
 
 async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):
@@ -533,7 +550,7 @@ async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):
     finalized = []
     for step in (1, 2):
         await settle(lambda: a.controller.status().buffer.committed == 6)
-        lease, _groups = await a.controller.fetch(1, 100, "t")
+        lease, _groups = await fetch(a.controller, 1, 100, "t")
         await a.controller.ack(lease.lease_id, step)
         await a.controller.finalize(step)
         finalized.append(lease.lease_id)
@@ -542,7 +559,7 @@ async def test_finalized_leases_of_every_snapshot_survive_a_restore(nodes):
 
     b = nodes()
     await b.restore()
-    assert list(b.controller.buffer.finalized_leases) == finalized
+    assert list(b.controller.rooms.ledger.finalized_leases) == finalized
     for step, lease_id in enumerate(finalized, start=1):  # the same step: idempotent
         assert (await b.controller.ack(lease_id, step)).already_acked
 
@@ -555,7 +572,7 @@ async def test_compaction_merges_small_segments_and_keeps_the_large_one(nodes):
     first = await a.checkpoint()
     large = a.store.load(first.sequence).segments[0].file
     for step in range(1, 5):  # each removes a group of the first segment and adds one
-        lease, _groups = await a.controller.fetch(1, 100, "t")
+        lease, _groups = await fetch(a.controller, 1, 100, "t")
         await a.controller.ack(lease.lease_id, step)
         await a.controller.finalize(step)
         await settle(lambda: a.controller.status().buffer.committed == 6)
@@ -568,7 +585,7 @@ async def test_compaction_merges_small_segments_and_keeps_the_large_one(nodes):
 
     b = nodes(engine=GatedEngine())
     await b.restore()
-    assert sum(len(g.samples) for g in b.controller.buffer.groups.values()) == rows == 12
+    assert sum(len(g.samples) for g in b.controller.rooms.buffer.groups.values()) == rows == 12
 
 
 async def test_an_attempt_that_timed_out_never_publishes_and_the_next_holds_its_rows(nodes):
@@ -609,14 +626,14 @@ async def test_an_attempt_that_timed_out_never_publishes_and_the_next_holds_its_
     a.store.write_sidecar_json = real_write_sidecar
     a.checkpointer._write_snapshot = real_write_snapshot
     a.checkpointer.config = CheckpointerConfig(keep_latest=2, timeout_s=30)
-    await a.controller.fetch(1, 100, "t")
+    await fetch(a.controller, 1, 100, "t")
     r = await a.checkpoint()
     assert r.outcome is Outcome.COMPLETED and a.store.sequences() == [r.sequence]
-    held = sum(len(g.samples) for g in a.controller.buffer.groups.values())
+    held = sum(len(g.samples) for g in a.controller.rooms.buffer.groups.values())
     assert r.rows[RowKind.LIVE] == held
     b = nodes(engine=GatedEngine())
     await b.restore()
-    assert sum(len(g.samples) for g in b.controller.buffer.groups.values()) == held
+    assert sum(len(g.samples) for g in b.controller.rooms.buffer.groups.values()) == held
 
 
 async def test_an_attempt_publishing_when_it_times_out_completes(nodes, caplog):
@@ -652,7 +669,7 @@ async def _tagged_history(node: Node, steps: int) -> None:
     node.controller.start()
     for step in range(1, steps + 1):
         await settle(lambda: node.controller.status().buffer.committed >= 1)
-        lease, _groups = await node.controller.fetch(1, 100, "t")
+        lease, _groups = await fetch(node.controller, 1, 100, "t")
         await node.controller.ack(lease.lease_id, step)
         tag, trainer_step = TAGS.get(step, ("", step))
         report = await node.checkpoint(tag=tag, trainer_step=trainer_step)
@@ -713,7 +730,7 @@ async def test_a_slow_attempt_logs_how_long_each_phase_took(nodes, monkeypatch, 
     with caplog.at_level(logging.INFO, logger="rolloutd.checkpoint.checkpointer"):
         slow = await a.checkpoint()
         a.store.write_segment = real_write
-        await a.controller.fetch(1, 100, "t")
+        await fetch(a.controller, 1, 100, "t")
         quick = await a.checkpoint()
     assert slow.outcome is quick.outcome is Outcome.COMPLETED
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -16,6 +16,7 @@ from rolloutd.domain.observer import EpisodeTurn, NullObserver
 from rolloutd.domain.report import Disposition
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 from tests.checkpoint.test_checkpointer import nodes  # noqa: F401  (the fixture)
+from tests.controllers import fetch
 from tests.fakes import settle
 
 FAST = SyntheticConfig(tokens_per_s=0, min_tokens=4)
@@ -61,9 +62,15 @@ class TurnsSeen(NullObserver):
         self.turns.append(event)
 
 
-def episode_node(nodes, env):  # type: ignore[no-untyped-def]  # noqa: F811
+def episode_node(nodes, env, observer=None):  # type: ignore[no-untyped-def]  # noqa: F811
     runner = EpisodeRunner({}, env, EpisodeLimits(max_turns=5))
-    node = nodes(engine=SyntheticEngine(FAST), runner=runner, max_in_flight=2, buffer_capacity=2)
+    node = nodes(
+        engine=SyntheticEngine(FAST),
+        runner=runner,
+        max_in_flight=2,
+        buffer_capacity=2,
+        observer=observer,
+    )
     return node, runner
 
 
@@ -79,17 +86,16 @@ async def test_an_episode_group_no_snapshot_held_comes_back_with_its_durable_tur
     a.controller.start()
     # every episode's turn 1 is durable and its step running (turn 0 and step 0 durable)
     await settle(lambda: sum(1 for c in first.calls if c[1] == 1) == 4)
-    admitted = {gid: g.meta.prompt.prompt_id for gid, g in a.controller.buffer.groups.items()}
+    admitted = {gid: g.meta.prompt.prompt_id for gid, g in a.controller.rooms.buffer.groups.items()}
     assert len(admitted) == 2
     await a.controller.stop()
 
     second = GatedEnv()
-    b, _ = episode_node(nodes, second)
     seen = TurnsSeen()
-    b.controller.core.observer = seen
+    b, _ = episode_node(nodes, second, seen)
     await b.restore()
     b.controller.start()
-    groups = b.controller.buffer.groups
+    groups = b.controller.rooms.buffer.groups
     await settle(
         lambda: all(gid in groups and groups[gid].state is GroupState.COMMITTED for gid in admitted)
     )
@@ -106,7 +112,7 @@ async def test_an_episode_group_no_snapshot_held_comes_back_with_its_durable_tur
     # a snapshot that holds them while the sampler's cursor is not past them restores
     await b.checkpoint()
     # the prompts are not admitted again: what comes after them is the dataset's next prompts
-    lease, delivered = await b.controller.fetch(2, 2000, "t")
+    lease, delivered = await fetch(b.controller, 2, 2000, "t")
     assert {g.group_id for g in delivered} == set(admitted)
     await b.controller.ack(lease.lease_id, 1)
     await settle(lambda: len(groups) == 4)
@@ -115,4 +121,4 @@ async def test_an_episode_group_no_snapshot_held_comes_back_with_its_durable_tur
     await b.controller.stop()
     c, _ = episode_node(nodes, GatedEnv())
     await c.restore()
-    assert {c.controller.buffer.groups[gid].state for gid in admitted} == {GroupState.ACKED}
+    assert {c.controller.rooms.buffer.groups[gid].state for gid in admitted} == {GroupState.ACKED}

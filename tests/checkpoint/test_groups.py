@@ -37,6 +37,7 @@ from rolloutd.domain.report import RecoveryState, Trigger
 from rolloutd.domain.spec import GenerationSpec, SamplingParams
 from tests.checkpoint.data import make_format2 as format2
 from tests.checkpoint.helpers import Location, StoreNode
+from tests.controllers import fetch
 from tests.fakes import settle
 
 FORMAT2 = Path(__file__).parent / "data" / "format2"
@@ -107,7 +108,7 @@ def _as_written(ctl) -> dict:
             "meta": sidecar.to_json(g.meta),
             "rows": {str(i): list(s.token_ids) for i, s in sorted(g.samples.items())},
         }
-        for g in ctl.buffer.groups.values()
+        for g in ctl.rooms.buffer.groups.values()
     }
 
 
@@ -121,10 +122,10 @@ async def test_a_store_written_in_format_2_restores_and_moves_to_typed_columns(t
     assert report.sequence == 2 and not report.skipped
     assert report.groups[RecoveryState.ACKED] == 1 and report.groups[RecoveryState.UNFINISHED] == 2
     assert _as_written(ctl) == expected["groups"]
-    assert [ctl.sampler.cursor.epoch, ctl.sampler.cursor.offset] == expected["cursor"]
+    assert [ctl.rooms.sampler.cursor.epoch, ctl.rooms.sampler.cursor.offset] == expected["cursor"]
 
     # a snapshot taken now lists the format-2 group segments beside a typed one
-    lease, _ = await ctl.fetch(1, 0, "t")
+    lease, _ = await fetch(ctl, 1, 0, "t")
     await ctl.ack(lease.lease_id, 6)
     now = _as_written(ctl)
     third = store.load((await checkpointer.checkpoint(Trigger.ON_DEMAND)).sequence)
@@ -195,16 +196,16 @@ async def test_a_restore_decodes_only_the_groups_it_delivers(tmp_path):
     again = StoreNode(node.location, [], max_in_flight=12, buffer_capacity=12, keep_latest=2)
     report = await again.restore()
     assert report.groups[RecoveryState.COMMITTED] == 12
-    buffered = list(again.controller.buffer.groups.values())
+    buffered = list(again.controller.rooms.buffer.groups.values())
     assert all(isinstance(g, RestoredGroup) for g in buffered)
     decoded = lambda: {g.group_id for g in buffered if "meta" in g.__dict__}  # noqa: E731
     read = lambda: {g.group_id for g in buffered if "samples" in g.__dict__}  # noqa: E731
     assert decoded() == read() == set()
-    assert await again.controller.evict_stale() == 0
+    assert await again.controller.rooms.policy.evict_stale() == 0
     assert decoded() == set()
     again.controller.start()
 
-    _, delivered = await again.controller.fetch(1, 0, "t")
+    _, delivered = await fetch(again.controller, 1, 0, "t")
     [group] = delivered
     assert decoded() == {group.group_id} and read() <= {group.group_id}
     assert group.meta.prompt.prompt_id in {f"p{i}" for i in range(12)}

@@ -18,13 +18,14 @@ from rolloutd.domain.group import GroupState, Prompt
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.sampler import Admission
 from tests.checkpoint.test_checkpointer import nodes  # noqa: F401  (the fixture)
+from tests.controllers import fetch
 from tests.fakes import settle
 
 
 async def drain(controller, step, *, wait_ms=300):
     """Fetches and acks until nothing comes within ``wait_ms``; the prompt ids delivered."""
     delivered = []
-    while (leased := await controller.fetch(4, wait_ms, "t")) is not None:
+    while (leased := await fetch(controller, 4, wait_ms, "t")) is not None:
         delivered += [g.meta.prompt.prompt_id for g in leased[1]]
         await controller.ack(leased[0].lease_id, step)
     return delivered
@@ -36,7 +37,7 @@ async def _restored_after_one_expiry(nodes):  # noqa: F811
     b = nodes(lease_timeout_s=0.5)
     await b.restore()
     b.controller.start()
-    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=60)
+    await settle(lambda: b.controller.rooms.accounting.counters.expired_leases == 1, within_s=60)
     delivered = await drain(b.controller, 1)
     assert sorted(delivered) == sorted({*delivered}) and len(delivered) == 40
     return delivered
@@ -45,7 +46,7 @@ async def _restored_after_one_expiry(nodes):  # noqa: F811
 async def test_an_ack_before_any_snapshot_holds_after_a_restart(nodes):  # noqa: F811
     a = nodes()
     a.controller.start()
-    lease, groups = await a.controller.fetch(2, 2000, "t")
+    lease, groups = await fetch(a.controller, 2, 2000, "t")
     await a.controller.ack(lease.lease_id, 1)
     await a.controller.stop()
     assert a.store.sequences() == []  # no snapshot: only the journal
@@ -67,7 +68,7 @@ async def test_a_lease_survives_a_restart_and_its_groups_go_to_nobody_else(nodes
     await settle(lambda: a.controller.status().buffer.committed >= 4)
     await a.checkpoint()
     # leased after the snapshot: one group the snapshot holds ready, and then newer ones
-    lease, groups = await a.controller.fetch(4, 2000, "t")
+    lease, groups = await fetch(a.controller, 4, 2000, "t")
     held = [g for g in groups if g.group_id <= 4]
     assert held
     await a.controller.stop()
@@ -88,7 +89,7 @@ async def test_a_restored_lease_that_expires_gives_its_groups_back(nodes):  # no
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 2)
     await a.checkpoint()
-    _lease, groups = await a.controller.fetch(4, 2000, "t")
+    _lease, groups = await fetch(a.controller, 4, 2000, "t")
     await a.controller.stop()
 
     delivered = await _restored_after_one_expiry(nodes)
@@ -118,7 +119,7 @@ async def test_group_ids_are_never_issued_twice_across_restarts(nodes):  # noqa:
         await settle(lambda n=node: n.controller.status().buffer.committed >= 2)
         if life == 1:
             await node.checkpoint()
-        for g in node.controller.buffer.groups.values():
+        for g in node.controller.rooms.buffer.groups.values():
             prompt = g.meta.prompt.prompt_id
             assert seen.setdefault(g.group_id, prompt) == prompt, f"id {g.group_id} reissued"
         await node.controller.stop()  # groups admitted since the snapshot are lost
@@ -130,7 +131,7 @@ async def test_the_replica_is_part_of_every_group_id(nodes):  # noqa: F811
     a = nodes(replica=3)
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 1)
-    assert all(gid >> ID_BITS == 3 for gid in a.controller.buffer.groups)
+    assert all(gid >> ID_BITS == 3 for gid in a.controller.rooms.buffer.groups)
 
 
 async def test_concurrent_writes_share_a_sync(tmp_path):
@@ -162,16 +163,16 @@ async def test_a_restored_lease_of_lost_groups_survives_a_second_restart(nodes):
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 2)
     await a.checkpoint()
-    in_snapshot = set(a.controller.buffer.groups)
-    first, firsts = await a.controller.fetch(2, 2000, "t")
+    in_snapshot = set(a.controller.rooms.buffer.groups)
+    first, firsts = await fetch(a.controller, 2, 2000, "t")
     await a.controller.ack(first.lease_id, 1)  # frees room: groups are admitted after the snapshot
     await settle(
         lambda: any(
             g.state is GroupState.COMMITTED and gid not in in_snapshot
-            for gid, g in a.controller.buffer.groups.items()
+            for gid, g in a.controller.rooms.buffer.groups.items()
         )
     )
-    lease, groups = await a.controller.fetch(6, 2000, "t")
+    lease, groups = await fetch(a.controller, 6, 2000, "t")
     lost = [g for g in groups if g.group_id not in in_snapshot]
     assert lost, "the lease should hold a group the snapshot lacks"
     await a.controller.stop()
@@ -213,7 +214,7 @@ class HeldSync:
 async def test_a_checkpoint_does_not_wait_for_an_ack_syncing_and_restore_replays_it(nodes):  # noqa: F811
     a = nodes()
     a.controller.start()
-    lease, groups = await a.controller.fetch(2, 2000, "t")
+    lease, groups = await fetch(a.controller, 2, 2000, "t")
     before = a.journal.position
     held = HeldSync(a.journal)
     acking = asyncio.ensure_future(a.controller.ack(lease.lease_id, 1))
@@ -237,7 +238,7 @@ async def test_a_checkpoint_does_not_wait_for_an_ack_syncing_and_restore_replays
 async def test_an_ack_durable_before_the_capture_is_in_the_snapshot(nodes):  # noqa: F811
     a = nodes()
     a.controller.start()
-    lease, _groups = await a.controller.fetch(2, 2000, "t")
+    lease, _groups = await fetch(a.controller, 2, 2000, "t")
     held = HeldSync(a.journal)
     acking = asyncio.ensure_future(a.controller.ack(lease.lease_id, 1))
     await settle(held.entered.is_set)
@@ -261,7 +262,7 @@ async def test_an_ack_durable_before_the_capture_is_in_the_snapshot(nodes):  # n
 async def test_an_ack_whose_sync_fails_applies_nothing_and_a_retry_succeeds(nodes):  # noqa: F811
     a = nodes()
     a.controller.start()
-    lease, groups = await a.controller.fetch(2, 2000, "t")
+    lease, groups = await fetch(a.controller, 2, 2000, "t")
     held = HeldSync(a.journal, OSError(28, "No space left on device"))
     acking = asyncio.ensure_future(a.controller.ack(lease.lease_id, 1))
     await settle(held.entered.is_set)
@@ -269,8 +270,8 @@ async def test_an_ack_whose_sync_fails_applies_nothing_and_a_retry_succeeds(node
     held.release.set()
     with pytest.raises(Unavailable, match=r"could not be made durable: .*No space left"):
         await acking
-    assert lease.lease_id in a.controller.buffer.leases  # still granted, nothing acked
-    assert a.controller.counters.acked_groups == 0
+    assert lease.lease_id in a.controller.rooms.ledger.leases  # still granted, nothing acked
+    assert a.controller.rooms.accounting.counters.acked_groups == 0
     assert not (await a.controller.ack(lease.lease_id, 1)).already_acked  # the retry is the ack
     await a.controller.stop()
 
@@ -288,13 +289,13 @@ async def test_a_lease_whose_sync_fails_comes_back_also_from_a_snapshot_taken_me
     a.controller.start()
     await settle(lambda: a.controller.status().buffer.committed >= 2)
     held = HeldSync(a.journal, OSError(5, "Input/output error"))
-    fetching = asyncio.ensure_future(a.controller.fetch(2, 2000, "t"))
+    fetching = asyncio.ensure_future(fetch(a.controller, 2, 2000, "t"))
     await settle(held.entered.is_set)
     await asyncio.wait_for(a.checkpoint(), 10)  # captures the grant while it syncs
     held.release.set()
     with pytest.raises(Unavailable, match="lease could not be made durable"):
         await fetching
-    assert not a.controller.buffer.leases  # requeued at once in the live process
+    assert not a.controller.rooms.ledger.leases  # requeued at once in the live process
     await a.controller.stop()
 
     # the snapshot's grant, which nobody received, expires like any unacked lease
@@ -319,7 +320,7 @@ async def test_leases_and_acks_name_prompts_by_reference_and_replay_resolves_the
     a.controller.start()
     leases = []
     for _ in range(2):  # submitted prompts go first: one lease each
-        lease, [group] = await a.controller.fetch(1, 2000, "t")
+        lease, [group] = await fetch(a.controller, 1, 2000, "t")
         assert group.meta.prompt.metadata == big
         leases.append(lease)
     await a.controller.ack(leases[0].lease_id, 1)
@@ -331,10 +332,10 @@ async def test_leases_and_acks_name_prompts_by_reference_and_replay_resolves_the
     assert (await b.controller.ack(leases[0].lease_id, 1)).already_acked
     b.controller.start()
     # the unacked lease expires: its prompt, found again by reference, is admitted again whole
-    await settle(lambda: b.controller.counters.expired_leases == 1, within_s=60)
+    await settle(lambda: b.controller.rooms.accounting.counters.expired_leases == 1, within_s=60)
     again = []
     while not again:
-        lease, groups = await b.controller.fetch(4, 2000, "t")
+        lease, groups = await fetch(b.controller, 4, 2000, "t")
         again = [g.meta.prompt for g in groups if g.meta.prompt.prompt_id == "s1"]
         await b.controller.ack(lease.lease_id, 2)
     assert again[0].metadata == big
@@ -343,7 +344,7 @@ async def test_leases_and_acks_name_prompts_by_reference_and_replay_resolves_the
 def test_lease_and_ack_records_written_before_references_are_still_read():
     from rolloutd.checkpoint import journal_records
     from rolloutd.checkpoint.sidecar import to_json
-    from rolloutd.domain.buffer import AckRecord, Lease
+    from rolloutd.domain.journal import AckRecord, Lease
     from rolloutd.domain.group import Position
 
     admission = Admission(Prompt("p3", "question 3", {"a": 1}), Position(0, 3))

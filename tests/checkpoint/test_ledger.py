@@ -17,6 +17,7 @@ from rolloutd.checkpoint.manifest import Manifest, next_manifest
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SizePart
 from tests.checkpoint.helpers import Location, StoreNode, publish_earlier_layout
+from tests.controllers import fetch
 from tests.fakes import settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(40)]
@@ -30,10 +31,10 @@ class Node(StoreNode):
     async def finalize(self, step: int) -> str:
         """Fetches one group, acks it at ``step``; returns the lease, now finalized."""
         await settle(lambda: self.controller.status().buffer.committed >= 1)
-        lease, _ = await self.controller.fetch(1, 100, "t")
+        lease, _ = await fetch(self.controller, 1, 100, "t")
         await self.controller.ack(lease.lease_id, step)
         await self.controller.finalize(step)
-        assert lease.lease_id in self.controller.buffer.finalized_leases
+        assert lease.lease_id in self.controller.rooms.ledger.finalized_leases
         return lease.lease_id
 
 
@@ -77,7 +78,7 @@ async def test_each_snapshot_writes_only_the_leases_finalized_since_its_parent(n
     b = node()
     report = await b.restore()
     assert report.sequence == three.sequence and report.skipped == []
-    assert list(b.controller.buffer.finalized_leases) == first + second
+    assert list(b.controller.rooms.ledger.finalized_leases) == first + second
     for lease_id, step in zip(first + second, (1, 1, 2), strict=True):
         assert (await b.controller.ack(lease_id, step)).already_acked  # as before the restart
 
@@ -159,7 +160,7 @@ async def test_a_damaged_piece_skips_its_snapshot_and_restore_falls_back(node, d
     assert [s.sequence for s in report.skipped] == [newer.sequence]
     assert piece.file.path in report.skipped[0].reason
     # the older snapshot's ledger plus the journaled ack: both leases still answer as acked
-    assert older_leases[0] in b.controller.buffer.finalized_leases
+    assert older_leases[0] in b.controller.rooms.ledger.finalized_leases
     assert (await b.controller.ack(older_leases[0], 1)).already_acked
     assert (await b.controller.ack(newer_leases[0], 2)).already_acked
 
@@ -180,7 +181,7 @@ async def test_a_snapshot_whose_sidecar_holds_the_ledger_restores_and_moves_it_t
     b = node()
     report = await b.restore()
     assert report.sequence == legacy.sequence and report.skipped == []
-    assert list(b.controller.buffer.finalized_leases) == finalized
+    assert list(b.controller.rooms.ledger.finalized_leases) == finalized
     assert (await b.controller.ack(finalized[0], 1)).already_acked
     b.controller.start()
     later = await b.finalize(2)

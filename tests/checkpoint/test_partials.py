@@ -13,6 +13,7 @@ from rolloutd.domain.group import SamplePart
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import TokenDisposition
 from tests.checkpoint.test_checkpointer import Node
+from tests.controllers import fetch
 from tests.fakes import GatedEngine, settle
 
 TOKENS = 8
@@ -62,7 +63,7 @@ async def test_a_checkpoint_writes_the_tokens_of_generating_siblings(nodes):
     partials = a.store.read_partials(manifest)
     assert len(partials) == 6
     for p in partials:
-        seed = a.controller.buffer.groups[p.group_id].meta.sibling_seed(p.index)
+        seed = a.controller.rooms.buffer.groups[p.group_id].meta.sibling_seed(p.index)
         assert p.token_ids().tolist() == uninterrupted(seed)[:EARLY]
         assert p.logprobs().tolist() == pytest.approx([-0.5 - i / 100 for i in range(EARLY)])
         assert p.parts() == (SamplePart(0, 0),)
@@ -74,7 +75,9 @@ async def test_the_cut_holds_what_the_hold_saw_not_what_came_after(nodes):
     async with a.controller.barrier.exclusive():
         state = a.controller.capture()
     a.engine.release(1)  # its last delta is appended after the cut, then it is staged
-    await settle(lambda: sum(len(g.samples) for g in a.controller.buffer.groups.values()) == 1)
+    await settle(
+        lambda: sum(len(g.samples) for g in a.controller.rooms.buffer.groups.values()) == 1
+    )
     assert sorted(len(p) for p in state.partials) == [EARLY] * 6
 
 
@@ -82,11 +85,13 @@ async def test_a_staged_sibling_leaves_the_partials_in_the_same_mutation(nodes):
     a = nodes(engine=streaming())
     await generating(a)
     a.engine.release(1)
-    await settle(lambda: sum(len(g.samples) for g in a.controller.buffer.groups.values()) == 1)
+    await settle(
+        lambda: sum(len(g.samples) for g in a.controller.rooms.buffer.groups.values()) == 1
+    )
     report = await a.checkpoint()
     manifest = a.store.load(report.sequence)
     assert manifest.new_rows == 1
-    staged = {(g.group_id, i) for g in a.controller.buffer.groups.values() for i in g.samples}
+    staged = {(g.group_id, i) for g in a.controller.rooms.buffer.groups.values() for i in g.samples}
     partial = {(p.group_id, p.index) for p in a.store.read_partials(manifest)}
     assert len(partial) == 5 and not staged & partial
 
@@ -102,7 +107,7 @@ async def test_restore_continues_each_sibling_from_its_tokens(nodes):
     assert report.tokens == {TokenDisposition.REUSED: 6 * EARLY, TokenDisposition.REGENERATED: 0}
     assert all(r.prefix is not None and len(r.prefix) == EARLY for r in b.engine.requests)
     await settle(lambda: b.controller.status().buffer.committed == 3)
-    for g in b.controller.buffer.groups.values():
+    for g in b.controller.rooms.buffer.groups.values():
         for s in g.samples.values():
             assert s.token_ids.tolist() == uninterrupted(s.seed)
             assert s.logprobs.tolist() == pytest.approx([-0.5 - i / 100 for i in range(TOKENS)])
@@ -122,7 +127,7 @@ async def test_sibling_granularity_discards_the_tokens_and_counts_them(nodes):
     await settle(lambda: b.controller.status().buffer.committed == 3)
     assert all(
         s.resumed_at is None
-        for g in b.controller.buffer.groups.values()
+        for g in b.controller.rooms.buffer.groups.values()
         for s in g.samples.values()
     )
 
@@ -138,7 +143,7 @@ async def test_a_resume_across_a_weight_update_records_both_versions(nodes, tmp_
     b = nodes(engine=engine)
     await b.restore(granularity=Granularity.TOKEN)
     await settle(lambda: b.controller.status().buffer.committed == 3)
-    for g in b.controller.buffer.groups.values():
+    for g in b.controller.rooms.buffer.groups.values():
         for s in g.samples.values():
             assert s.parts == (SamplePart(0, 0), SamplePart(EARLY, 1))
             assert s.policy_version == 0  # the oldest part: staleness stays conservative
@@ -223,10 +228,10 @@ async def test_a_second_restart_still_delivers_where_samples_were_resumed(nodes)
 
     c = nodes(engine=GatedEngine(tokens=TOKENS, auto=True))
     await c.restore(granularity=Granularity.TOKEN)
-    samples = [s for g in c.controller.buffer.groups.values() for s in g.samples.values()]
+    samples = [s for g in c.controller.rooms.buffer.groups.values() for s in g.samples.values()]
     assert sum(s.resumed_at == EARLY for s in samples) == 6
     assert all(s.parts == (SamplePart(0, 0),) for s in samples if s.resumed_at is not None)
-    lease, _groups = await c.controller.fetch(16, 0, "t")
+    lease, _groups = await fetch(c.controller, 16, 0, "t")
     await c.controller.ack(lease.lease_id, 1)
     await c.controller.finalize(1)  # the resumed rows are gone: so are their records
     report = await c.checkpoint()

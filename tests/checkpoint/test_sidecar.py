@@ -4,6 +4,7 @@ from rolloutd.checkpoint import sidecar
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.group import GroupMeta, Prompt
 from rolloutd.domain.sampler import Admission, Sampler
+from tests.controllers import fetch
 from tests.fakes import GatedEngine, settle
 
 
@@ -45,9 +46,9 @@ async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
     )
     c.start()
     await settle(lambda: c.status().buffer.committed == 4)
-    lease, _ = await c.fetch(2, 0, "t")
+    lease, _ = await fetch(c, 2, 0, "t")
     await c.ack(lease.lease_id, 3)  # finalized at once (window 0): the ledger has an entry
-    lease, _ = await c.fetch(1, 0, "t")
+    lease, _ = await fetch(c, 1, 0, "t")
     await c.submit([Admission(Prompt("s", "submitted"), None)])
     async with c.barrier.exclusive():
         capture = c.capture()
@@ -56,11 +57,11 @@ async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
     decoded = sidecar.decode(json.loads(sidecar.encode(capture)), metas)
     assert decoded.buffer.groups == {m.group_id: m for m in metas}
     assert (
-        decoded.buffer.leases == capture.buffer.leases and lease.lease_id in decoded.buffer.leases
+        decoded.ledger.leases == capture.ledger.leases and lease.lease_id in decoded.ledger.leases
     )
-    assert decoded.buffer.acks == capture.buffer.acks
+    assert decoded.ledger.acks == capture.ledger.acks
     # the finalized leases are in the snapshot's ledger pieces, not the sidecar
-    assert capture.buffer.finalized_leases != {} and decoded.buffer.finalized_leases == {}
+    assert capture.ledger.finalized_leases != {} and decoded.ledger.finalized_leases == {}
     assert "finalized_leases" not in sidecar.head(capture)
     assert decoded.sampler.cursor == capture.sampler.cursor
     # the prompts themselves are in the snapshot's submissions pieces; the sidecar counts them
@@ -69,8 +70,12 @@ async def test_the_decoder_gives_back_the_state_the_encoder_was_given():
         sidecar.head(capture)["sampler"]
     ).replace("submitted_", "")
     assert decoded.counters == capture.counters
-    assert (decoded.next_group_id, decoded.max_acked_step, decoded.finalized_through) == (
+    assert (
+        decoded.next_group_id,
+        decoded.ledger.max_acked_step,
+        decoded.ledger.finalized_through,
+    ) == (
         capture.next_group_id,
-        capture.max_acked_step,
-        capture.finalized_through,
+        capture.ledger.max_acked_step,
+        capture.ledger.finalized_through,
     )

@@ -24,6 +24,7 @@ from rolloutd.domain.group import Prompt
 from rolloutd.domain.report import SizePart
 from rolloutd.domain.sampler import Admission
 from tests.checkpoint.helpers import Location, StoreNode, publish_earlier_layout
+from tests.controllers import fetch
 from tests.fakes import settle
 
 DATASET = [Prompt(f"p{i}", f"question {i}") for i in range(4)]
@@ -108,7 +109,7 @@ async def test_restore_rebuilds_the_queue_and_idempotency_from_pieces_and_journa
         await b.controller.submit([Admission(Prompt("s0", "not the same text"), None)])
     b.controller.start()
     delivered = []
-    while (leased := await b.controller.fetch(4, 300, "t")) is not None:
+    while (leased := await fetch(b.controller, 4, 300, "t")) is not None:
         delivered += [g.meta.prompt.prompt_id for g in leased[1]]
         await b.controller.ack(leased[0].lease_id, 1)
     # each once: those the snapshot held as groups, queued, or that only the journal had
@@ -138,7 +139,7 @@ async def test_pieces_stay_few_and_restore_reads_them_in_order(node):
 
     b = node()
     await b.restore()
-    assert b.controller.sampler.pending == total
+    assert b.controller.rooms.sampler.pending == total
     assert await b.submit(0, total) == (0, total)
 
 
@@ -198,7 +199,7 @@ async def test_a_damaged_piece_skips_its_snapshot_and_restore_falls_back(node, d
     assert [s.sequence for s in report.skipped] == [newer.sequence]
     assert piece.file.path in report.skipped[0].reason
     # the fallback plus the journal still holds every accepted prompt, once
-    assert b.controller.sampler.pending == 27
+    assert b.controller.rooms.sampler.pending == 27
     assert await b.submit(0, 27) == (0, 27)
 
 
@@ -235,7 +236,7 @@ async def test_a_snapshot_of_the_earlier_layout_restores_and_moves_its_prompts_t
     b = node(keep_latest=3)
     report = await b.restore()
     assert report.sequence == legacy.sequence and report.skipped == []
-    assert b.controller.sampler.pending == 7
+    assert b.controller.rooms.sampler.pending == 7
     assert await b.submit(0, 8) == (1, 7)
     moved = await b.checkpoint()
     assert [(p.first, p.count) for p in b.store.load(moved.sequence).submissions] == [(0, 8)]

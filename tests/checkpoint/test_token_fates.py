@@ -25,6 +25,7 @@ from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 from tests.checkpoint.test_checkpointer import nodes  # noqa: F401  (the fixture)
 from tests.checkpoint.test_episode_replay import GatedEnv
+from tests.controllers import fetch
 from tests.fakes import settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(200)]
@@ -104,12 +105,12 @@ def synthetic() -> Flaky:
 def exact(c: Controller) -> TokenAccount:
     """The account, checked: the fates add up to the generated tokens, what is left buffered is
     what the buffer and the staging hold, and the staging holds nothing of a group gone."""
-    assert {gid for gid, _ in c.core.staging} <= set(c.buffer.groups)
+    assert {gid for gid, _ in c.rooms.accounting.streams} <= set(c.rooms.buffer.groups)
     account = c.token_account()
     assert set(account.fates) == set(TokenFate)
     assert all(n >= 0 for n in account.fates.values()), account
     assert sum(account.fates.values()) == account.generated, account
-    assert account.fates[TokenFate.BUFFERED] == c.counters.buffered_tokens
+    assert account.fates[TokenFate.BUFFERED] == c.rooms.accounting.counters.buffered_tokens
     return account
 
 
@@ -122,10 +123,15 @@ async def test_every_generated_token_ends_in_exactly_one_fate(tmp_path):
     a, ckpt_a = node(tmp_path / "store", engine)
     a.start()
     try:
-        await settle(lambda: a.counters.committed_groups >= 3 and a.counters.dropped_groups >= 2)
+        await settle(
+            lambda: (
+                a.rooms.accounting.counters.committed_groups >= 3
+                and a.rooms.accounting.counters.dropped_groups >= 2
+            )
+        )
         assert "g1-s0" in engine.failed and engine.failed.count("g2-s1") == 2
         for step in (1, 2):
-            lease, _ = await a.fetch(1, 5_000, "trainer")
+            lease, _ = await fetch(a, 1, 5_000, "trainer")
             await a.ack(lease.lease_id, step)
         before_rewind = exact(a).fates[TokenFate.DELIVERED]
         await a.rewind(1)  # the group acked at step 2 goes back to the buffer
@@ -137,7 +143,7 @@ async def test_every_generated_token_ends_in_exactly_one_fate(tmp_path):
         assert account.fates[TokenFate.DROPPED] > 0  # the filter's
         assert account.fates[TokenFate.REGENERATED] > 0  # g1-s0's first attempt
         # a checkpoint while siblings stream: their partial tokens are in the snapshot
-        await settle(lambda: sum(map(len, a.core.staging.values())) >= 4)
+        await settle(lambda: sum(map(len, a.rooms.accounting.streams.values())) >= 4)
         report = await ckpt_a.checkpoint(Trigger.ON_DEMAND)
         assert report.outcome is Outcome.COMPLETED
         snapshot = report.sequence
@@ -155,13 +161,13 @@ async def test_every_generated_token_ends_in_exactly_one_fate(tmp_path):
     restored = exact(b)
     assert restored.generated <= exact(a).generated
     assert restored.fates[TokenFate.REGENERATED] > account.fates[TokenFate.REGENERATED]
-    committed = b.counters.committed_groups
+    committed = b.rooms.accounting.counters.committed_groups
     b.start()
     try:
-        await settle(lambda: b.counters.committed_groups >= committed + 2)
+        await settle(lambda: b.rooms.accounting.counters.committed_groups >= committed + 2)
         # one of them: staleness gating (on) admits no more than the trainers' pace, so the
         # other is what stays buffered
-        lease, _ = await b.fetch(1, 5_000, "trainer")
+        lease, _ = await fetch(b, 1, 5_000, "trainer")
         await b.ack(lease.lease_id, 3)
     finally:
         await b.stop()
@@ -184,8 +190,8 @@ async def test_a_snapshot_from_before_the_accounting_starts_it_at_the_restore(tm
     a, ckpt_a = node(tmp_path / "store", synthetic())
     a.start()
     try:
-        await settle(lambda: a.counters.committed_groups >= 4)
-        lease, _ = await a.fetch(2, 5_000, "trainer")
+        await settle(lambda: a.rooms.accounting.counters.committed_groups >= 4)
+        lease, _ = await fetch(a, 2, 5_000, "trainer")
         await a.ack(lease.lease_id, 1)
         report = await ckpt_a.checkpoint(Trigger.ON_DEMAND)
     finally:
@@ -205,10 +211,12 @@ async def test_a_snapshot_from_before_the_accounting_starts_it_at_the_restore(tm
     b, ckpt_b = node(tmp_path / "store", synthetic())
     await restore(b, store, ckpt_b, "latest", FINGERPRINT, Granularity.SIBLING)
     account = exact(b)
-    buffered, acked = b.core.held_tokens()
+    buffered, acked = b.rooms.accounting.held_tokens(b.rooms.buffer.groups.values())
     assert account.fates[TokenFate.DELIVERED] == acked > 0
     # the partial siblings it held are generated again (granularity sibling)
-    wasted = b.counters.dropped_tokens + b.counters.regenerated_tokens
+    wasted = (
+        b.rooms.accounting.counters.dropped_tokens + b.rooms.accounting.counters.regenerated_tokens
+    )
     assert account.generated == buffered + acked + wasted
 
 
@@ -221,11 +229,11 @@ async def test_a_restored_episode_mid_turn_keeps_the_account(nodes):  # noqa: F8
     slow = SyntheticEngine(SyntheticConfig(tokens_per_s=150, min_tokens=32))
     a = nodes(engine=slow, runner=runner, max_in_flight=2, buffer_capacity=4)
     a.controller.start()
-    episodes = a.controller.generation.episodes
+    episodes = a.controller.rooms.flight.episodes
     # some episodes staged (counted), others mid-turn (their tokens not counted yet)
     await settle(
         lambda: (
-            a.controller.counters.generated_tokens > 0
+            a.controller.rooms.accounting.counters.generated_tokens > 0
             and sum(len(e.deltas) for e in episodes.values()) >= 2
         )
     )
@@ -238,6 +246,6 @@ async def test_a_restored_episode_mid_turn_keeps_the_account(nodes):  # noqa: F8
         await b.restore(granularity=granularity)
         exact(b.controller)
         b.controller.start()
-        await settle(lambda: b.controller.counters.committed_groups >= 2)  # noqa: B023
+        await settle(lambda: b.controller.rooms.accounting.counters.committed_groups >= 2)  # noqa: B023
         await b.controller.stop()
         assert exact(b.controller).generated > 0

@@ -257,7 +257,7 @@ async def test_admission_follows_the_limit_the_engine_signals_set():
 
     async def generate() -> None:  # the engine finishes whatever is in flight, over and over
         while True:
-            seen.append((len(c.generation.siblings), c.generation.limit.value))
+            seen.append((c.rooms.flight.groups, c.rooms.admitter.limit.value))
             engine.release()
             await asyncio.sleep(0.01)
 

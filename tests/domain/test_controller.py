@@ -8,6 +8,7 @@ from rolloutd.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.domain.group import GroupState, Prompt
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted, NullObserver
 from rolloutd.domain.sampler import Sampler
+from tests.controllers import fetch
 from tests.fakes import GatedEngine, settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(50)]
@@ -42,7 +43,7 @@ async def test_admission_stops_at_max_in_flight(running):
     await settle(lambda: len(engine.requests) == 6)
     # Admission can go on only once this holds again (nothing changes until a release): no
     # later moment could see more requests.
-    assert not c.generation.can_admit()
+    assert not c.rooms.admitter.can_admit()
     assert len(engine.requests) == 6  # 2 groups x 3 siblings, nothing more admitted
     assert c.status().buffer.generating == 2
     engine.release(3)
@@ -54,15 +55,15 @@ async def test_buffer_capacity_bounds_groups_held(running):
     engine = GatedEngine(auto=True)
     c = running(engine, buffer_capacity=5, max_in_flight=5)
     await settle(lambda: c.status().buffer.committed == 5)
-    assert not c.generation.can_admit()  # nothing generating, so nothing more ever admitted
-    assert len(c.buffer.groups) == 5
-    assert c.counters.admitted_groups == 5
+    assert not c.rooms.admitter.can_admit()  # nothing generating, so nothing more ever admitted
+    assert len(c.rooms.buffer.groups) == 5
+    assert c.rooms.accounting.counters.admitted_groups == 5
 
 
 async def test_each_sibling_is_its_own_request_with_its_own_seed(running):
     engine = GatedEngine(auto=True)
     c = running(engine, max_in_flight=1, buffer_capacity=1)
-    leased = await c.fetch(1, 2000, "t")
+    leased = await fetch(c, 1, 2000, "t")
     assert leased is not None
     _, [group] = leased
     assert sorted(s.index for s in group.ordered_samples()) == [0, 1, 2]
@@ -74,12 +75,12 @@ async def test_each_sibling_is_its_own_request_with_its_own_seed(running):
 async def test_lease_expiry_makes_groups_available_again(running):
     engine = GatedEngine(auto=True)
     c = running(engine, lease_timeout_s=0.05, buffer_capacity=2, max_in_flight=2)
-    lease, groups = await c.fetch(2, 2000, "t")
+    lease, groups = await fetch(c, 2, 2000, "t")
     await settle(lambda: c.status().buffer.committed == 2)
-    assert c.counters.requeued_groups == 2
+    assert c.rooms.accounting.counters.requeued_groups == 2
     with pytest.raises(NotFound):
         await c.ack(lease.lease_id, 1)
-    _lease2, groups2 = await c.fetch(2, 100, "t")
+    _lease2, groups2 = await fetch(c, 2, 100, "t")
     assert [g.group_id for g in groups2] == [g.group_id for g in groups]
 
 
@@ -88,14 +89,16 @@ async def test_ack_is_idempotent_and_rewind_window_finalizes(running):
     c = running(engine, rewind_window=1, buffer_capacity=8, max_in_flight=4)
     leases = []
     for step in (1, 2, 3):
-        lease, _ = await c.fetch(1, 2000, "t")
+        lease, _ = await fetch(c, 1, 2000, "t")
         r = await c.ack(lease.lease_id, step)
         assert r.acked_groups == 1 and not r.already_acked
         leases.append(lease)
     again = await c.ack(leases[2].lease_id, 3)
     assert again.already_acked and again.acked_groups == 1
     # window 1: acks at steps <= 3 - 1 = 2 finalized by themselves
-    assert c.finalized_through == 2 and c.counters.finalized_groups == 2
+    assert (
+        c.rooms.ledger.finalized_through == 2 and c.rooms.accounting.counters.finalized_groups == 2
+    )
     finalized_again = await c.ack(leases[0].lease_id, 1)
     assert finalized_again.already_acked
     with pytest.raises(FailedPrecondition, match="finalized"):
@@ -109,16 +112,18 @@ async def test_an_ack_at_a_step_already_finalized_is_finalized_at_once(running):
     engine = GatedEngine(auto=True)
     c = running(engine, rewind_window=1, buffer_capacity=8, max_in_flight=4)
     for step in (10, 11):
-        lease, _ = await c.fetch(1, 2000, "ahead")
+        lease, _ = await fetch(c, 1, 2000, "ahead")
         await c.ack(lease.lease_id, step)
-    assert c.finalized_through == 10 and c.counters.finalized_groups == 1
+    assert (
+        c.rooms.ledger.finalized_through == 10 and c.rooms.accounting.counters.finalized_groups == 1
+    )
     for step in (1, 2, 3):
-        lease, _ = await c.fetch(1, 2000, "behind")
+        lease, _ = await fetch(c, 1, 2000, "behind")
         assert not (await c.ack(lease.lease_id, step)).already_acked
-        assert c.counters.finalized_groups == 1 + step
-        assert c.buffer.acked_groups == 1  # only step 11's, inside the window
-        assert lease.group_ids[0] not in c.buffer.groups
-    assert c.finalized_through == 10
+        assert c.rooms.accounting.counters.finalized_groups == 1 + step
+        assert c.rooms.buffer.acked_groups == 1  # only step 11's, inside the window
+        assert lease.group_ids[0] not in c.rooms.buffer.groups
+    assert c.rooms.ledger.finalized_through == 10
 
 
 async def test_rewind_redelivers_exactly_the_groups_acked_after_the_step(running):
@@ -126,12 +131,12 @@ async def test_rewind_redelivers_exactly_the_groups_acked_after_the_step(running
     c = running(engine, rewind_window=10, buffer_capacity=8, max_in_flight=4)
     acked = {}
     for step in (1, 2, 3):
-        lease, groups = await c.fetch(1, 2000, "t")
+        lease, groups = await fetch(c, 1, 2000, "t")
         await c.ack(lease.lease_id, step)
         acked[step] = groups[0].group_id
     result = await c.rewind(1)
     assert result.redelivered_groups == 2
-    lease, groups = await c.fetch(2, 100, "t")
+    lease, groups = await fetch(c, 2, 100, "t")
     assert [g.group_id for g in groups] == [acked[2], acked[3]]
 
 
@@ -142,7 +147,7 @@ async def test_a_trainer_step_going_back_is_logged_once_with_the_rewind_hint(run
     c = running(engine, rewind_window=100, buffer_capacity=8, max_in_flight=4)
 
     async def ack_at(step: int) -> None:
-        lease, _ = await c.fetch(1, 2000, "t")
+        lease, _ = await fetch(c, 1, 2000, "t")
         await c.ack(lease.lease_id, step)
 
     def warnings() -> list[str]:
@@ -166,7 +171,7 @@ async def test_update_weights_evicts_stale_groups_and_readmits_their_prompts(run
     old = {r.group_id for r in engine.requests}
     evicted = await c.update_weights(1, "/weights")
     assert evicted == 2 and c.policy_version == 1
-    assert c.counters.evicted_groups == 2
+    assert c.rooms.accounting.counters.evicted_groups == 2
     assert len(engine.aborted) == 6
     await settle(lambda: len({r.group_id for r in engine.requests} - old) == 2)
     new = [r for r in engine.requests if r.group_id not in old]
@@ -188,19 +193,19 @@ async def test_a_lease_that_expires_after_its_groups_went_stale_evicts_them(runn
     clock = Clock()
     engine = GatedEngine(auto=True)
     c = running(engine, clock=clock, max_staleness=0, lease_timeout_s=60, max_in_flight=2)
-    lease, groups = await c.fetch(2, 2000, "t")
+    lease, groups = await fetch(c, 2, 2000, "t")
     assert {g.policy_version for g in groups} == {0}
     await c.update_weights(1, "/weights")  # a leased group is the trainer's: not evicted yet
-    assert all(c.buffer.groups[g].state is GroupState.LEASED for g in lease.group_ids)
-    evicted = c.counters.evicted_groups
+    assert all(c.rooms.buffer.groups[g].state is GroupState.LEASED for g in lease.group_ids)
+    evicted = c.rooms.accounting.counters.evicted_groups
 
     clock.now += 61
-    await settle(lambda: c.counters.expired_leases == 1)
-    assert not set(lease.group_ids) & set(c.buffer.groups)
-    assert c.counters.evicted_groups == evicted + 2
+    await settle(lambda: c.rooms.accounting.counters.expired_leases == 1)
+    assert not set(lease.group_ids) & set(c.rooms.buffer.groups)
+    assert c.rooms.accounting.counters.evicted_groups == evicted + 2
     prompts = {g.meta.prompt.prompt_id for g in groups}
     await settle(lambda: prompts <= {r.prompt.prompt_id for r in engine.requests[6:]})
-    while (leased := await c.fetch(8, 0, "t")) is not None:
+    while (leased := await fetch(c, 8, 0, "t")) is not None:
         assert {g.policy_version for g in leased[1]} == {1}  # generated again, fresh
 
 
@@ -208,16 +213,16 @@ async def test_a_rewind_to_before_an_ack_of_groups_now_stale_admits_their_prompt
     engine = GatedEngine(auto=True)
     # nothing fetches after the rewind: the staleness gate would admit one group at a time
     c = running(engine, max_staleness=0, rewind_window=10, max_in_flight=2, staleness_gating=False)
-    lease, [group] = await c.fetch(1, 2000, "t")
+    lease, [group] = await fetch(c, 1, 2000, "t")
     await c.ack(lease.lease_id, 1)
     await c.update_weights(1, "/weights")
 
     result = await c.rewind(0)
     assert (result.redelivered_groups, result.readmitted_prompts) == (0, 1)
-    assert group.group_id not in c.buffer.groups
+    assert group.group_id not in c.rooms.buffer.groups
     prompt = group.meta.prompt.prompt_id
     await settle(lambda: prompt in {r.prompt.prompt_id for r in engine.requests[6:]})
-    while (leased := await c.fetch(8, 0, "t")) is not None:
+    while (leased := await fetch(c, 8, 0, "t")) is not None:
         assert {g.policy_version for g in leased[1]} == {1}
 
 
@@ -228,20 +233,20 @@ async def test_a_rewind_to_before_an_ack_of_groups_now_stale_admits_their_prompt
 async def test_fetch_validates_its_arguments(running, max_groups, wait_ms, field):
     c = running(GatedEngine())
     with pytest.raises(InvalidArgument) as info:
-        await c.fetch(max_groups, wait_ms, "t")
+        await fetch(c, max_groups, wait_ms, "t")
     assert info.value.field == field
 
 
 async def test_fetch_returns_none_after_waiting_when_nothing_is_ready(running):
     c = running(GatedEngine())
-    assert await c.fetch(1, 30, "t") is None
+    assert await fetch(c, 1, 30, "t") is None
 
 
 async def test_each_ready_group_reaches_a_waiting_fetch_and_drain_refuses_the_rest(running):
     engine = GatedEngine()
     c = running(engine)
     await settle(lambda: len(engine.requests) == 12)
-    waiting = [asyncio.create_task(c.fetch(1, 5_000, f"t{i}")) for i in range(4)]
+    waiting = [asyncio.create_task(fetch(c, 1, 5_000, f"t{i}")) for i in range(4)]
     await asyncio.sleep(0.02)
     engine.release(3)  # one group commits: one fetch gets it, the others keep waiting
     await settle(lambda: sum(t.done() for t in waiting) == 1)
@@ -266,9 +271,9 @@ async def test_acking_frees_capacity_and_admission_resumes(running):
     engine = GatedEngine(auto=True)
     c = running(engine, buffer_capacity=1, max_in_flight=1, rewind_window=100)
     for step in range(1, 4):
-        lease, _groups = await c.fetch(1, 2000, "t")
+        lease, _groups = await fetch(c, 1, 2000, "t")
         await c.ack(lease.lease_id, step)
-    assert c.counters.acked_groups == 3
+    assert c.rooms.accounting.counters.acked_groups == 3
     assert c.status().buffer.acked == 3  # kept for a rewind, without blocking admission
 
 
@@ -276,15 +281,15 @@ async def test_without_checkpoints_the_pending_delta_holds_only_live_rows(runnin
     engine = GatedEngine(auto=True)
     c = running(engine, buffer_capacity=4, max_in_flight=4, rewind_window=0)
     for step in range(1, 41):  # 40 groups generated, acked and finalized, never checkpointed
-        lease, _ = await c.fetch(1, 2000, "t")
+        lease, _ = await fetch(c, 1, 2000, "t")
         await c.ack(lease.lease_id, step)
-    assert c.counters.finalized_groups >= 36
+    assert c.rooms.accounting.counters.finalized_groups >= 36
     async with c.barrier.exclusive():
         delta = c.capture().buffer
-    live_rows = sum(len(g.samples) for g in c.buffer.groups.values())
+    live_rows = sum(len(g.samples) for g in c.rooms.buffer.groups.values())
     assert len(delta.new_rows) == live_rows  # not every sample ever generated
     assert delta.removed_rows == []  # nothing captured was ever removed
-    assert set(delta.groups) == set(c.buffer.groups)  # finalized groups leave no trace
+    assert set(delta.groups) == set(c.rooms.buffer.groups)  # finalized groups leave no trace
 
 
 class TracingObserver(NullObserver):
@@ -378,23 +383,26 @@ async def test_a_group_whose_leases_keep_expiring_is_dropped_with_a_reason():
     c.start()
     try:
         for _ in range(3):  # never acked: each lease expires and the group comes back
-            assert await c.fetch(1, 2000, "t") is not None
-        await settle(lambda: c.counters.dropped_by_reason == {"lease_expiries": 1})
-        assert await c.fetch(1, 0, "t") is None
+            assert await fetch(c, 1, 2000, "t") is not None
+        await settle(lambda: c.rooms.accounting.counters.dropped_by_reason == {"lease_expiries": 1})
+        assert await fetch(c, 1, 0, "t") is None
         assert [reason for _, reason in observer.drops] == ["lease_expiries"]
-        assert c.counters.expired_leases == 3 and c.counters.requeued_groups == 2
-        assert not c.buffer.groups
+        assert (
+            c.rooms.accounting.counters.expired_leases == 3
+            and c.rooms.accounting.counters.requeued_groups == 2
+        )
+        assert not c.rooms.buffer.groups
     finally:
         await c.stop()
 
 
 async def test_absurd_trainer_steps_are_refused_and_rewind_still_works(running):
     c = running(GatedEngine(auto=True), max_step_ahead=100, rewind_window=1000)
-    lease, _ = await c.fetch(1, 2000, "t")
+    lease, _ = await fetch(c, 1, 2000, "t")
     with pytest.raises(InvalidArgument, match="max_step_ahead=100"):
         await c.ack(lease.lease_id, 1_000_000_000)
     await c.ack(lease.lease_id, 100)  # the lease was not consumed by the refused ack
-    lease, _ = await c.fetch(1, 2000, "t")
+    lease, _ = await fetch(c, 1, 2000, "t")
     await c.ack(lease.lease_id, 200)  # 100 ahead of step 100
     with pytest.raises(InvalidArgument, match="trainer_step"):
         c.check_step(301)

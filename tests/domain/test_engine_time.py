@@ -8,6 +8,7 @@ from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.fate import EngineState
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.sampler import Sampler
+from tests.controllers import fetch
 from tests.fakes import GatedEngine, settle
 
 
@@ -33,7 +34,7 @@ async def test_the_engine_time_is_split_by_state_and_adds_up_to_the_time_run():
     # both groups ready: the buffer is full and the third prompt waits for room
     await settle(lambda: c.status().buffer.committed == 2)
     await settle(lambda: seconds(c, EngineState.IDLE_BUFFER_FULL) > 0)
-    lease, _ = await c.fetch(2, 1000, "trainer")
+    lease, _ = await fetch(c, 2, 1000, "trainer")
     await c.ack(lease.lease_id, 1)
     await c.finalize(1)  # room again: the last prompt is admitted, then nothing is left
     await settle(lambda: len(engine.requests) == 6)

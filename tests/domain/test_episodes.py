@@ -20,10 +20,11 @@ from rolloutd.domain.episode import (
 from rolloutd.domain.episode_log import EnvironmentReply, EpisodeLog, ModelTurn, RecordKind
 from rolloutd.domain.episode_runner import EpisodeRunner
 from rolloutd.domain.group import Prompt, Sample, TurnKind
+from rolloutd.domain.journal import NullJournal
 from rolloutd.domain.runner import SiblingJob
 from rolloutd.domain.sampler import Sampler
-from rolloutd.domain.state import NullJournal
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
+from tests.controllers import fetch
 from tests.fakes import settle
 
 FAST = SyntheticConfig(tokens_per_s=0, min_tokens=4)
@@ -250,12 +251,12 @@ async def test_failing_steps_end_the_episode_and_the_service_goes_on():
         )
         c.start()
         try:
-            got = await c.fetch(1, 10_000, "t")
+            got = await fetch(c, 1, 10_000, "t")
             assert got is not None
             [group] = got[1]
             assert {s.finish_reason for s in group.ordered_samples()} == {f"episode:{end}"}
-            assert not c.core._dead.is_set()
-            c.core.check_serving()
+            assert c.rooms.liveness.fatal is None
+            c.rooms.liveness.check_serving()
         finally:
             await c.stop()
 
@@ -277,11 +278,16 @@ async def test_the_tokens_of_failed_episodes_are_counted_failed():
     )
     c.start()
     try:
-        await settle(lambda: c.counters.dropped_groups == 2)
+        await settle(lambda: c.rooms.accounting.counters.dropped_groups == 2)
     finally:
         await c.stop()
     account = c.token_account()
-    assert account.fates[TokenFate.FAILED] == account.generated == c.counters.dropped_tokens > 0
+    assert (
+        account.fates[TokenFate.FAILED]
+        == account.generated
+        == c.rooms.accounting.counters.dropped_tokens
+        > 0
+    )
     assert sum(account.fates.values()) == account.generated
 
 
@@ -290,8 +296,20 @@ async def test_episode_rewards_are_scores_and_a_failed_episode_is_handled_as_on_
     from rolloutd.scoring.stage import OnFailure, ScoringStage
 
     def sample(i, reason, reward):  # type: ignore[no-untyped-def]
+        end = EpisodeEnd.of_finish_reason(reason)
         return Sample(
-            i, array("i"), array("f"), "", reason, 0, array("i"), 0, 0.0, 0.0, episode_reward=reward
+            i,
+            array("i"),
+            array("f"),
+            "",
+            reason,
+            0,
+            array("i"),
+            0,
+            0.0,
+            0.0,
+            episode_reward=reward,
+            episode_end=end,
         )
 
     ok = [sample(0, "episode:done", 1.0), sample(1, "episode:done", 0.0)]
@@ -313,8 +331,8 @@ async def test_episode_rewards_are_scores_and_a_failed_episode_is_handled_as_on_
 def test_episode_records_round_trip_through_the_journal_and_the_partials_file():
     from rolloutd.checkpoint import journal_records, partials
     from rolloutd.domain.group import SamplePart
+    from rolloutd.domain.journal import JournaledEpisode
     from rolloutd.domain.partial import PartialSibling, TokenDelta
-    from rolloutd.domain.state import JournaledEpisode
 
     turn = ModelTurn(
         0, array("i", [5, 6]), array("f", [-0.5, -1.0]), (SamplePart(0, 3),), "stop", "ab"

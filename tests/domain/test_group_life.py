@@ -8,7 +8,7 @@ from itertools import product
 
 import pytest
 
-from rolloutd.domain.buffer import AckRecord, RolloutBuffer
+from rolloutd.domain.buffer import RolloutBuffer
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import (
     BUFFERED,
@@ -73,20 +73,20 @@ def test_every_allowed_transition_is_taken_by_a_buffer_operation():
     # generating -> finishing -> committed -> leased -> committed (requeue) -> leased -> acked
     # -> committed (rewind) -> leased -> acked -> finalized
     gid = w.committed()
-    lease = w.do([gid], b.lease, "l1", 1, "t", 0.0, 10.0)
-    w.do([gid], b.requeue, lease.lease_id)
-    w.do([gid], b.lease, "l2", 1, "t", 0.0, 10.0)
-    w.do([gid], b.ack, AckRecord("l2", (gid,), 5, 1.0))
-    w.do([gid], b.rewind, 4)
-    w.do([gid], b.lease, "l3", 1, "t", 0.0, 10.0)
-    w.do([gid], b.ack, AckRecord("l3", (gid,), 6, 1.0))
-    w.do([gid], b.finalize, 6, fate=S.FINALIZED)
+    leased = w.do([gid], b.lease, "l1", 1)
+    w.do([gid], b.requeue, leased)
+    w.do([gid], b.lease, "l2", 1)
+    w.do([gid], b.ack, "l2", (gid,), 5)
+    w.do([gid], b.recommit, [gid])  # a rewind
+    w.do([gid], b.lease, "l3", 1)
+    w.do([gid], b.ack, "l3", (gid,), 6)
+    w.do([gid], b.remove, gid, S.FINALIZED, fate=S.FINALIZED)
     # committed -> acked: journal replay of a lease granted and acked after the snapshot
     gid = w.committed()
-    w.do([gid], b.ack, AckRecord("l4", (gid,), 7, 1.0))
+    w.do([gid], b.ack, "l4", (gid,), 7)
     # generating and finishing -> lost: replay of an ack of groups the snapshot held unfinished
-    lost = [w.admit(), w.finished()]
-    w.do(lost, b.ack, AckRecord("l5", tuple(lost), 8, 1.0), fate=S.LOST)
+    for gid in [w.admit(), w.finished()]:
+        w.remove(gid, S.LOST)
     # evictions and drops
     for fate in (S.EVICTED, S.DROPPED):
         w.remove(w.admit(), fate)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rolloutd.domain.buffer import Lease, RolloutBuffer
+from rolloutd.domain.journal import Lease
+from rolloutd.domain.ledger import DeliveryLedger
 from rolloutd.domain.pauses import PAUSE_MIN_S, Pauses
 
 
@@ -16,13 +17,14 @@ def test_a_loop_back_late_by_a_second_or_more_was_paused_and_less_is_noise():
 
 
 def test_a_lease_granted_before_a_pause_expires_that_much_later():
-    buffer = RolloutBuffer()
+    ledger = DeliveryLedger()
     before = Lease("before", (), "t", created_at=100.0, expires_at=120.0)
     after = Lease("after", (), "t", created_at=170.0, expires_at=190.0)
-    buffer.leases = {lease.lease_id: lease for lease in (before, after)}
+    for lease in (before, after):
+        ledger.grant(lease)
     pauses = Pauses()
     pauses.observe(1.0, 41.0, now=150.0)  # frozen from 110 to 150
-    assert [x.lease_id for x in buffer.expired_leases(155.0, pauses.since)] == []
-    assert [x.lease_id for x in buffer.expired_leases(160.0, pauses.since)] == ["before"]
-    assert [x.lease_id for x in buffer.expired_leases(190.0, pauses.since)] == ["before", "after"]
-    assert [x.lease_id for x in buffer.expired_leases(160.0)] == ["before"]
+    assert [x.lease_id for x in ledger.expired(155.0, pauses.since)] == []
+    assert [x.lease_id for x in ledger.expired(160.0, pauses.since)] == ["before"]
+    assert [x.lease_id for x in ledger.expired(190.0, pauses.since)] == ["before", "after"]
+    assert [x.lease_id for x in ledger.expired(160.0)] == ["before"]

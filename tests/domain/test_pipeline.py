@@ -15,6 +15,7 @@ from rolloutd.domain.observer import GroupDropped, GroupFinished, NullObserver
 from rolloutd.domain.partial import PartialSibling
 from rolloutd.domain.runner import SiblingJob
 from rolloutd.domain.sampler import Sampler
+from tests.controllers import fetch
 from tests.fakes import GatedEngine, settle
 
 PROMPTS = [Prompt(f"p{i}", f"question {i}") for i in range(10)]
@@ -44,7 +45,7 @@ class DropOdd:
 async def _drain(c: Controller, n: int) -> list[str]:
     prompt_ids = []
     while len(prompt_ids) < n:
-        got = await c.fetch(16, 2000, "t")
+        got = await fetch(c, 16, 2000, "t")
         assert got is not None
         lease, groups = got
         prompt_ids += [g.meta.prompt.prompt_id for g in groups]
@@ -53,18 +54,24 @@ async def _drain(c: Controller, n: int) -> list[str]:
 
 
 async def test_a_stage_that_drops_every_other_group_consumes_their_positions(caplog):
-    caplog.set_level(logging.DEBUG, logger="rolloutd.domain.generation")
+    caplog.set_level(logging.DEBUG, logger="rolloutd.domain.drops")
     stage = DropOdd()
     c = make(GatedEngine(auto=True), stage=stage)
     c.start()
     try:
-        await settle(lambda: c.sampler.exhausted and not c.generation.siblings, within_s=10)
+        await settle(lambda: c.rooms.sampler.exhausted and not c.rooms.flight.groups, within_s=10)
         delivered = await _drain(c, 5)
         assert sorted(delivered) == [f"p{i}" for i in range(0, 10, 2)]
-        assert c.counters.dropped_groups == 5 and c.counters.admitted_groups == 10
-        assert c.counters.dropped_by_reason == {"odd": 5} and c.counters.dropped_tokens == 5 * 10
+        assert (
+            c.rooms.accounting.counters.dropped_groups == 5
+            and c.rooms.accounting.counters.admitted_groups == 10
+        )
+        assert (
+            c.rooms.accounting.counters.dropped_by_reason == {"odd": 5}
+            and c.rooms.accounting.counters.dropped_tokens == 5 * 10
+        )
         assert len(stage.seen) == 10 == len(set(stage.seen))  # each group decided once
-        assert not c.sampler.has_next()  # a dropped position is consumed, not admitted again
+        assert not c.rooms.sampler.has_next()  # a dropped position is consumed, not admitted again
         assert "(prompt p1) dropped: odd: prompt p1" in caplog.text
     finally:
         await c.stop()
@@ -89,7 +96,7 @@ async def test_a_blocked_stage_holds_no_barrier():
     c = make(GatedEngine(auto=True), stage=gate)
     c.start()
     try:
-        await settle(lambda: len(gate.held) == 5 and c.buffer.ready_count == 5, within_s=10)
+        await settle(lambda: len(gate.held) == 5 and c.rooms.buffer.ready_count == 5, within_s=10)
         assert c.status().buffer.finishing == 5
         assert sorted(await _drain(c, 5)) == [f"p{i}" for i in range(0, 10, 2)]  # fetch, ack
         async with asyncio.timeout(5), c.barrier.exclusive():  # what a checkpoint takes
@@ -97,7 +104,7 @@ async def test_a_blocked_stage_holds_no_barrier():
         finishing = [m for m in state.buffer.groups.values() if m and m.state.value == "finishing"]
         assert sorted(m.group_id for m in finishing) == sorted(gate.held)
         gate.released.set()
-        await settle(lambda: c.buffer.ready_count == 5)
+        await settle(lambda: c.rooms.buffer.ready_count == 5)
         assert c.status().buffer.finishing == 0
     finally:
         await c.stop()
@@ -116,12 +123,12 @@ async def test_drops_after_a_capture_are_not_in_it():
     c = make(GatedEngine(auto=True), stage=gate)
     c.start()
     try:
-        await settle(lambda: len(gate.held) == 5 and c.buffer.ready_count == 5, within_s=10)
+        await settle(lambda: len(gate.held) == 5 and c.rooms.buffer.ready_count == 5, within_s=10)
         async with asyncio.timeout(5), c.barrier.exclusive():
             state = c.capture()
         gate.released.set()
-        await settle(lambda: c.counters.dropped_groups == 5)
-        assert c.counters.dropped_by_reason == {"odd": 5}
+        await settle(lambda: c.rooms.accounting.counters.dropped_groups == 5)
+        assert c.rooms.accounting.counters.dropped_by_reason == {"odd": 5}
         assert state.counters.dropped_groups == 0 and state.counters.dropped_by_reason == {}
     finally:
         await c.stop()
@@ -135,9 +142,9 @@ async def test_a_stage_that_fails_drops_its_group_with_the_error():
     c = make(GatedEngine(auto=True), stage=Broken())
     c.start()
     try:
-        await settle(lambda: c.counters.dropped_groups == 10, within_s=10)
-        assert c.fatal is None and not c.buffer.groups
-        assert c.counters.dropped_by_reason == {"stage_failed": 10}
+        await settle(lambda: c.rooms.accounting.counters.dropped_groups == 10, within_s=10)
+        assert c.fatal is None and not c.rooms.buffer.groups
+        assert c.rooms.accounting.counters.dropped_by_reason == {"stage_failed": 10}
     finally:
         await c.stop()
 
@@ -181,14 +188,14 @@ async def test_every_drop_is_reported_once_with_its_reason_and_wasted_tokens():
     )
     c.start()
     try:
-        await settle(lambda: c.sampler.exhausted and not c.generation.siblings, within_s=10)
-        await settle(lambda: c.counters.dropped_groups == 6, within_s=10)
+        await settle(lambda: c.rooms.sampler.exhausted and not c.rooms.flight.groups, within_s=10)
+        await settle(lambda: c.rooms.accounting.counters.dropped_groups == 6, within_s=10)
     finally:
         await c.stop()
     reasons = sorted(e.reason for e in observer.dropped)
     assert reasons == ["engine_error", "odd", "odd", "odd", "odd", "odd"]
     assert len({e.group_id for e in observer.dropped}) == 6
-    assert sum(e.tokens for e in observer.dropped) == c.counters.dropped_tokens
+    assert sum(e.tokens for e in observer.dropped) == c.rooms.accounting.counters.dropped_tokens
     assert all(e.tokens == 2 * 5 for e in observer.dropped if e.reason == "odd")
     # the engine error never reached the stage: only the 9 groups generated whole finished
     assert len(observer.finished) == 9
@@ -201,7 +208,7 @@ async def test_stop_cancels_a_blocked_stage_and_keeps_the_group_finishing():
     c.start()
     await settle(lambda: len(gate.held) == 5, within_s=10)
     await c.stop()
-    held = {gid: c.buffer.groups[gid].state for gid in gate.held}
+    held = {gid: c.rooms.buffer.groups[gid].state for gid in gate.held}
     assert set(held.values()) == {GroupState.FINISHING}
 
 
@@ -240,8 +247,8 @@ async def test_a_runner_of_two_engine_calls_streams_both_into_one_sample():
     c = make(engine, runner=runner)
     c.start()
     try:
-        await settle(lambda: c.sampler.exhausted and not c.generation.siblings, within_s=10)
-        got = await c.fetch(1, 1000, "t")
+        await settle(lambda: c.rooms.sampler.exhausted and not c.rooms.flight.groups, within_s=10)
+        got = await fetch(c, 1, 1000, "t")
         assert got is not None
         [group] = got[1]
         for s in group.ordered_samples():

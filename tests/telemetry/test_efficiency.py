@@ -13,6 +13,7 @@ from rolloutd.domain.spec import SamplingParams
 from rolloutd.engines.synthetic import SyntheticConfig, SyntheticEngine
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.sources import CheckpointState, status_snapshot
+from tests.controllers import fetch
 from tests.fakes import settle
 from tests.telemetry.test_metrics import collect, points, value
 
@@ -45,7 +46,7 @@ async def test_a_run_reports_token_fates_engine_time_and_the_engines_signals(met
         await settle(
             lambda: controller.token_account().engine_seconds[EngineState.IDLE_BUFFER_FULL] > 0
         )
-        lease, _ = await controller.fetch(2, 5_000, "trainer")
+        lease, _ = await fetch(controller, 2, 5_000, "trainer")
         await controller.ack(lease.lease_id, 1)
     finally:
         await controller.stop()

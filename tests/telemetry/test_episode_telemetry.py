@@ -27,10 +27,10 @@ from rolloutd.domain.episode import EpisodeLimits
 from rolloutd.domain.episode_log import EpisodeLog, RecordKind
 from rolloutd.domain.episode_runner import EpisodeRunner
 from rolloutd.domain.group import Prompt
+from rolloutd.domain.journal import NullJournal
 from rolloutd.domain.observer import GenerationStarted
 from rolloutd.domain.runner import SiblingJob
 from rolloutd.domain.sampler import Sampler
-from rolloutd.domain.state import NullJournal
 from rolloutd.engines.synthetic import SyntheticEngine
 from rolloutd.telemetry.episode_spans import (
     EXECUTE_TOOL,
@@ -46,6 +46,7 @@ from rolloutd.telemetry.observer import TelemetryObserver
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
+from tests.controllers import fetch
 from tests.domain.test_episodes import FAST, Env, RecordingJournal, job
 from tests.integration.proc import ServeProcess
 from tests.telemetry.otlp_receiver import OtlpReceiver, attributes
@@ -76,7 +77,7 @@ async def run_group(observer: TelemetryObserver, env: Env, group_size: int = 2) 
     )
     c.start()
     try:
-        assert await c.fetch(1, 10_000, "t") is not None
+        assert await fetch(c, 1, 10_000, "t") is not None
     finally:
         await c.stop()
 

@@ -257,7 +257,7 @@ async def test_a_groups_span_carries_its_rows_settings_and_its_sources_name(
     )
     c.start()
     try:
-        await settle(lambda: c.counters.committed_groups == 2, 10)
+        await settle(lambda: c.rooms.accounting.counters.committed_groups == 2, 10)
     finally:
         await c.stop()
     spans = {

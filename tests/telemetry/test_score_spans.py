@@ -148,11 +148,21 @@ async def test_a_scoring_controller_reports_score_spans_and_reward_metrics(
     )
     c.start()
     try:
-        await settle(lambda: c.counters.committed_groups + c.counters.dropped_groups == 5, 30)
+        await settle(
+            lambda: (
+                c.rooms.accounting.counters.committed_groups
+                + c.rooms.accounting.counters.dropped_groups
+                == 5
+            ),
+            30,
+        )
     finally:
         await c.stop()
         await stage.aclose()
-    assert c.counters.dropped_by_reason == {"zero_variance": 2, "scoring_failed": 1}
+    assert c.rooms.accounting.counters.dropped_by_reason == {
+        "zero_variance": 2,
+        "scoring_failed": 1,
+    }
 
     spans = exporter.get_finished_spans()
     generate = {attrs(s)[GroupAttr.ID]: s for s in by_name(spans, GENERATE_SPAN)}
@@ -178,6 +188,7 @@ async def test_a_scoring_controller_reports_score_spans_and_reward_metrics(
     assert value(m["rolloutd.dropped.groups"], reason="zero_variance") == 2
     assert value(m["rolloutd.dropped.groups"], reason="scoring_failed") == 1
     wasted = sum(
-        value(m["rolloutd.dropped.tokens"], reason=r) for r in c.counters.dropped_by_reason
+        value(m["rolloutd.dropped.tokens"], reason=r)
+        for r in c.rooms.accounting.counters.dropped_by_reason
     )
-    assert wasted == c.counters.dropped_tokens == 3 * 2 * GatedEngine().tokens
+    assert wasted == c.rooms.accounting.counters.dropped_tokens == 3 * 2 * GatedEngine().tokens

@@ -38,10 +38,10 @@ from rolloutd.checkpoint.manifest import LedgerEntry, Manifest, next_manifest
 from rolloutd.checkpoint.retention import keep_tagged, plan_compaction
 from rolloutd.checkpoint.rows import SegmentKind
 from rolloutd.checkpoint.store import SnapshotWriter
-from rolloutd.domain.buffer import remember_finalized
 from rolloutd.domain.controller import Controller
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import GroupMeta
+from rolloutd.domain.ledger import remember_finalized
 from rolloutd.domain.lifecycle import Lifecycle, ServingState
 from rolloutd.domain.observer import NullObserver, Observer
 from rolloutd.domain.report import (
@@ -54,7 +54,7 @@ from rolloutd.domain.report import (
     SizePart,
     Trigger,
 )
-from rolloutd.domain.state import ControllerState
+from rolloutd.domain.snapshot import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Checkpointer:
         self._parent = manifest
         if manifest.format_version < 2:
             self._carried = {g: m for g, m in state.buffer.groups.items() if m is not None}
-        self._carried_ledger = {} if manifest.ledger else state.buffer.finalized_leases
+        self._carried_ledger = {} if manifest.ledger else state.ledger.finalized_leases
         self._resumed = dict(resumed)
 
     @property
@@ -433,7 +433,7 @@ class Checkpointer:
                 sum(p.count for p in held) : capture.sampler.submitted_len
             ]
             pieces = self.store.write_submissions(sequence, held, since)
-            ledger = self._write_ledger(sequence, base, capture.buffer.finalized_leases)
+            ledger = self._write_ledger(sequence, base, capture.ledger.finalized_leases)
             entry = self.store.write_sidecar_json(sequence, sidecar.encode(capture))
         handoff.check()
         with clock.phase(CheckpointPhase.COMMIT):

@@ -46,6 +46,7 @@ from rolloutd.domain.group import (
     Position,
     Prompt,
     SampleScore,
+    ScoreFailure,
     ScoreStatus,
 )
 from rolloutd.domain.spec import EMPTY, GenerationSpec, SamplingParams
@@ -122,16 +123,32 @@ def _encode(metas: Sequence[GroupMeta]) -> pa.RecordBatch:
 
 
 def _scores_json(scores: GroupScores) -> str:
-    samples = [[s.reward, s.status.value, s.info] for s in scores.samples]
+    samples = [
+        [s.reward, s.status.value, s.info]
+        if s.failure is None
+        else [s.reward, s.status.value, s.info, s.failure.value]
+        for s in scores.samples
+    ]
     return _json({"mean": scores.mean, "std": scores.std, "samples": samples})
+
+
+def _score(reward: float | None, status: str, info: str, *failure: str) -> SampleScore:
+    """A score as ``_scores_json`` wrote it: ``[reward, status, info]`` and, for a failure of a
+    known kind, its kind. A snapshot written before scores carried their kind has it only as the
+    start of the failed score's ``info`` (``"<kind>: ..."``), read back here."""
+    if failure:
+        return SampleScore(reward, ScoreStatus(status), info, ScoreFailure(failure[0]))
+    if status == ScoreStatus.FAILED.value:
+        kind = info.partition(":")[0]
+        known = {f.value: f for f in ScoreFailure}.get(kind)
+        return SampleScore(reward, ScoreStatus.FAILED, info, known)
+    return SampleScore(reward, ScoreStatus(status), info)
 
 
 def _scores(record: dict[str, Any] | None) -> GroupScores | None:
     if record is None:
         return None
-    samples = tuple(
-        SampleScore(r, ScoreStatus(status), info) for r, status, info in record["samples"]
-    )
+    samples = tuple(_score(*r) for r in record["samples"])
     return GroupScores(samples, record["mean"], record["std"])
 
 

@@ -52,13 +52,9 @@ from rolloutd.checkpoint.backends import (
 )
 from rolloutd.checkpoint.faults import FaultPoint, fault_point
 from rolloutd.checkpoint.journal_frames import Damage, JournalEntry, Scan, encode, scan
-from rolloutd.domain.buffer import AckRecord, Lease
 from rolloutd.domain.group import GroupMeta, Prompt
+from rolloutd.domain.journal import AckRecord, Journaled, JournaledDrop, Lease
 from rolloutd.domain.sampler import Admission
-from rolloutd.domain.state import (
-    Journaled,
-    JournaledDrop,
-)
 
 __all__ = ["CorruptJournal", "Journal", "JournalEntry", "JournalReport"]
 

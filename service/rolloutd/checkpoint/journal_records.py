@@ -12,10 +12,9 @@ from typing import Any
 
 from rolloutd.checkpoint import episode_records
 from rolloutd.checkpoint.sidecar import from_json, to_json
-from rolloutd.domain.buffer import AckRecord, Lease
 from rolloutd.domain.group import GroupMeta, Prompt
-from rolloutd.domain.sampler import Admission
-from rolloutd.domain.state import (
+from rolloutd.domain.journal import (
+    AckRecord,
     IdReservation,
     Journaled,
     JournaledAck,
@@ -25,8 +24,10 @@ from rolloutd.domain.state import (
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
+    Lease,
     PromptRef,
 )
+from rolloutd.domain.sampler import Admission
 
 
 class UnknownRecord(ValueError):

@@ -33,8 +33,8 @@ from rolloutd.checkpoint.backends import LEDGER, Backend, CorruptSnapshot, file_
 from rolloutd.checkpoint.checksums import ChecksumAlgorithm
 from rolloutd.checkpoint.manifest import LedgerEntry
 from rolloutd.checkpoint.submissions import merge_from, read_verified, write_piece
-from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, remember_finalized
-from rolloutd.domain.state import ControllerState
+from rolloutd.domain.ledger import ACKED_LEASES_REMEMBERED, remember_finalized
+from rolloutd.domain.snapshot import ControllerState
 
 SCHEMA = pa.schema([("lease_id", pa.string()), ("trainer_step", pa.int64())])
 
@@ -126,4 +126,4 @@ def attach(state: ControllerState, ledger: Mapping[str, int]) -> ControllerState
     earlier version holds its ledger itself and its snapshot has no pieces: it stays as it is."""
     if not ledger:
         return state
-    return replace(state, buffer=replace(state.buffer, finalized_leases=ledger))
+    return replace(state, ledger=replace(state.ledger, finalized_leases=ledger))

@@ -61,7 +61,7 @@ from rolloutd.domain.report import (
     RestoreReport,
     SkippedSnapshot,
 )
-from rolloutd.domain.state import ControllerState
+from rolloutd.domain.snapshot import ControllerState
 
 __all__ = ["Granularity", "RestoreRefused", "restore"]
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from rolloutd.checkpoint.format import FORMAT_VERSION, FormatError
+from rolloutd.domain.episode import EpisodeEnd
 from rolloutd.domain.group import Sample
 
 Row = tuple[int, int, Sample]
@@ -266,6 +267,8 @@ def batch_to_rows(batch: pa.RecordBatch, keep: npt.NDArray[np.bool_] | None = No
                 seed=seed[i],
                 started_at=started_at[i],
                 finished_at=finished_at[i],
+                # a row stores an episode's end as its finish reason
+                episode_end=EpisodeEnd.of_finish_reason(finish_reason[i]),
             ),
         )
         for i, token_ids, lps, prompt in zip(indices, tokens, logprobs, prompts, strict=True)

@@ -36,13 +36,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
-from rolloutd.domain.admission import GateState
-from rolloutd.domain.buffer import AckRecord, BufferState, Lease
+from rolloutd.domain.accounting import Counters
+from rolloutd.domain.buffer import BufferState
 from rolloutd.domain.concurrency import ConcurrencyState
 from rolloutd.domain.group import GroupMeta, GroupTable, Position, Prompt
+from rolloutd.domain.journal import AckRecord, Lease
+from rolloutd.domain.ledger import LedgerState, LostAck, LostLease
+from rolloutd.domain.policy import PolicyState
 from rolloutd.domain.sampler import Admission, SamplerState
+from rolloutd.domain.snapshot import ControllerState
 from rolloutd.domain.spec import GenerationSpec
-from rolloutd.domain.state import ControllerState, Counters, LostAck, LostLease
+from rolloutd.domain.staleness import GateState
 
 SIDECAR_FORMAT = 1
 
@@ -223,25 +227,25 @@ def decode_groups(groups: Iterable[str | bytes]) -> list[GroupMeta]:
 
 def head(state: ControllerState) -> dict[str, Any]:
     """The sidecar but for its groups (see :func:`encode`)."""
-    b = state.buffer
+    ledger, policy = state.ledger, state.policy
     return {
         "format": SIDECAR_FORMAT,
         "sampler": sampler_to_json(state.sampler),
         "controller": {
             "next_group_id": state.next_group_id,
-            "policy_version": state.policy_version,
-            "weights_path": state.weights_path,
-            "max_acked_step": state.max_acked_step,
-            "finalized_through": state.finalized_through,
+            "policy_version": policy.policy_version,
+            "weights_path": policy.weights_path,
+            "max_acked_step": ledger.max_acked_step,
+            "finalized_through": ledger.finalized_through,
             "counters": to_json(state.counters),
-            "next_row_id": b.next_row_id,
-            "gate": to_json(state.gate),
+            "next_row_id": state.buffer.next_row_id,
+            "gate": to_json(policy.gate),
             "concurrency": to_json(state.concurrency),
         },
-        "leases": to_json(list(b.leases.values())),
-        "acks": to_json(list(b.acks.values())),
-        "lost_acks": to_json(state.lost_acks),
-        "lost_leases": to_json(state.lost_leases),
+        "leases": to_json(list(ledger.leases.values())),
+        "acks": to_json(list(ledger.acks.values())),
+        "lost_acks": to_json(ledger.lost_acks),
+        "lost_leases": to_json(ledger.lost_leases),
     }
 
 
@@ -269,22 +273,26 @@ def decode(d: Mapping[str, Any], groups: GroupTable | Sequence[GroupMeta] = ()) 
             new_rows=(),
             removed_rows=[],
             groups=table,
+            next_row_id=int(c["next_row_id"]),
+        ),
+        ledger=LedgerState(
             leases={lease.lease_id: lease for lease in leases},
             acks={r.lease_id: r for r in acks},
-            # only sidecars of earlier versions hold the ledger (now in ledger pieces)
+            # only sidecars of earlier versions hold the finalized leases (now in ledger pieces)
             finalized_leases=dict(d.get("finalized_leases", {})),
-            next_row_id=int(c["next_row_id"]),
+            max_acked_step=int(c["max_acked_step"]),
+            finalized_through=int(c["finalized_through"]),
+            lost_acks=from_json(tuple[LostAck, ...], d["lost_acks"]),
+            # absent from the sidecars of earlier versions
+            lost_leases=from_json(tuple[LostLease, ...], d.get("lost_leases", [])),
         ),
         sampler=sampler_from_json(d["sampler"]),
         counters=from_json(Counters, c["counters"]),
         next_group_id=int(c["next_group_id"]),
-        policy_version=int(c["policy_version"]),
-        weights_path=c["weights_path"],
-        max_acked_step=int(c["max_acked_step"]),
-        finalized_through=int(c["finalized_through"]),
-        lost_acks=from_json(tuple[LostAck, ...], d["lost_acks"]),
-        # absent from the sidecars of earlier versions
-        lost_leases=from_json(tuple[LostLease, ...], d.get("lost_leases", [])),
-        gate=from_json(GateState, c.get("gate", {})),
+        policy=PolicyState(
+            policy_version=int(c["policy_version"]),
+            weights_path=c["weights_path"],
+            gate=from_json(GateState, c.get("gate", {})),
+        ),
         concurrency=from_json(ConcurrencyState, c.get("concurrency", {})),
     )

@@ -35,7 +35,7 @@ from rolloutd.checkpoint.manifest import FileEntry, SubmissionsEntry
 from rolloutd.checkpoint.sidecar import from_json, to_json
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.group import Prompt
-from rolloutd.domain.state import ControllerState
+from rolloutd.domain.snapshot import ControllerState
 
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 """One encoder for every line: ``json.dumps`` with options builds a new one per call."""

@@ -1,138 +1,175 @@
-"""Staleness gating: admit only the groups a trainer can still consume in time.
+"""Admission: which prompt becomes a group next, and when (docs/design.md, "Admission").
 
-A group admitted at policy version ``v`` is evicted once the served version passes
-``v + max_staleness``, and its tokens are wasted. Eviction is the safety net; the gate avoids it
-by asking, before each admission, how many more groups the trainer will consume before a group
-admitted now would become too stale, and admitting no more than that.
-
-The trainer's consumption is measured in groups leased per policy version (a lease is when a
-group reaches a trainer, and staleness is judged there), smoothed over versions. A group admitted
-now waits behind every group already generating, finishing or ready (``outstanding``), so it is
-consumed in time when::
-
-    outstanding < (rest of the current version) + per_version * max_staleness
-
-where the rest of the current version is ``per_version`` minus what was consumed since the
-version began, or what trainers are waiting for right now when that is more: a trainer that asks
-for groups and finds none shows that it consumes more than the estimate, and is never left
-waiting on an estimate (each waiting fetch counts for up to one version's consumption, and at
-least one group).
-
-Before the first version change after a group reached a trainer there is nothing measured, and
-the estimate is ``prior_per_version`` (or what trainers consumed so far, when that is more): the
-controller passes ``limits.max_in_flight``, so until a trainer has shown its pace the window
-holds ``limits.max_in_flight x (max_staleness + 1)`` groups. A trainer that consumes fewer a
-version than that finds the surplus of the first versions evicted, once.
-
-Pure arithmetic on counts; :mod:`rolloutd.domain.generation` asks it before each admission and
-:mod:`rolloutd.domain.delivery` tells it what was leased and what fetches wait for.
+One background loop admits a prompt whenever there is room: admission is on, the groups in
+flight are under their limit (fixed, or following the engine's KV cache: ``concurrency.py``), the
+buffer holds fewer than ``limits.buffer_capacity`` groups a trainer has not acked, the staleness
+gate expects the group to be consumed in time (``staleness.py``), and the sampler has a prompt. A
+group's settings are resolved once, here (``spec.py``), and its id is issued from a block the
+journal reserved. A second loop feeds the adaptive in-flight limit a reading of the engine.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
-MIN_PER_VERSION = 1.0
-"""The least consumption per version the gate assumes once it has measured: a trainer that
-consumed nothing for a while (it trained on other data) and then polls without waiting still
-gets groups."""
+from rolloutd.domain.accounting import Accounting
+from rolloutd.domain.barrier import MutationBarrier
+from rolloutd.domain.buffer import RolloutBuffer
+from rolloutd.domain.concurrency import (
+    ConcurrencyConfig,
+    ConcurrencyState,
+    EngineReading,
+    InFlightLimit,
+)
+from rolloutd.domain.engine import GenerationEngine, SamplingParams
+from rolloutd.domain.flight import Flight
+from rolloutd.domain.generation import Generation
+from rolloutd.domain.group import Group, GroupMeta
+from rolloutd.domain.ids import GroupIds
+from rolloutd.domain.liveness import Liveness
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.policy import Policy
+from rolloutd.domain.sampler import Admission, Sampler
+from rolloutd.domain.spec import EMPTY, resolve
+from rolloutd.domain.wakeups import Wakeups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GateState:
-    """What a snapshot keeps of the gate: the trainer's pace, so a restart does not start from
-    the prior again."""
+class AdmissionConfig:
+    group_size: int
+    max_in_flight: int
+    buffer_capacity: int
+    staleness_gating: bool
+    seed: int
+    sampling: SamplingParams
+    concurrency: ConcurrencyConfig | None = None
 
-    per_version: float | None = None
-    """Groups consumed per policy version, smoothed; None before the first version change."""
 
-
-class StalenessGate:
-    """Counts consumption per policy version and says how many more groups may be admitted; see
-    the module docstring."""
+class Admitter:
+    """The admission loop and the in-flight limit; see the module docstring."""
 
     def __init__(
         self,
-        max_staleness: int,
-        prior_per_version: float,
-        *,
-        version: int = 0,
-        smoothing: float = 0.5,
+        config: AdmissionConfig,
+        engine: GenerationEngine,
+        buffer: RolloutBuffer,
+        barrier: MutationBarrier,
+        sampler: Sampler,
+        ids: GroupIds,
+        policy: Policy,
+        flight: Flight,
+        generation: Generation,
+        accounting: Accounting,
+        liveness: Liveness,
+        wakeups: Wakeups,
+        clock: Callable[[], float],
     ) -> None:
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
-        self.max_staleness = max_staleness
-        self.prior_per_version = prior_per_version
-        self.smoothing = smoothing
-        """Weight of the newest version's consumption in the estimate."""
-        self.per_version: float | None = None
-        self.version = version
-        """The policy version whose consumption is being counted."""
-        self.consumed = 0
-        """Groups leased since :attr:`version` began."""
-        self._waiting: dict[int, int] = {}
-        """``max_groups`` of the fetches waiting right now -> how many ask for it."""
+        self._config = config
+        self._engine = engine
+        self._buffer = buffer
+        self._barrier = barrier
+        self._sampler = sampler
+        self._ids = ids
+        self._policy = policy
+        self._flight = flight
+        self._generation = generation
+        self._accounting = accounting
+        self._liveness = liveness
+        self._wakeups = wakeups
+        self._clock = clock
+        self._limit = InFlightLimit(config.max_in_flight, config.concurrency)
+        """How many groups may be in flight: fixed, or following the engine."""
 
     @property
-    def estimate(self) -> float:
-        """Groups a trainer consumes per version: measured; before any measure, the prior or
-        what trainers consumed at this version so far, whichever is more (a trainer that never
-        changes the version is never held back by the prior)."""
-        if self.per_version is None:
-            return max(self.prior_per_version, float(self.consumed))
-        return max(self.per_version, MIN_PER_VERSION)
+    def limit(self) -> InFlightLimit:
+        """The in-flight limit (read its value and reason; it changes only by its readings)."""
+        return self._limit
 
-    def wait_started(self, max_groups: int) -> None:
-        """A fetch for up to ``max_groups`` found nothing ready and waits."""
-        self._waiting[max_groups] = self._waiting.get(max_groups, 0) + 1
+    def can_admit(self) -> bool:
+        return (
+            self._liveness.admitting
+            and self._flight.groups < self._limit.value
+            and self._buffer.held < self._config.buffer_capacity
+            and (not self._config.staleness_gating or self.staleness_room() > 0)
+            and self._sampler.has_next()
+        )
 
-    def wait_ended(self, max_groups: int) -> None:
-        left = self._waiting[max_groups] - 1
-        if left:
-            self._waiting[max_groups] = left
-        else:
-            del self._waiting[max_groups]
+    def staleness_room(self) -> int:
+        """Groups the staleness gate would still admit, behind those generating, finishing or
+        ready (staleness.py)."""
+        return self._policy.gate.room(self._flight.groups + self._buffer.ready_count)
 
-    def waiting(self) -> int:
-        """What the waiting fetches ask for, each at most one version's consumption (a fetch
-        takes whatever is ready, so its ``max_groups`` is an upper bound, not a demand) and at
-        least one group (so a trainer is never left waiting on an estimate)."""
-        each = max(1, math.ceil(self.estimate))
-        return sum(min(ask, each) * n for ask, n in self._waiting.items())
+    async def concurrency_loop(self) -> None:
+        """Feeds the adaptive in-flight limit a reading of the engine every ``interval_s``
+        (concurrency.py); wakes admission when the limit changes."""
+        assert self._config.concurrency is not None
+        interval = self._config.concurrency.interval_s
+        while True:
+            engine = self._engine.counters()
+            reading = EngineReading(
+                engine.kv_cache_usage,
+                engine.preemptions,
+                self._flight.groups,
+                self._flight.departed,
+            )
+            if self._limit.observe(reading):
+                log.debug(
+                    "groups in flight: at most %d (%s)", self._limit.value, self._limit.reason
+                )
+                await self._wakeups.notify()
+            await asyncio.sleep(interval)
 
-    def leased(self, groups: int) -> None:
-        """``groups`` reached a trainer at the current version."""
-        self.consumed += groups
+    async def admission_loop(self) -> None:
+        changed = self._wakeups.changed
+        while True:
+            async with changed:
+                await changed.wait_for(self.can_admit)
+            if not self._ids.reserved:
+                try:
+                    await self._ids.reserve()
+                except OSError as exc:
+                    log.error("cannot reserve group ids in the journal: %s; retrying", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+            async with self._barrier.mutation(MutationKind.ADMIT):
+                if not self.can_admit() or not self._ids.reserved:
+                    continue
+                admission = self._sampler.next()
+                if admission is None:
+                    continue
+                group = self._new_group(admission)
+                self._buffer.add(group)
+                self._accounting.admitted()
+            self._generation.dispatch(group, group.missing, fresh=True)
 
-    def version_changed(self, version: int) -> None:
-        """The served policy version is now ``version``: what was consumed since the last change,
-        per version it moved (an update may skip versions), joins the estimate."""
-        steps = version - self.version
-        if steps <= 0 or (self.per_version is None and not self.consumed):
-            # nothing to learn from versions before the first group reached a trainer (a
-            # trainer loads its first weights before it fetches)
-            self.version, self.consumed = version, 0
-            return
-        observed = self.consumed / steps
-        if self.per_version is None:
-            self.per_version = observed
-        else:
-            self.per_version += self.smoothing * (observed - self.per_version)
-        self.version, self.consumed = version, 0
+    def _new_group(self, admission: Admission) -> Group:
+        cfg = self._config
+        gid = self._ids.issue()
+        position = admission.position
+        source = EMPTY if position is None else self._sampler.sources[position.source].generation
+        spec = resolve(admission.prompt.generation.over(source), cfg.sampling, cfg.group_size)
+        return Group(
+            GroupMeta(
+                group_id=gid,
+                prompt=admission.prompt,
+                position=position,
+                group_size=spec.group_size,
+                policy_version=self._policy.version,
+                admitted_at=self._clock(),
+                seed=(cfg.seed * 7_919 + gid * 104_729) % (2**31 - 1)
+                if spec.seed is None
+                else spec.seed,
+                params=spec.params,
+            )
+        )
 
-    def room(self, outstanding: int) -> int:
-        """How many more groups may be admitted now, behind ``outstanding`` ones (generating,
-        finishing or ready), to be consumed within ``max_staleness`` versions; never negative."""
-        per_version = self.estimate
-        now = max(per_version - self.consumed, float(self.waiting()))
-        window = now + per_version * self.max_staleness
-        return max(0, math.floor(window - outstanding + 1e-9))
+    def capture(self) -> ConcurrencyState:
+        return self._limit.state()
 
-    def state(self) -> GateState:
-        return GateState(self.per_version)
-
-    def restore(self, state: GateState, version: int) -> None:
-        """Continues from a snapshot's estimate, counting from ``version`` (the restored one)."""
-        self.per_version = state.per_version
-        self.version, self.consumed = version, 0
+    def restore(self, state: ConcurrencyState) -> None:
+        self._limit.restore(state)

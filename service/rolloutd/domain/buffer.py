@@ -1,24 +1,26 @@
-"""The rollout buffer: groups from admission to finalization, with change tracking for snapshots.
+"""The rollout buffer: the groups from admission to finalization, and their rows.
 
-Every method is a synchronous step called inside a barrier mutation. Besides the groups, the buffer
-records what changed since the last ``capture()`` — rows (staged samples) added, rows removed, and
-groups whose metadata changed — so a checkpoint's exclusive hold does pointer work proportional to
-that delta only: lists are swapped, and immutable samples and the frozen metadata of changed
-groups are shared by reference (a change replaces a group's ``GroupMeta``, never edits it).
+Every method is a synchronous step called inside a barrier mutation. Each group is in one state of
+the declared life cycle (``group.TRANSITIONS``), which every change is checked against; committed
+groups wait in the order they are leased. Every change is recorded in the buffer's
+:class:`ChangeLog`, so a checkpoint's exclusive hold does pointer work proportional to what changed
+(``capture``). Finished groups' rows are sealed into columns once enough of them are held as
+objects (:class:`RowSealer`). Who holds a lease and what was acked is the delivery ledger's
+(``domain/ledger.py``); the buffer knows each group's state and lease id.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from rolloutd.domain.errors import FailedPrecondition, InvariantError, NotFound
+from rolloutd.domain.changes import ChangeLog, Changes, Row
+from rolloutd.domain.errors import InvariantError, NotFound
 from rolloutd.domain.group import (
     TERMINAL,
-    UNFINISHED,
     Group,
     GroupMeta,
     GroupScores,
@@ -30,40 +32,7 @@ from rolloutd.domain.group import (
     check_transition,
 )
 
-ACKED_LEASES_REMEMBERED = 65_536
-"""Finalized leases remembered so that a late retry of their ack still succeeds."""
-
-
-def remember_finalized(
-    ledger: OrderedDict[str, int], finalized: Mapping[str, int]
-) -> OrderedDict[str, int]:
-    """Adds newly finalized leases (lease id -> trainer step) to ``ledger``, in place, and
-    forgets the oldest beyond :data:`ACKED_LEASES_REMEMBERED`: the one place the cap holds."""
-    ledger.update(finalized)
-    while len(ledger) > ACKED_LEASES_REMEMBERED:
-        ledger.popitem(last=False)
-    return ledger
-
-
-@dataclass(frozen=True)
-class Lease:
-    lease_id: str
-    group_ids: tuple[int, ...]
-    consumer: str
-    created_at: float
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class AckRecord:
-    lease_id: str
-    group_ids: tuple[int, ...]
-    trainer_step: int
-    acked_at: float
-
-
-Row = tuple[int, int, Sample]
-"""(row_id, group_id, sample)"""
+__all__ = ["BufferCounts", "BufferState", "RolloutBuffer", "Row", "RowSealer", "SealedRows"]
 
 SEAL_HELD_ROWS = 16_384
 """Rows of finished groups the buffer holds as objects before it seals the oldest (see
@@ -104,17 +73,13 @@ class RowSealer(ABC):
 @dataclass(frozen=True)
 class BufferState:
     """The buffer's part of a snapshot. A capture holds what changed since the previous one:
-    ``groups`` maps id -> meta, or None if removed; ``finalized_leases`` holds the leases
-    finalized since then, oldest first (copying the whole ledger would make the hold grow with the
-    run's length). A state to restore from is whole: every group and live row, the whole ledger."""
+    ``groups`` maps id -> meta, or None if removed. A state to restore from is whole: every
+    group and live row."""
 
     new_rows: Collection[Row]
     """Rows staged since the previous capture and still live (a view: no copy under the hold)."""
     removed_rows: list[int]
     groups: Mapping[int, GroupMeta | None]
-    leases: Mapping[str, Lease]
-    acks: Mapping[str, AckRecord]
-    finalized_leases: Mapping[str, int]
     next_row_id: int
     kept_rows: Mapping[int, KeptSamples] = field(default_factory=dict)
     """In a state to restore from: group id -> the rows a snapshot kept in its buffers (besides
@@ -142,60 +107,67 @@ class BufferCounts:
         return self.generating + self.finishing + self.committed + self.leased + self.acked
 
 
-@dataclass
 class RolloutBuffer:
-    sealer: RowSealer | None = None
-    """Seals committed rows (none: every row stays an object, as in unit tests)."""
-    groups: dict[int, Group] = field(default_factory=dict)
-    leases: dict[str, Lease] = field(default_factory=dict)
-    acks: dict[str, AckRecord] = field(default_factory=dict)
-    """Acked leases whose groups wait for finalization."""
-    finalized_leases: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    """Lease id -> trainer step, for idempotent acks after finalization."""
-    _ready: deque[int] = field(default_factory=deque)
-    _row_ids: dict[tuple[int, int], int] = field(default_factory=dict)
-    _next_row_id: int = 1
-    _new_rows: dict[int, Row] = field(default_factory=dict)
-    """Rows staged since the last capture, by row id. A row removed before it was captured is
-    dropped from here and never reported, so without checkpoints this stays bounded by the live
-    rows instead of holding every sample ever generated."""
-    _removed_rows: list[int] = field(default_factory=list)
-    """Captured rows removed since the last capture."""
-    _sealed_new: list[SealedRows] = field(default_factory=list)
-    _sealed_new_ids: set[int] = field(default_factory=set)
-    """Rows staged since the last capture and sealed since, still live: ``_new_rows`` for sealed
-    rows (a row is in one or the other)."""
-    _unsealed: OrderedDict[int, tuple[int, int]] = field(default_factory=OrderedDict)
-    """Finished groups whose rows are objects, oldest commit first: id -> (rows, values)."""
-    _unsealed_rows: int = 0
-    _unsealed_values: int = 0
-    _dirty: dict[int, Group | None] = field(default_factory=dict)
-    _uncaptured_groups: set[int] = field(default_factory=set)
-    """Groups added since the last capture; their removal leaves nothing to report."""
-    _finalized_new: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    _acked_groups: int = 0
-    """Groups listed by ``acks``, kept as a count: admission asks for it before every group."""
-    _table: GroupTable | None = None
-    """The groups a restore loaded, whose rows :meth:`keep_rows` gives them."""
+    """The groups buffered and their rows; see the module docstring."""
+
+    def __init__(self, sealer: RowSealer | None = None) -> None:
+        self._sealer = sealer
+        """Seals committed rows (none: every row stays an object, as in unit tests)."""
+        self._groups: dict[int, Group] = {}
+        self._ready: deque[int] = deque()
+        self._acked = 0
+        """Groups ACKED, kept as a count: admission asks for it before every group."""
+        self._row_ids: dict[tuple[int, int], int] = {}
+        self._next_row_id = 1
+        self._changes = ChangeLog()
+        self._unsealed: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        """Finished groups whose rows are objects, oldest commit first: id -> (rows, values)."""
+        self._unsealed_rows = 0
+        self._unsealed_values = 0
+        self._table: GroupTable | None = None
+        """The groups a restore loaded, whose rows :meth:`keep_rows` gives them."""
 
     # --- queries ---------------------------------------------------------------------------
 
+    @property
+    def sealer(self) -> RowSealer | None:
+        """What seals committed rows (a restore prepares its buffer with the same one)."""
+        return self._sealer
+
+    @property
+    def groups(self) -> Mapping[int, Group]:
+        """Every buffered group by id (read-only: changes go through the methods)."""
+        return self._groups
+
     def get(self, group_id: int) -> Group:
         try:
-            return self.groups[group_id]
+            return self._groups[group_id]
         except KeyError:
             raise NotFound(f"group {group_id} is not in the buffer") from None
 
     @property
     def acked_groups(self) -> int:
-        return self._acked_groups
+        return self._acked
+
+    @property
+    def held(self) -> int:
+        """Groups held against ``limits.buffer_capacity``: all but the acked ones, which wait
+        for finalization (the rewind window bounds them)."""
+        return len(self._groups) - self._acked
 
     @property
     def ready_count(self) -> int:
         return len(self._ready)
 
+    def ready_ids(self) -> Iterator[int]:
+        """The committed groups in the order they are leased (do not change the buffer while
+        iterating)."""
+        return iter(self._ready)
+
     def counts(self) -> BufferCounts:
-        n = Counter(g.state for g in self.groups.values())
+        n = {s: 0 for s in GroupState}
+        for g in self._groups.values():
+            n[g.state] += 1
         return BufferCounts(
             n[GroupState.GENERATING],
             n[GroupState.COMMITTED],
@@ -204,7 +176,7 @@ class RolloutBuffer:
             n[GroupState.FINISHING],
         )
 
-    # --- mutations -------------------------------------------------------------------------
+    # --- the life of a group ---------------------------------------------------------------
 
     def _change(self, g: Group, **fields: object) -> None:
         """Every metadata change goes through here: a new frozen value, marked for the capture.
@@ -212,17 +184,17 @@ class RolloutBuffer:
         state = fields.get("state")
         if state is not None:
             check_transition(g.group_id, g.state, state)  # type: ignore[arg-type]
+            self._acked += (state is GroupState.ACKED) - (g.state is GroupState.ACKED)
         g.meta = g.meta.evolve(**fields)
-        self._dirty[g.group_id] = g
+        self._changes.group_changed(g)
 
     def add(self, group: Group) -> None:
-        if group.group_id in self.groups:
+        if group.group_id in self._groups:
             raise InvariantError(f"group {group.group_id} admitted twice")
-        self.groups[group.group_id] = group
+        self._groups[group.group_id] = group
         for sample in group.samples.values():
             self._add_row(group.group_id, sample)
-        self._dirty[group.group_id] = group
-        self._uncaptured_groups.add(group.group_id)
+        self._changes.group_added(group)
 
     def stage(self, group_id: int, sample: Sample) -> Group:
         """Adds a finished sibling; returns the group (complete when all siblings are staged)."""
@@ -233,7 +205,7 @@ class RolloutBuffer:
             raise InvariantError(f"sibling {sample.index} of group {group_id} staged twice")
         g.samples[sample.index] = sample
         self._add_row(group_id, sample)
-        self._dirty[group_id] = g
+        self._changes.group_changed(g)
         return g
 
     def finish(self, group_id: int) -> Group:
@@ -256,7 +228,7 @@ class RolloutBuffer:
         self._change(g, state=GroupState.COMMITTED, committed_at=now, scores=scores)
         self._ready.append(group_id)
         # where a sibling was resumed is not a column: such a group stays as objects
-        if self.sealer is not None and all(s.resumed_at is None for s in g.samples.values()):
+        if self._sealer is not None and all(s.resumed_at is None for s in g.samples.values()):
             held = (
                 len(g.samples),
                 sum(2 * len(s.token_ids) + len(s.prompt_token_ids) for s in g.samples.values()),
@@ -270,17 +242,98 @@ class RolloutBuffer:
                 self.seal(SEAL_ROWS, SEAL_VALUES)
         return g
 
+    def lease(self, lease_id: str, count: int) -> tuple[int, ...]:
+        """The first ``count`` ready groups, leased under ``lease_id``."""
+        taken = tuple(self._ready.popleft() for _ in range(min(count, len(self._ready))))
+        for gid in taken:
+            self._change(self._groups[gid], state=GroupState.LEASED, lease_id=lease_id)
+        return taken
+
+    def grant(self, lease_id: str, group_ids: Iterable[int]) -> None:
+        """Leases committed groups again after a restart (journal replay)."""
+        for gid in group_ids:
+            self._ready.remove(gid)
+            self._change(self._groups[gid], state=GroupState.LEASED, lease_id=lease_id)
+
+    def ack(self, lease_id: str, group_ids: Sequence[int], step: int) -> tuple[int, ...]:
+        """Groups acked at ``step`` under ``lease_id``; returns them. Live, every one is LEASED;
+        in journal replay one may also be COMMITTED (its lease was granted after the snapshot)."""
+        for gid in group_ids:
+            g = self._groups[gid]
+            if g.state is GroupState.COMMITTED:
+                self._ready.remove(gid)
+            elif g.state is not GroupState.LEASED:
+                raise InvariantError(f"ack of group {gid} in state {g.state.value}")
+            self._change(g, state=GroupState.ACKED, lease_id=lease_id, ack_step=step)
+        return tuple(group_ids)
+
+    def requeue(self, group_ids: Sequence[int]) -> list[int]:
+        """Makes a lease's groups available again, ahead of newer groups, in their order."""
+        for gid in reversed(group_ids):
+            self._change(self._groups[gid], state=GroupState.COMMITTED, lease_id=None)
+            self._ready.appendleft(gid)
+        return list(group_ids)
+
+    def recommit(self, group_ids: Sequence[int]) -> list[Group]:
+        """Acked groups become available again (a rewind), ahead of newer groups, in order."""
+        groups: list[Group] = []
+        for gid in group_ids:
+            g = self._groups[gid]
+            self._change(g, state=GroupState.COMMITTED, lease_id=None, ack_step=None)
+            groups.append(g)
+        self._ready.extendleft(reversed([g.group_id for g in groups]))
+        return groups
+
+    def remove(self, group_id: int, fate: GroupState) -> Group:
+        """Removes a group and its rows; ``fate`` is the terminal state it leaves in."""
+        g = self._groups[group_id]
+        if fate not in TERMINAL:
+            raise InvariantError(f"group {group_id} removed as {fate.value}, not a terminal state")
+        check_transition(group_id, g.state, fate)
+        del self._groups[group_id]
+        self._acked -= g.state is GroupState.ACKED
+        held = self._unsealed.pop(group_id, None)
+        if held is not None:
+            self._unsealed_rows -= held[0]
+            self._unsealed_values -= held[1]
+        if isinstance(g.samples, KeptSamples):
+            for row_id in g.samples.row_ids().values():
+                self._changes.row_removed(row_id)
+        else:
+            for index in g.samples:
+                self._changes.row_removed(self._row_ids.pop((group_id, index)))
+        if g.state is GroupState.COMMITTED:
+            self._ready.remove(group_id)
+        self._changes.group_removed(group_id)
+        return g
+
+    def drop_samples(self, group_id: int) -> None:
+        """Forgets a generating group's staged siblings so the whole group is generated again."""
+        g = self.get(group_id)
+        for index in list(g.samples):
+            self._changes.row_removed(self._row_ids.pop((group_id, index)))
+        g.samples.clear()
+        self._changes.group_changed(g)
+
+    def _add_row(self, group_id: int, sample: Sample) -> None:
+        row_id = self._next_row_id
+        self._next_row_id += 1
+        self._row_ids[(group_id, sample.index)] = row_id
+        self._changes.row_added((row_id, group_id, sample))
+
+    # --- sealing ---------------------------------------------------------------------------
+
     def seal(self, max_rows: float = math.inf, max_values: float = math.inf) -> None:
         """Seals the finished groups held as objects, oldest first: whole groups until
         ``max_rows`` rows or ``max_values`` values are sealed (by default every one). A sealed
-        row not yet captured moves from ``_new_rows`` to the sealed ones."""
-        if self.sealer is None:
+        row not yet captured moves from the new rows to the sealed ones."""
+        if self._sealer is None:
             return
         groups: list[Group] = []
         sealed_rows = sealed_values = 0
         while self._unsealed and sealed_rows < max_rows and sealed_values < max_values:
             gid, (n, v) = self._unsealed.popitem(last=False)
-            groups.append(self.groups[gid])
+            groups.append(self._groups[gid])
             sealed_rows += n
             sealed_values += v
         self._unsealed_rows -= sealed_rows
@@ -292,235 +345,71 @@ class RolloutBuffer:
         ]
         if not rows:
             return
-        sealed = self.sealer.seal(rows)
+        sealed = self._sealer.seal(rows)
         views = sealed.groups()
         uncaptured = False
         for row_id, gid, sample in rows:
             del self._row_ids[(gid, sample.index)]
-            if self._new_rows.pop(row_id, None) is not None:
-                self._sealed_new_ids.add(row_id)
-                uncaptured = True
+            uncaptured |= self._changes.row_sealed(row_id)
         for g in groups:
             g.samples = views[g.group_id]
         if uncaptured:
-            self._sealed_new.append(sealed)
-
-    def ready_ids(self) -> Iterator[int]:
-        """The committed groups in the order they are leased (do not change the buffer while
-        iterating)."""
-        return iter(self._ready)
-
-    def lease(
-        self, lease_id: str, max_groups: int, consumer: str, now: float, timeout_s: float
-    ) -> Lease | None:
-        if not self._ready:
-            return None
-        taken = tuple(self._ready.popleft() for _ in range(min(max_groups, len(self._ready))))
-        for gid in taken:
-            self._change(self.groups[gid], state=GroupState.LEASED, lease_id=lease_id)
-        lease = Lease(lease_id, taken, consumer, now, now + timeout_s)
-        self.leases[lease_id] = lease
-        return lease
-
-    def grant(self, lease: Lease) -> None:
-        """Grants a lease again after a restart (journal replay); its groups are COMMITTED."""
-        for gid in lease.group_ids:
-            self._ready.remove(gid)
-            self._change(self.groups[gid], state=GroupState.LEASED, lease_id=lease.lease_id)
-        self.leases[lease.lease_id] = lease
-
-    def ack(self, record: AckRecord) -> list[int] | None:
-        """Applies an ack, live or replayed from the journal; None when its lease was acked
-        already (idempotent; with another trainer step it is a conflict: the groups were consumed
-        by one step, not two). Returns the ids of its groups the buffer does not hold: admitted
-        and acked after the snapshot a restore started from.
-
-        Live, every group of the lease is LEASED. In replay a group may also be COMMITTED (its
-        lease was granted after the snapshot) or GENERATING or FINISHING: it finished, was leased and acked
-        after the snapshot, but its siblings were never all durable, so it is gone like an
-        unheld one.
-        """
-        if record.lease_id in self.acks:
-            check_same_step(
-                record.lease_id, self.acks[record.lease_id].trainer_step, record.trainer_step
-            )
-            return None
-        if record.lease_id in self.finalized_leases:
-            check_same_step(
-                record.lease_id, self.finalized_leases[record.lease_id], record.trainer_step
-            )
-            return None
-        for gid in record.group_ids:
-            if gid in self.groups and self.groups[gid].state in UNFINISHED:
-                self.remove(gid, GroupState.LOST)
-        present = tuple(gid for gid in record.group_ids if gid in self.groups)
-        for gid in present:
-            g = self.groups[gid]
-            if g.state is GroupState.COMMITTED:
-                self._ready.remove(gid)
-            elif g.state is not GroupState.LEASED:
-                raise InvariantError(f"ack of group {gid} in state {g.state.value}")
-            self._change(
-                g,
-                state=GroupState.ACKED,
-                lease_id=record.lease_id,
-                ack_step=record.trainer_step,
-            )
-        self.leases.pop(record.lease_id, None)
-        self.acks[record.lease_id] = replace(record, group_ids=present)
-        self._acked_groups += len(present)
-        return [gid for gid in record.group_ids if gid not in self.groups]
-
-    def expired_leases(
-        self, now: float, paused_since: Callable[[float], float] = lambda _: 0.0
-    ) -> list[Lease]:
-        """Leases past their deadline at ``now``, each deadline moved on by the time the service
-        did not run since the lease was granted (``paused_since(created_at)``, pauses.py)."""
-        return [
-            lease
-            for lease in self.leases.values()
-            if lease.expires_at + paused_since(lease.created_at) <= now
-        ]
-
-    def requeue(self, lease_id: str) -> list[int]:
-        """Makes a lease's groups available again, ahead of newer groups, in their order."""
-        lease = self.leases.pop(lease_id)
-        for gid in reversed(lease.group_ids):
-            self._change(self.groups[gid], state=GroupState.COMMITTED, lease_id=None)
-            self._ready.appendleft(gid)
-        return list(lease.group_ids)
-
-    def finalize(self, through_step: int) -> list[Group]:
-        """Drops groups acked at steps <= ``through_step``."""
-        done = [r for r in self.acks.values() if r.trainer_step <= through_step]
-        dropped: list[Group] = []
-        for record in done:
-            del self.acks[record.lease_id]
-            self._acked_groups -= len(record.group_ids)
-            dropped.extend(self.remove(gid, GroupState.FINALIZED) for gid in record.group_ids)
-        ledger = {r.lease_id: r.trainer_step for r in done}
-        remember_finalized(self.finalized_leases, ledger)
-        remember_finalized(self._finalized_new, ledger)
-        return dropped
-
-    def rewind(self, after_step: int) -> list[Group]:
-        """Groups acked at steps > ``after_step`` become available again, oldest first."""
-        undone = sorted(
-            (r for r in self.acks.values() if r.trainer_step > after_step), key=lambda r: r.acked_at
-        )
-        groups: list[Group] = []
-        for record in undone:
-            del self.acks[record.lease_id]
-            self._acked_groups -= len(record.group_ids)
-            for gid in record.group_ids:
-                g = self.groups[gid]
-                self._change(g, state=GroupState.COMMITTED, lease_id=None, ack_step=None)
-                groups.append(g)
-        self._ready.extendleft(reversed([g.group_id for g in groups]))
-        return groups
-
-    def remove(self, group_id: int, fate: GroupState) -> Group:
-        """Removes a group and its rows; ``fate`` is the terminal state it leaves in."""
-        g = self.groups[group_id]
-        if fate not in TERMINAL:
-            raise InvariantError(f"group {group_id} removed as {fate.value}, not a terminal state")
-        check_transition(group_id, g.state, fate)
-        del self.groups[group_id]
-        held = self._unsealed.pop(group_id, None)
-        if held is not None:
-            self._unsealed_rows -= held[0]
-            self._unsealed_values -= held[1]
-        if isinstance(g.samples, KeptSamples):
-            for row_id in g.samples.row_ids().values():
-                self._forget_row(row_id)
-        else:
-            for index in g.samples:
-                self._forget_row(self._row_ids.pop((group_id, index)))
-        if g.state is GroupState.COMMITTED:
-            self._ready.remove(group_id)
-        if group_id in self._uncaptured_groups:
-            self._uncaptured_groups.discard(group_id)
-            del self._dirty[group_id]
-        else:
-            self._dirty[group_id] = None
-        return g
-
-    def drop_samples(self, group_id: int) -> None:
-        """Forgets a generating group's staged siblings so the whole group is generated again."""
-        g = self.get(group_id)
-        for index in list(g.samples):
-            self._forget_row(self._row_ids.pop((group_id, index)))
-        g.samples.clear()
-        self._dirty[group_id] = g
-
-    def _add_row(self, group_id: int, sample: Sample) -> None:
-        row_id = self._next_row_id
-        self._next_row_id += 1
-        self._row_ids[(group_id, sample.index)] = row_id
-        self._new_rows[row_id] = (row_id, group_id, sample)
-
-    def _forget_row(self, row_id: int) -> None:
-        if self._new_rows.pop(row_id, None) is not None:
-            return
-        if row_id in self._sealed_new_ids:
-            self._sealed_new_ids.remove(row_id)
-        else:
-            self._removed_rows.append(row_id)
+            self._changes.sealed(sealed)
 
     # --- snapshots -------------------------------------------------------------------------
 
     def capture(self) -> BufferState:
         """Takes the changes since the last capture. O(changes), and no group is copied (its
         metadata is a frozen value): call under the exclusive hold."""
-        new_rows, self._new_rows = self._new_rows, {}
-        sealed, self._sealed_new = self._sealed_new, []
-        sealed_ids, self._sealed_new_ids = self._sealed_new_ids, set()
-        self._uncaptured_groups.clear()
-        removed, self._removed_rows = self._removed_rows, []
-        dirty, self._dirty = self._dirty, {}
-        finalized, self._finalized_new = self._finalized_new, OrderedDict()
+        changes = self._changes.take()
         return BufferState(
-            new_rows.values(),
-            removed,
-            {gid: None if g is None else g.meta for gid, g in dirty.items()},
-            dict(self.leases),
-            dict(self.acks),
-            finalized,
+            changes.new_rows,
+            changes.removed_rows,
+            changes.groups,
             self._next_row_id,
-            new_sealed=sealed,
-            new_sealed_ids=sealed_ids,
+            new_sealed=changes.new_sealed,  # type: ignore[arg-type]
+            new_sealed_ids=changes.new_sealed_ids,
         )
 
     def restore_uncaptured(self, delta: BufferState) -> None:
         """Puts a captured delta back (its snapshot failed) so the next capture includes it."""
-        self._new_rows = {**{row[0]: row for row in delta.new_rows}, **self._new_rows}
-        self._sealed_new[:0] = delta.new_sealed
-        self._sealed_new_ids.update(delta.new_sealed_ids)
-        self._removed_rows[:0] = delta.removed_rows
-        for gid in delta.groups:
-            self._dirty.setdefault(gid, self.groups.get(gid))
-        newer, self._finalized_new = self._finalized_new, OrderedDict(delta.finalized_leases)
-        remember_finalized(self._finalized_new, newer)
+        self._changes.put_back(
+            Changes(
+                delta.new_rows,
+                delta.removed_rows,
+                dict(delta.groups),
+                delta.new_sealed,
+                delta.new_sealed_ids,
+            ),
+            self._groups,
+        )
 
     def load(self, state: BufferState) -> None:
         """Rebuilds the buffer from a whole state; nothing is marked as changed. Each group is a
         :class:`RestoredGroup` over the state's :class:`GroupTable` (nothing decoded per
         group); its rows are ``state.kept_rows`` (see :meth:`keep_rows`), which a restore
         gives once the snapshot's rows have verified, after loading the rest."""
-        if self.groups:
+        if self._groups:
             raise InvariantError("restore into a non-empty buffer")
         table = restored_groups(state.groups)
-        self.groups.update(zip(table.ids, RestoredGroup.build(table), strict=True))
+        self._groups.update(zip(table.ids, RestoredGroup.build(table), strict=True))
         self._table = table
-        self.leases, self.acks = dict(state.leases), dict(state.acks)
-        self._acked_groups = sum(len(r.group_ids) for r in self.acks.values())
-        self.finalized_leases = OrderedDict(state.finalized_leases)
+        self._acked = table.counts()[GroupState.ACKED]
         self._next_row_id = state.next_row_id
         self._ready = deque(table.committed_order())
         self.keep_rows(state.kept_rows)
         for row_id, gid, sample in state.new_rows:
-            self.groups[gid].samples[sample.index] = sample
+            self._groups[gid].samples[sample.index] = sample
             self._row_ids[(gid, sample.index)] = row_id
+
+    def take_over(self, prepared: RolloutBuffer) -> None:
+        """Becomes ``prepared``, a buffer a restore loaded apart (while the snapshot's rows were
+        still verifying), so that everything holding this buffer sees the restored groups."""
+        if self._groups:
+            raise InvariantError("restore into a non-empty buffer")
+        if prepared.sealer is not self._sealer:
+            raise InvariantError("a restore prepared the buffer with another sealer")
+        self.__dict__.update(prepared.__dict__)
 
     def keep_rows(self, kept_rows: Mapping[int, KeptSamples]) -> None:
         """Gives the loaded groups the rows a snapshot kept in its buffers: a finished group
@@ -533,7 +422,7 @@ class RolloutBuffer:
         for gid in table.unfinished():
             kept = kept_rows.get(gid)
             if kept is not None:  # staged into again: rows become objects
-                self.groups[gid].samples = dict(kept)
+                self._groups[gid].samples = dict(kept)
                 self._row_ids.update(((gid, i), r) for i, r in kept.row_ids().items())
 
 
@@ -546,11 +435,3 @@ def restored_groups(groups: Mapping[int, GroupMeta | None]) -> GroupTable:
     if any(m is None for m in metas):
         raise InvariantError("restore from a state that removes a group")
     return GroupTable.of(metas)  # type: ignore[arg-type]
-
-
-def check_same_step(lease_id: str, acked_step: int, trainer_step: int) -> None:
-    """A repeated ack is idempotent only at the step it was first made at."""
-    if acked_step != trainer_step:
-        raise FailedPrecondition(
-            f"lease {lease_id!r} was acked with trainer_step {acked_step}, not {trainer_step}"
-        )

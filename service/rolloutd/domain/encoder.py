@@ -16,8 +16,6 @@ from typing import Generic, Protocol, TypeVar
 
 from rolloutd.domain.group import Group
 
-UNDELIVERABLE = "undeliverable"
-"""Drop reason: the group cannot be sent to a trainer (its encoder refused it)."""
 MAX_METADATA_DEPTH = 32
 """Deepest nesting of objects and arrays a prompt's metadata may have: a group's metadata is
 also sent as a ``google.protobuf.Struct``, three message levels per object, and protobuf's

@@ -90,6 +90,23 @@ class EpisodeEnd(enum.Enum):
         """The environment failed: the group is handled as ``scoring.on_failure`` says."""
         return self in (EpisodeEnd.STEP_FAILED, EpisodeEnd.STEP_TIMEOUT, EpisodeEnd.MALFORMED)
 
+    @property
+    def finish_reason(self) -> str:
+        """The finish reason of the episode's sample, as trainers receive it."""
+        return FINISH_PREFIX + self.value
+
+    @classmethod
+    def of_finish_reason(cls, finish_reason: str) -> EpisodeEnd | None:
+        """The end a stored finish reason names (None: not an episode's). Only a snapshot's
+        codec reads it back: a live sample carries its end as ``Sample.episode_end``."""
+        if not finish_reason.startswith(FINISH_PREFIX):
+            return None
+        return cls(finish_reason.removeprefix(FINISH_PREFIX))
+
+
+FINISH_PREFIX = "episode:"
+"""What an episode's finish reason starts with (``episode:<EpisodeEnd value>``)."""
+
 
 class EnvironmentFailure(Exception):
     """Raised by an :class:`EnvironmentPort` when a call fails; ``end`` says how the episode

@@ -53,9 +53,6 @@ from rolloutd.domain.runner import EngineRunner, SiblingJob
 
 log = logging.getLogger(__name__)
 
-FINISH_PREFIX = "episode:"
-"""An episode's finish reason is ``episode:<EpisodeEnd value>``."""
-
 
 @dataclass
 class _Call:
@@ -63,16 +60,6 @@ class _Call:
 
     done: bool = False
     mismatch: bool = False
-
-
-def is_episode(sample: Sample) -> bool:
-    return sample.finish_reason.startswith(FINISH_PREFIX)
-
-
-def episode_end(sample: Sample) -> EpisodeEnd | None:
-    if not is_episode(sample):
-        return None
-    return EpisodeEnd(sample.finish_reason.removeprefix(FINISH_PREFIX))
 
 
 class EpisodeRunner:
@@ -180,7 +167,7 @@ class _Episode:
             token_ids=self.tokens,
             logprobs=self.logprobs,
             text=self.renderer.decode(self.tokens),
-            finish_reason=FINISH_PREFIX + end.value,
+            finish_reason=end.finish_reason,
             policy_version=min((p.policy_version for p in self.parts), default=version),
             prompt_token_ids=self.prompt_ids,
             seed=self.job.request.seed,
@@ -190,6 +177,7 @@ class _Episode:
             turns=tuple(self.spans),
             episode_reward=self.reward,
             retokenization_mismatches=mismatches,
+            episode_end=end,
         )
 
     def _ended(self, end: EpisodeEnd | None, mismatches: int, error: str = "") -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 
 class RolloutError(Exception):
     """Base class of errors a caller can act on."""
@@ -38,6 +42,13 @@ def public_cause(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc)
+
+
+def not_durable(what: str, exc: OSError) -> Unavailable:
+    """The journal could not make ``what`` durable: the client hears that and why (without a
+    server path), the log also where."""
+    log.warning("%s could not be made durable: %s", what, exc)
+    return Unavailable(f"{what} could not be made durable: {public_cause(exc)}")
 
 
 class DeadlineExceeded(RolloutError):

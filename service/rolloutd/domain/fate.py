@@ -2,7 +2,7 @@
 (docs/design.md, "Where generation goes").
 
 Every token the engine hands to the service is *generated* once and then sits in exactly one
-:class:`TokenFate`. The terminal fates are counted in :class:`~rolloutd.domain.state.Counters`
+:class:`TokenFate`. The terminal fates are counted in :class:`~rolloutd.domain.accounting.Counters`
 as they happen (a token can leave ``delivered`` again only by a ``Rewind``); ``buffered`` is what
 the buffer and the staging of generating siblings hold. So the fates add up to the generated
 tokens exactly, a restart included: the counters are in every snapshot together with the tokens
@@ -16,8 +16,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-from rolloutd.domain.encoder import UNDELIVERABLE
 
 
 class TokenFate(enum.Enum):
@@ -56,28 +54,48 @@ MEANINGS: Mapping[TokenFate, str] = {
 TERMINAL = tuple(f for f in TokenFate if f is not TokenFate.BUFFERED)
 """The fates counted as they happen; ``buffered`` is what is left."""
 
-ENGINE_ERROR = "engine_error"
-"""Drop reason: a sibling's engine error outlasted its retries."""
-STAGE_FAILED = "stage_failed"
-"""Drop reason: the finishing stage raised."""
-REFUSED = "refused"
-"""Drop reason: the engine can never serve the group's request as asked (a prompt and
-``max_tokens`` that do not fit its context)."""
-LEASE_EXPIRIES = "lease_expiries"
-"""Drop reason: the group's leases expired ``limits.max_lease_expiries`` times."""
-SCORING_FAILED = "scoring_failed"
-"""Drop reason (the scoring stage's): a sibling's score, or its episode, failed."""
 
-FAILURES = frozenset(
-    {ENGINE_ERROR, STAGE_FAILED, REFUSED, UNDELIVERABLE, LEASE_EXPIRIES, SCORING_FAILED}
-)
-"""Drop reasons of a failure: their tokens are ``failed``; any other reason a finishing stage
-gives (a filter) makes them ``dropped``."""
+class DropReason(enum.StrEnum):
+    """Why a group was dropped before delivery: the one list of the reasons the service and its
+    scoring stage give (``GetStatus`` and the metrics count them by value). A custom finishing
+    stage may give a reason of its own (free text); its tokens are ``dropped``, and the metrics
+    count it as ``other``. A string member compares equal to its value."""
+
+    ZERO_VARIANCE = "zero_variance"
+    """The scoring stage's filter: its rewards' standard deviation is at most
+    ``filter.min_reward_std`` (no GRPO signal)."""
+    SCORING_FAILED = "scoring_failed"
+    """A sibling's score, or its episode, failed and ``scoring.on_failure`` is ``drop``."""
+    ENGINE_ERROR = "engine_error"
+    """A sibling's engine error outlasted its retries."""
+    REFUSED = "refused"
+    """The engine can never serve the group's request as asked (a prompt and ``max_tokens``
+    that do not fit its context)."""
+    STAGE_FAILED = "stage_failed"
+    """The finishing stage raised."""
+    UNDELIVERABLE = "undeliverable"
+    """The group cannot be sent to a trainer (the fetch's encoder refused it)."""
+    LEASE_EXPIRIES = "lease_expiries"
+    """The group's leases expired ``limits.max_lease_expiries`` times."""
+
+    @property
+    def failed(self) -> bool:
+        """A failure (its tokens are ``failed``), not a filter's verdict (``dropped``)."""
+        return self is not DropReason.ZERO_VARIANCE
+
+    @classmethod
+    def of(cls, reason: str) -> DropReason | str:
+        """``reason`` as a member when it is one's value, else the free text it is."""
+        try:
+            return cls(reason)
+        except ValueError:
+            return reason
 
 
-def drop_fate(reason: str) -> TokenFate:
+def drop_fate(reason: DropReason | str) -> TokenFate:
     """The fate of the tokens of a group dropped for ``reason``."""
-    return TokenFate.FAILED if reason in FAILURES else TokenFate.DROPPED
+    known = DropReason.of(reason)
+    return TokenFate.FAILED if isinstance(known, DropReason) and known.failed else TokenFate.DROPPED
 
 
 class EngineState(enum.Enum):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from rolloutd.domain.fate import DropReason
 from rolloutd.domain.group import (
     GroupScores,
     Position,
@@ -35,6 +36,7 @@ from rolloutd.domain.group import (
 __all__ = [
     "COMMIT",
     "CommitAll",
+    "DropReason",
     "FinishingGroup",
     "FinishingStage",
     "GroupScores",
@@ -64,14 +66,19 @@ class FinishingGroup:
 class Verdict:
     """What the stage decided for a group."""
 
-    drop_reason: str | None = None
-    """``None``: commit the group; otherwise drop it. A short identifier, counted by value
-    (``zero_variance``, ``scoring_failed`` ...): keep the set of them small."""
+    drop_reason: DropReason | str | None = None
+    """``None``: commit the group; otherwise drop it: a :class:`DropReason`, or a custom stage's
+    own short identifier (counted by value: keep the set of them small). Text that is a
+    :class:`DropReason`'s value becomes that member."""
     detail: str = ""
     """Why, in words, for the log (e.g. the rewards)."""
     scores: GroupScores | None = None
     """Recorded on the group when it is committed (None: unscored). Part of every snapshot that
     holds the group, so a restored group is never scored again."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.drop_reason, str) and not isinstance(self.drop_reason, DropReason):
+            object.__setattr__(self, "drop_reason", DropReason.of(self.drop_reason))
 
     @property
     def commits(self) -> bool:

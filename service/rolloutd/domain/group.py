@@ -13,6 +13,7 @@ from itertools import repeat
 from types import MappingProxyType
 from typing import Any
 
+from rolloutd.domain.episode import EpisodeEnd
 from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.spec import EMPTY, GenerationSpec, SamplingParams
 
@@ -108,6 +109,9 @@ class Sample:
     retokenization_mismatches: int = 0
     """Token positions where re-rendering the whole conversation through the chat template
     differs from the tokens the episode was generated with (0 expected)."""
+    episode_end: EpisodeEnd | None = None
+    """Why the episode ended (None: not an episode); ``finish_reason`` is its
+    :attr:`EpisodeEnd.finish_reason`."""
 
     def loss_mask(self) -> array[int]:
         """1 exactly on the tokens the model sampled, one entry per token (``array('b')``)."""
@@ -163,6 +167,28 @@ class ScoreStatus(enum.Enum):
     sample has no reward, and ``SampleScore.info`` says why."""
 
 
+class ScoreFailure(enum.Enum):
+    """Why a sample has no reward (the scoring stage's kinds of failure)."""
+
+    RAISED = "raised"
+    """The verifier raised an exception."""
+    TIMEOUT = "timeout"
+    """It ran past ``scoring.timeout_s`` (a Python verifier's worker is then killed and
+    replaced; an HTTP verifier's request is retried)."""
+    WORKER_DIED = "worker_died"
+    """Its worker process exited (``os._exit``, a crash, the kernel's OOM killer)."""
+    NON_FINITE = "non_finite"
+    """It returned NaN or an infinity."""
+    BAD_RESULT = "bad_result"
+    """It returned something other than a number or ``(number, dict)``, an ``info`` that is not
+    JSON or is too large, or (HTTP) a response body that is not ``{"reward": number, ...}``."""
+    HTTP_STATUS = "http_status"
+    """The HTTP verifier answered with an error status (4xx at once, 5xx after the retries)."""
+    UNREACHABLE = "unreachable"
+    """The HTTP verifier could not be reached, or dropped the connection (after the
+    retries)."""
+
+
 @dataclass(frozen=True)
 class SampleScore:
     """A sample's reward as the finishing stage recorded it."""
@@ -172,7 +198,10 @@ class SampleScore:
     status: ScoreStatus = ScoreStatus.OK
     info: str = ""
     """A small JSON object the verifier returned beside the reward (``""``: none), or, for a
-    failed score, the reason."""
+    failed score, the reason in words."""
+    failure: ScoreFailure | None = None
+    """Of a FAILED score, the kind of failure when the scoring stage knows it (None: an OK
+    score, an episode its environment failed, or a custom stage's failure)."""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,83 @@
-"""What a submission must be before any of it is accepted: metadata a trainer can be sent, a
-size within the byte budget, and generation settings the service and its engine can honour.
-Each check raises :class:`InvalidArgument` naming the prompt and the field."""
+"""Intake: prompts trainers submit (``SubmitPrompts``), checked, journaled and queued.
+
+A submission must be, before any of it is accepted: metadata a trainer can be sent, a size
+within the byte budget, and generation settings the service and its engine can honour (each
+check raises :class:`InvalidArgument` naming the prompt and the field). The accepted prompts
+are journaled (durable) before the call returns, and a prompt id accepted once is a duplicate
+forever after, also across a restart."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.encoder import metadata_problem, tools_problem
-from rolloutd.domain.engine import EngineError, PromptMeter
-from rolloutd.domain.errors import InvalidArgument
+from rolloutd.domain.engine import EngineError, GenerationEngine, PromptMeter
+from rolloutd.domain.errors import InvalidArgument, not_durable
 from rolloutd.domain.group import Prompt
-from rolloutd.domain.sampler import prompt_bytes
+from rolloutd.domain.journal import DeliveryJournal, JournaledSubmission
+from rolloutd.domain.liveness import Liveness
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.sampler import Admission, Sampler, prompt_bytes
 from rolloutd.domain.spec import SpecError, SpecLimits, check, check_prompt_length
+from rolloutd.domain.wakeups import Wakeups
+
+
+@dataclass(frozen=True)
+class IntakeConfig:
+    max_metadata_bytes: int = 8 << 20
+    max_submit_bytes: int = 32 << 20
+    spec_limits: SpecLimits = field(default_factory=SpecLimits)
+    default_max_tokens: int = 256
+    """The service's ``max_tokens``: a prompt's unless it sets its own."""
+
+
+class Intake:
+    """Submitted prompts; see the module docstring."""
+
+    def __init__(
+        self,
+        config: IntakeConfig,
+        engine: GenerationEngine,
+        sampler: Sampler,
+        barrier: MutationBarrier,
+        journal: DeliveryJournal,
+        liveness: Liveness,
+        wakeups: Wakeups,
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._sampler = sampler
+        self._barrier = barrier
+        self._journal = journal
+        self._liveness = liveness
+        self._wakeups = wakeups
+        self._submitting = asyncio.Lock()
+        """Serialises submissions: check, journal, accept, with no other in between."""
+
+    async def submit(self, admissions: list[Admission]) -> tuple[int, int]:
+        """Queues trainer-supplied prompts; returns (accepted, duplicates)."""
+        self._liveness.check_serving()
+        prompts = [a.prompt for a in admissions]
+        cfg = self._config
+        check_sizes(prompts, cfg.max_metadata_bytes, cfg.max_submit_bytes)
+        await check_settings(prompts, cfg.spec_limits, cfg.default_max_tokens, self._engine)
+        async with self._submitting, self._barrier.mutation(MutationKind.ADMIT):
+            fresh = self._sampler.fresh(prompts)
+            if fresh:
+                try:
+                    await self._journal.submit(fresh)
+                except OSError as exc:
+                    raise not_durable("the prompts", exc) from exc
+            accepted, duplicates = self._sampler.submit(prompts)
+        await self._wakeups.notify()
+        return accepted, duplicates
+
+    def replay(self, submission: JournaledSubmission) -> None:
+        """Prompts accepted after the snapshot, queued again (inside the RESTORE mutation)."""
+        self._sampler.submit(submission.prompts, bounded=False)
 
 
 def check_sizes(prompts: Sequence[Prompt], max_metadata_bytes: int, max_submit_bytes: int) -> None:

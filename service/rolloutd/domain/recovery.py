@@ -25,30 +25,15 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from rolloutd.domain.buffer import RolloutBuffer, restored_groups
-from rolloutd.domain.core import Core
-from rolloutd.domain.delivery import Delivery
 from rolloutd.domain.episode_log import EpisodeRecord, RecordKind, merged
-from rolloutd.domain.errors import InvariantError, RestoreRefused
-from rolloutd.domain.generation import Generation
+from rolloutd.domain.errors import RestoreRefused
 from rolloutd.domain.group import UNFINISHED, Group, GroupMeta, GroupState, GroupTable
-from rolloutd.domain.ids import ID_BITS, local_id
-from rolloutd.domain.mutation import MutationKind
-from rolloutd.domain.partial import PartialSibling
-from rolloutd.domain.report import (
-    Disposition,
-    PhaseClock,
-    RecoveryState,
-    RestorePhase,
-    TokenDisposition,
-)
-from rolloutd.domain.sampler import Admission
-from rolloutd.domain.state import (
-    ControllerState,
+from rolloutd.domain.journal import (
     IdReservation,
     Journaled,
     JournaledAck,
@@ -58,8 +43,19 @@ from rolloutd.domain.state import (
     JournaledLease,
     JournaledRewind,
     JournaledSubmission,
-    LostLease,
 )
+from rolloutd.domain.mutation import MutationKind
+from rolloutd.domain.partial import PartialSibling
+from rolloutd.domain.report import (
+    Disposition,
+    PhaseClock,
+    RecoveryState,
+    RestorePhase,
+    TokenDisposition,
+)
+from rolloutd.domain.rooms import Rooms
+from rolloutd.domain.sampler import Admission
+from rolloutd.domain.snapshot import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +117,16 @@ class Resumption:
 
 
 class Recovery:
-    """Capture and restore of the controller's state; see the module docstring."""
+    """Capture and restore of the controller's state; see the module docstring. It composes
+    the rooms' own ``capture`` and ``restore`` and hands each journal record to the room that
+    applies it; it writes none of their state itself."""
 
-    def __init__(self, core: Core, generation: Generation, delivery: Delivery) -> None:
-        self.core = core
-        self.generation = generation
-        self.delivery = delivery
+    def __init__(self, rooms: Rooms) -> None:
+        self._rooms = rooms
         self._partials: dict[tuple[int, int], PartialSibling] = {}
         """Episodes' partial siblings a restore found, until their group resumes (or the restore
-        ends). A plain sibling's partial tokens wait in ``Core.staging`` instead, where they
-        count as buffered (domain/fate.py); an episode's are counted with its sample."""
+        ends). A plain sibling's partial tokens wait in the accounting's staging instead, where
+        they count as buffered (domain/fate.py); an episode's are counted with its sample."""
         self._episodes: dict[tuple[int, int], list[EpisodeRecord]] = {}
         """Episode records the journal held after the snapshot, until their group resumes."""
         self._rebuilt: list[int] = []
@@ -144,34 +140,26 @@ class Recovery:
         of the sampler's queues (bounded by leases and acks outstanding, not by the buffer), plus
         one reference and one length per generating sibling (its partial tokens, whole).
         Call only while holding the barrier exclusively."""
-        core = self.core
-        if not core.barrier.exclusive_held:
+        r = self._rooms
+        if not r.barrier.exclusive_held:
             raise RuntimeError("capture() needs the exclusive hold of the barrier")
-        self.delivery.apply_durable_acks()
-        core.clock_engine(read=True)
+        r.acking.apply_durable_acks()
+        counters, partials = r.accounting.capture()
         return ControllerState(
-            buffer=core.buffer.capture(),
-            sampler=core.sampler.capture(),
-            counters=core.counters.copy(),
-            # the next id a restore may issue: past every id that may have been handed out
-            next_group_id=max(core.next_group_id, core.ids_reserved_through + 1),
-            policy_version=core.policy_version,
-            weights_path=core.weights_path,
-            max_acked_step=core.max_acked_step,
-            finalized_through=core.finalized_through,
-            lost_acks=tuple(core.lost_acks),
-            lost_leases=tuple(
-                LostLease(lease_id, tuple(lost), tuple(lost.values()))
-                for lease_id, lost in core.lost_leased.items()
-            ),
-            partials=self.generation.partials(),
-            gate=core.gate.state(),
-            concurrency=self.generation.limit.state(),
+            buffer=r.buffer.capture(),
+            ledger=r.ledger.capture(),
+            sampler=r.sampler.capture(),
+            counters=counters,
+            next_group_id=r.ids.capture(),
+            policy=r.policy.capture(),
+            partials=partials + r.flight.episode_partials(),
+            concurrency=r.admitter.capture(),
         )
 
     def capture_failed(self, state: ControllerState) -> None:
         """Hands back a capture whose snapshot failed, so the next capture includes it."""
-        self.core.buffer.restore_uncaptured(state.buffer)
+        self._rooms.buffer.restore_uncaptured(state.buffer)
+        self._rooms.ledger.restore_uncaptured(state.ledger)
 
     # --- in --------------------------------------------------------------------------------
 
@@ -201,7 +189,7 @@ class Recovery:
                     + ", ".join(ahead[:10])
                     + (" ..." if len(ahead) > 10 else "")
                 )
-        buffer = RolloutBuffer(self.core.buffer.sealer)
+        buffer = RolloutBuffer(self._rooms.buffer.sealer)
         buffer.load(replace(state.buffer, groups=groups))
         return buffer
 
@@ -225,7 +213,7 @@ class Recovery:
             counts.events = await self._replay(recovered.journal)
             # after the replay, which may ack a group whose lease expired: groups the
             # snapshot held leased come back committed, and the stale ones must not be delivered
-            await self.generation.evict_stale()
+            await self._rooms.policy.evict_stale()
         with clock.phase(RestorePhase.REDISPATCH):
             started = time.perf_counter()
             # a journal replay can end a group's generation and start only the episode groups
@@ -236,78 +224,50 @@ class Recovery:
         return counts
 
     async def _load(self, state: ControllerState, prepared: RolloutBuffer) -> None:
-        core = self.core
-        if core.buffer.groups:
-            raise InvariantError("restore into a non-empty buffer")
-        async with core.barrier.mutation(MutationKind.RESTORE):
-            core.sampler.restore(state.sampler)
-            core.buffer = prepared
-            core.counters = state.counters.copy()
-            core.next_group_id = state.next_group_id
-            core.max_acked_step = state.max_acked_step
-            core.finalized_through = state.finalized_through
-            core.lost_acks = list(state.lost_acks)
-            core.lost_leased = {
-                lost.lease_id: dict(zip(lost.group_ids, lost.admissions, strict=True))
-                for lost in state.lost_leases
-            }
-            for lease in core.buffer.expired_leases(core.clock()):
-                self.delivery.requeue(lease.lease_id)
-            # plain partial siblings wait in the staging until their group resumes or leaves
-            core.staging = {
-                (p.group_id, p.index): list(p.deltas) for p in state.partials if _plain(p)
-            }
+        r = self._rooms
+        async with r.barrier.mutation(MutationKind.RESTORE):
+            r.sampler.restore(state.sampler)
+            r.buffer.take_over(prepared)
+            r.ids.restore(state.next_group_id)
+            r.ledger.load(state.ledger)
+            r.leasing.requeue_expired()
+            r.accounting.load(
+                state.counters, (p for p in state.partials if _plain(p)), r.buffer.groups
+            )
             self._partials = {(p.group_id, p.index): p for p in state.partials if not _plain(p)}
-            self._account_from_here()
-        if state.weights_path and state.policy_version > core.engine.policy_version:
-            await core.engine.update_weights(state.weights_path, state.policy_version)
-        core.policy_version, core.weights_path = state.policy_version, state.weights_path
-        core.gate.restore(state.gate, core.policy_version)
-        self.generation.limit.restore(state.concurrency)
-
-    def _account_from_here(self) -> None:
-        """A snapshot written before tokens were accounted for (domain/fate.py) holds tokens it
-        never counted as generated: the account starts at this restore, with them buffered (or
-        delivered, for acked groups). A snapshot that counted nothing holds none."""
-        core = self.core
-        counters = core.counters
-        if counters.generated_tokens:
-            return
-        buffered, acked = core.held_tokens()
-        counters.delivered_tokens += acked
-        counters.generated_tokens = sum(counters.settled().values()) + buffered
+        await r.policy.restore(state.policy)
+        r.admitter.restore(state.concurrency)
 
     async def _replay(self, journal: Callable[[], Sequence[Journaled]]) -> int:
         """Applies what was journaled after the restored snapshot (see the module docstring);
         returns how many records."""
-        core = self.core
+        r = self._rooms
         events = await asyncio.to_thread(journal)
-        now = core.clock()
-        async with core.barrier.mutation(MutationKind.RESTORE):
+        now = r.clock()
+        async with r.barrier.mutation(MutationKind.RESTORE):
             for event in events:
                 if isinstance(event, IdReservation):
-                    core.next_group_id = max(core.next_group_id, event.through + 1)
+                    r.ids.seen_reservation(event.through)
                 elif isinstance(event, JournaledSubmission):
-                    core.sampler.submit(event.prompts, bounded=False)
+                    r.intake.replay(event)
                 elif isinstance(event, JournaledDrop):
-                    self._bump_ids([event.group_id])
-                    self._replay_drop(event)
+                    r.ids.seen([event.group_id])
+                    r.drops.replay(event)
                 elif isinstance(event, JournaledAdmission):
-                    self._bump_ids([event.meta.group_id])
-                    self._replay_admission(event.meta)
+                    r.ids.seen([event.meta.group_id])
+                    self._rebuild(event.meta)
                 elif isinstance(event, JournaledEpisode):
                     key = (event.group_id, event.index)
                     self._episodes.setdefault(key, []).append(event.record)
                 elif isinstance(event, JournaledRewind):
-                    self.delivery.apply_rewind(event.trainer_step)
+                    r.acking.apply_rewind(event.trainer_step)
                 elif isinstance(event, JournaledLease):
-                    self._bump_ids(event.lease.group_ids)
+                    r.ids.seen(event.lease.group_ids)
                     if event.lease.expires_at > now:
-                        self._regrant(self._resolved(event))
+                        r.leasing.regrant(self._resolved(event))
                 else:
-                    self._bump_ids(event.record.group_ids)
-                    core.lost_leased.pop(event.record.lease_id, None)
-                    self.delivery.apply_ack(self._resolved(event))
+                    r.ids.seen(event.record.group_ids)
+                    r.acking.apply_ack(self._resolved(event))
         return len(events)
 
     def _resolved(self, event: Named) -> Named:
@@ -316,7 +276,7 @@ class Recovery:
         held need them, but a record does not say which those are."""
         if not event.refs:
             return event
-        sampler = self.core.sampler
+        sampler = self._rooms.sampler
         try:
             found = {gid: sampler.resolve(r.prompt_id, r.position) for gid, r in event.refs.items()}
         except KeyError as exc:
@@ -326,80 +286,28 @@ class Recovery:
             ) from None
         return replace(event, admissions={**event.admissions, **found}, refs={})
 
-    def _replay_drop(self, drop: JournaledDrop) -> None:
-        """A drop journaled after the snapshot: the group leaves the buffer when the snapshot
-        held it unfinished, else its position is never admitted (inside the RESTORE mutation)."""
-        core = self.core
-        group = core.buffer.groups.get(drop.group_id)
-        tokens = 0  # what the group generated after the snapshot was never counted here
-        if group is None:
-            core.sampler.skip(drop.admission)
-        else:
-            tokens = group.generated_tokens + core.release_partials(drop.group_id)
-            core.buffer.remove(drop.group_id, GroupState.DROPPED)
-        core.counters.dropped(drop.reason, tokens)
-        log.debug(
-            "group %d (prompt %s) dropped: %s (replayed from the journal)",
-            drop.group_id,
-            drop.admission.prompt.prompt_id,
-            drop.reason,
-        )
-
-    def _replay_admission(self, meta: GroupMeta) -> None:
+    def _rebuild(self, meta: GroupMeta) -> None:
         """An episode group admitted after the snapshot: built again under its id when the
         snapshot does not hold it, so that the episode records journaled for it are reused,
         and its prompt is never admitted again (inside the RESTORE mutation). What the journal
         holds after this (a drop, a lease, an ack) applies to it as to a group the snapshot
         held."""
-        core = self.core
-        if meta.group_id in core.buffer.groups:
+        r = self._rooms
+        if meta.group_id in r.buffer.groups:
             return
-        core.buffer.add(Group(meta))
-        core.sampler.taken(Admission(meta.prompt, meta.position))
-        core.counters.admitted_groups += 1
+        r.buffer.add(Group(meta))
+        r.sampler.taken(Admission(meta.prompt, meta.position))
+        r.accounting.admitted()
         self._rebuilt.append(meta.group_id)
-
-    def _bump_ids(self, group_ids: Iterable[int]) -> None:
-        core = self.core
-        mine = [local_id(g) for g in group_ids if g >> ID_BITS == core.config.replica]
-        if mine:
-            core.next_group_id = max(core.next_group_id, max(mine) + 1)
-
-    def _regrant(self, event: JournaledLease) -> None:
-        """A live lease from the journal, granted again (inside the RESTORE mutation)."""
-        core = self.core
-        buffer = core.buffer
-        lease = event.lease
-        if lease.lease_id in buffer.acks or lease.lease_id in buffer.finalized_leases:
-            return
-        if lease.lease_id in buffer.leases:
-            buffer.requeue(lease.lease_id)
-        held = tuple(
-            g
-            for g in lease.group_ids
-            if g in buffer.groups and buffer.groups[g].state is GroupState.COMMITTED
-        )
-        for gid in lease.group_ids:
-            g = buffer.groups.get(gid)
-            if g is not None and g.state in UNFINISHED:
-                # finished and leased after the snapshot: delivered (domain/fate.py)
-                core.counters.delivered_tokens += g.generated_tokens + core.release_partials(gid)
-                buffer.remove(gid, GroupState.LOST)
-        lost = {g: event.admissions[g] for g in lease.group_ids if g not in held}
-        for admission in lost.values():
-            core.sampler.skip(admission)
-        buffer.grant(replace(lease, group_ids=held))
-        if lost:
-            core.lost_leased[lease.lease_id] = lost
 
     async def _resume(
         self, unfinished: list[int], granularity: Granularity, counts: RecoveryCounts
     ) -> None:
         reused = rerun = tokens_reused = tokens_regenerated = 0
-        groups = self.core.buffer.groups
+        groups = self._rooms.buffer.groups
         for g in (groups[gid] for gid in unfinished if gid in groups):
             if g.state is GroupState.FINISHING:
-                self.generation.finish_later(g)
+                self._rooms.finisher.finish_later(g)
                 continue
             staged = len(g.samples)
             done = await self.resume_group(
@@ -427,17 +335,17 @@ class Recovery:
         ``from_tokens`` a missing sibling whose partial tokens the snapshot held continues from
         them; otherwise they are discarded and the sibling starts again. A group whose siblings
         are all staged (a snapshot taken before the finishing stage existed) is finished."""
-        core = self.core
+        r = self._rooms
         if rerun_all and group.samples:
-            async with core.barrier.mutation(MutationKind.RESTORE):
-                core.counters.regenerated_tokens += group.generated_tokens
-                core.buffer.drop_samples(group.group_id)
+            async with r.barrier.mutation(MutationKind.RESTORE):
+                r.accounting.regenerated(group.generated_tokens)
+                r.buffer.drop_samples(group.group_id)
         missing = group.missing
         gid = group.group_id
         plain = {
             i: PartialSibling(gid, i, deltas, len(deltas))
             for i in range(group.meta.group_size)
-            if (deltas := core.staging.pop((gid, i), None)) is not None
+            if (deltas := r.accounting.take((gid, i))) is not None
         }
         found = {i: self._partials.pop((gid, i), None) for i in range(group.meta.group_size)}
         held = {**{i: p for i, p in found.items() if p is not None}, **plain}
@@ -458,17 +366,15 @@ class Recovery:
             and (p.turn is None or not any(_is_turn(r, p.turn) for r in episodes.get(i, ())))
         }
         if not missing:
-            async with core.barrier.mutation(MutationKind.RESTORE):
-                core.buffer.finish(group.group_id)
-            self.generation.finish_later(group)
+            async with r.barrier.mutation(MutationKind.RESTORE):
+                r.buffer.finish(group.group_id)
+            r.finisher.finish_later(group)
         else:
-            self.generation.dispatch(group, missing, prefixes, episodes)
+            r.generation.dispatch(group, missing, prefixes, episodes)
         total = sum(len(p) for p in held.values())
         reused = sum(len(p) for p in prefixes.values())
         # only a plain sibling's partial tokens were counted as generated
-        core.counters.regenerated_tokens += sum(
-            len(p) for i, p in plain.items() if i not in prefixes
-        )
+        r.accounting.regenerated(sum(len(p) for i, p in plain.items() if i not in prefixes))
         return Resumption(missing, sorted(prefixes), reused, total - reused)
 
 

@@ -91,11 +91,11 @@ class Sampler:
         """``sources``: the dataset's sources, or the prompts of its only one."""
         given = list(sources)
         if given and all(isinstance(s, Source) for s in given):
-            self.sources: tuple[Source, ...] = tuple(given)  # type: ignore[arg-type]
+            self._sources: tuple[Source, ...] = tuple(given)  # type: ignore[arg-type]
         elif any(isinstance(s, Source) for s in given):
             raise TypeError("a sampler takes sources or prompts, not both")
         else:
-            self.sources = (Source(DATASET, sources),)  # type: ignore[arg-type]
+            self._sources = (Source(DATASET, sources),)  # type: ignore[arg-type]
         self._seed = seed
         self._shuffle = shuffle
         self._epochs = epochs
@@ -119,6 +119,11 @@ class Sampler:
         """Positions never to admit again: their groups were acked but lost in a crash."""
         self._skip_ids: set[str] = set()
         """Submitted prompt ids never to admit again, for the same reason."""
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """What the sampler draws from, in the configuration's order."""
+        return self._sources
 
     @property
     def cursor(self) -> Position:
@@ -164,6 +169,10 @@ class Sampler:
     def prompt_at(self, position: Position) -> Prompt:
         prompts = self.sources[position.source].prompts
         return prompts[self.order(position.epoch, position.source)[position.offset]]
+
+    def source_name(self, position: Position | None) -> str:
+        """The name of the source of a prompt at ``position`` (None: a submitted prompt)."""
+        return SUBMITTED if position is None else self.sources[position.source].name
 
     def has_next(self) -> bool:
         return self.pending > 0 or not self.exhausted

@@ -14,12 +14,12 @@ See :mod:`rolloutd.scoring.stage` for the forms a verifier may take (group verif
 built-ins, HTTP) and where each runs.
 """
 
-from rolloutd.domain.finishing import GroupScores, SampleScore, ScoreStatus
+from rolloutd.domain.fate import DropReason
+from rolloutd.domain.group import GroupScores, SampleScore, ScoreFailure, ScoreStatus
 from rolloutd.scoring.inputs import ScoringInput, scoring_inputs
 from rolloutd.scoring.pool import WorkerPool
-from rolloutd.scoring.results import ScoreFailure, failure_kind, group_scores, score_of
+from rolloutd.scoring.results import failure_kind, group_scores, score_of
 from rolloutd.scoring.stage import (
-    DropReason,
     FilterConfig,
     OnFailure,
     PoolScorer,

@@ -2,58 +2,33 @@
 
 A verifier returns a reward (any real number) or ``(reward, info)`` with ``info`` a small
 JSON-able dict. Anything else, a non-finite reward, or a failure to produce one gives a FAILED
-score whose ``info`` is ``"<kind>: <what happened>"``, the kind one of :class:`ScoreFailure`
-(:func:`failure_kind` reads it back, so failures can be counted by kind).
+score of a :class:`ScoreFailure` kind (``SampleScore.failure``, so failures are counted by
+kind), whose ``info`` says ``"<kind>: <what happened>"`` in words.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import numbers
 import statistics
 from collections.abc import Sequence
 
-from rolloutd.domain.finishing import GroupScores, SampleScore, ScoreStatus
+from rolloutd.domain.group import GroupScores, SampleScore, ScoreFailure, ScoreStatus
 
 INFO_LIMIT = 16_384
 """The most characters of JSON a verifier's ``info`` may take (it is kept with the group in
 every snapshot)."""
 
 
-class ScoreFailure(enum.Enum):
-    """Why a sample has no reward."""
-
-    RAISED = "raised"
-    """The verifier raised an exception."""
-    TIMEOUT = "timeout"
-    """It ran past ``scoring.timeout_s`` (a Python verifier's worker is then killed and
-    replaced; an HTTP verifier's request is retried)."""
-    WORKER_DIED = "worker_died"
-    """Its worker process exited (``os._exit``, a crash, the kernel's OOM killer)."""
-    NON_FINITE = "non_finite"
-    """It returned NaN or an infinity."""
-    BAD_RESULT = "bad_result"
-    """It returned something other than a number or ``(number, dict)``, an ``info`` that is not
-    JSON or is too large, or (HTTP) a response body that is not ``{"reward": number, ...}``."""
-    HTTP_STATUS = "http_status"
-    """The HTTP verifier answered with an error status (4xx at once, 5xx after the retries)."""
-    UNREACHABLE = "unreachable"
-    """The HTTP verifier could not be reached, or dropped the connection (after the
-    retries)."""
-
-
 def failed(kind: ScoreFailure, detail: str) -> SampleScore:
-    """A FAILED score whose reason names its kind."""
-    return SampleScore(None, ScoreStatus.FAILED, f"{kind.value}: {detail}")
+    """A FAILED score of ``kind``, whose reason names it."""
+    return SampleScore(None, ScoreStatus.FAILED, f"{kind.value}: {detail}", kind)
 
 
 def failure_kind(score: SampleScore) -> ScoreFailure | None:
-    """The kind of a failed score (None for an OK one)."""
-    if score.status is ScoreStatus.OK:
-        return None
-    return ScoreFailure(score.info.partition(":")[0])
+    """The kind of a failed score (None for an OK one, or a failure of no known kind)."""
+    return score.failure
 
 
 def score_of(value: object) -> SampleScore:

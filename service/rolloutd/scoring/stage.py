@@ -28,8 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from rolloutd.domain import fate
-from rolloutd.domain.episode_runner import episode_end
+from rolloutd.domain.fate import DropReason
 from rolloutd.domain.finishing import FinishingGroup, SampleScore, ScoreStatus, Verdict
 from rolloutd.domain.group import Sample
 from rolloutd.entrypoints import EntryPointError, load
@@ -50,15 +49,6 @@ class OnFailure(enum.Enum):
     """Dropped, with :attr:`DropReason.SCORING_FAILED`."""
     DELIVER = "deliver"
     """Delivered with its failed scores (no reward, the reason in their info)."""
-
-
-class DropReason(enum.Enum):
-    """Why the scoring stage dropped a group: the value is the verdict's ``drop_reason``."""
-
-    ZERO_VARIANCE = "zero_variance"
-    """Its rewards' standard deviation is at most ``filter.min_reward_std``: no GRPO signal."""
-    SCORING_FAILED = fate.SCORING_FAILED
-    """A sibling's score failed and ``scoring.on_failure`` is ``drop``."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +215,7 @@ class ScoringStage:
 
     async def finish(self, group: FinishingGroup) -> Verdict:
         scorer = self.by_source.get(group.source, self.scorer)
-        episodes = [episode_end(s) for s in group.samples]
+        episodes = [s.episode_end for s in group.samples]
         if scorer is None and not any(episodes):
             return Verdict()
         if scorer is None:
@@ -257,10 +247,10 @@ class ScoringStage:
             )
             if self.on_failure is OnFailure.DROP:
                 detail = f"{len(failures)} of {len(scores.samples)} scores failed"
-                return Verdict(DropReason.SCORING_FAILED.value, detail, scores)
+                return Verdict(DropReason.SCORING_FAILED, detail, scores)
         if self.filter.zero_variance and scores.std <= self.filter.min_reward_std:
             detail = f"reward std {scores.std:.4g} <= {self.filter.min_reward_std}"
-            return Verdict(DropReason.ZERO_VARIANCE.value, detail, scores)
+            return Verdict(DropReason.ZERO_VARIANCE, detail, scores)
         return Verdict(scores=scores)
 
     async def aclose(self) -> None:
@@ -272,7 +262,7 @@ class ScoringStage:
 def episode_score(sample: Sample) -> SampleScore | None:
     """An episode's score from its environment: its reward, FAILED when the environment failed
     (the reason in ``info``); None when it gave no reward (or the sample is no episode)."""
-    end = episode_end(sample)
+    end = sample.episode_end
     if end is not None and end.failed:
         return SampleScore(None, ScoreStatus.FAILED, f"episode ended: {end.value}")
     if sample.episode_reward is None:

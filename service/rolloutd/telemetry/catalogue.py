@@ -15,19 +15,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from rolloutd.domain.concurrency import InFlightReason
-from rolloutd.domain.encoder import UNDELIVERABLE
 from rolloutd.domain.episode import EpisodeEnd
-from rolloutd.domain.fate import (
-    ENGINE_ERROR,
-    LEASE_EXPIRIES,
-    MEANINGS,
-    REFUSED,
-    STAGE_FAILED,
-    STATES,
-    EngineState,
-    TokenFate,
-)
-from rolloutd.domain.group import BUFFERED, SampleScore
+from rolloutd.domain.fate import MEANINGS, STATES, DropReason, EngineState, TokenFate
+from rolloutd.domain.group import BUFFERED, SampleScore, ScoreFailure
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
     CheckpointPhase,
@@ -42,7 +32,6 @@ from rolloutd.domain.report import (
     Trigger,
 )
 from rolloutd.domain.weights import WeightsKind, WeightsOutcome, WeightsPhase, WeightsSource
-from rolloutd.scoring import DropReason, ScoreFailure, failure_kind
 from rolloutd.telemetry.generation import OPERATION, GenAIAttr
 from rolloutd.v1 import rollout_pb2 as pb
 
@@ -435,34 +424,22 @@ ADMISSION_STALENESS_ROOM = Instrument(
 )  # fmt: skip
 
 OTHER = "other"
-DROP_REASONS: tuple[str, ...] = (
-    *_values(DropReason),
-    ENGINE_ERROR,
-    REFUSED,
-    STAGE_FAILED,
-    UNDELIVERABLE,
-    LEASE_EXPIRIES,
-    OTHER,
-)
-"""Drop reasons as a series label: the scoring stage's, the controller's (generation's and
-delivery's), and ``other`` for
-whatever a custom finishing stage names (a stage's reasons are free text; a series is not)."""
+DROP_REASONS: tuple[str, ...] = _values(DropReason, OTHER)
+"""Drop reasons as a series label: the domain's, and ``other`` for whatever a custom finishing
+stage names (a stage's reasons are free text; a series is not)."""
 FAILURE_KINDS: tuple[str, ...] = _values(ScoreFailure, OTHER)
 """Kinds of failed scores as a series label; ``other`` for a custom stage's failed scores."""
 
 
-def drop_reason(reason: str) -> str:
-    """The series label of a verdict's (or the controller's) drop reason."""
-    return reason if reason in DROP_REASONS else OTHER
+def drop_reason(reason: DropReason | str) -> str:
+    """The series label of a drop reason (a custom stage's own reason: ``other``)."""
+    known = DropReason.of(reason)
+    return known.value if isinstance(known, DropReason) else OTHER
 
 
 def failure_label(score: SampleScore) -> str:
-    """The series label of a failed score's kind (:func:`rolloutd.scoring.failure_kind`)."""
-    try:
-        kind = failure_kind(score)
-    except ValueError:  # a custom stage's failed score, whose reason names no ScoreFailure
-        return OTHER
-    return OTHER if kind is None else kind.value
+    """The series label of a failed score's kind (``other``: no known kind)."""
+    return OTHER if score.failure is None else score.failure.value
 
 
 SAMPLE_REWARD = Instrument(

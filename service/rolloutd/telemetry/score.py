@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from rolloutd.domain.fate import STAGE_FAILED
+from rolloutd.domain.fate import DropReason
 from rolloutd.domain.group import ScoreStatus
 from rolloutd.domain.observer import GroupFinished
 from rolloutd.telemetry.catalogue import GroupOutcome
@@ -76,6 +76,6 @@ def record_score(tracer: Tracer, parent: Span, event: GroupFinished) -> None:
         attributes=attributes,
         start_time=event.started_ns,
     )
-    if verdict.drop_reason == STAGE_FAILED:
-        span.set_status(Status(StatusCode.ERROR, verdict.detail or STAGE_FAILED))
+    if verdict.drop_reason is DropReason.STAGE_FAILED:
+        span.set_status(Status(StatusCode.ERROR, verdict.detail or DropReason.STAGE_FAILED))
     span.end(end_time=event.ended_ns)

@@ -30,6 +30,7 @@ from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import Trigger
 from rolloutd.domain.sampler import Sampler
 from rolloutd.engines.synthetic import SyntheticEngine
+from tests.controllers import fetch
 
 FINGERPRINT = {"model": "format2", "group_size": 2}
 GROUP_SIZE = 2
@@ -67,10 +68,10 @@ async def admit(ctl: Controller, n: int, position: bool = True) -> list[Group]:
     groups = []
     async with ctl.barrier.mutation(MutationKind.ADMIT):
         for _ in range(n):
-            admission = ctl.sampler.next()
+            admission = ctl.rooms.sampler.next()
             assert admission is not None
-            gid = ctl.next_group_id
-            ctl.next_group_id += 1
+            gid = ctl.rooms.ids.next_local
+            ctl.rooms.ids.next_local += 1
             meta = GroupMeta(
                 group_id=gid,
                 prompt=admission.prompt,
@@ -80,19 +81,19 @@ async def admit(ctl: Controller, n: int, position: bool = True) -> list[Group]:
                 admitted_at=1_700_000_000.0 + gid,
                 seed=gid * 31,
             )
-            ctl.buffer.add(Group(meta))
-            groups.append(ctl.buffer.groups[gid])
+            ctl.rooms.buffer.add(Group(meta))
+            groups.append(ctl.rooms.buffer.groups[gid])
     return groups
 
 
 async def stage(ctl: Controller, group: Group, indices: range, commit: bool) -> None:
     async with ctl.barrier.mutation(MutationKind.STAGE_SAMPLE):
         for i in indices:
-            ctl.buffer.stage(group.group_id, sample(i, 4 + 3 * group.group_id + i))
+            ctl.rooms.buffer.stage(group.group_id, sample(i, 4 + 3 * group.group_id + i))
     if commit:
         async with ctl.barrier.mutation(MutationKind.COMMIT_GROUP):
-            ctl.buffer.finish(group.group_id)
-            ctl.buffer.commit(group.group_id, 1_700_000_100.0 + group.group_id)
+            ctl.rooms.buffer.finish(group.group_id)
+            ctl.rooms.buffer.commit(group.group_id, 1_700_000_100.0 + group.group_id)
 
 
 async def main(out: Path) -> None:
@@ -107,7 +108,7 @@ async def main(out: Path) -> None:
         await stage(ctl, g, range(GROUP_SIZE), commit=True)
     await stage(ctl, groups[3], range(1), commit=False)  # one sibling staged, one missing
     assert (await checkpointer.checkpoint(Trigger.ON_DEMAND)).sequence == 1
-    lease, _ = await ctl.fetch(1, 0, "trainer")
+    lease, _ = await fetch(ctl, 1, 0, "trainer")
     await ctl.ack(lease.lease_id, 5)  # acked, not finalized: supersedes its first row
     more = await admit(ctl, 1) + await admit(ctl, 1, position=False)
     await stage(ctl, more[0], range(GROUP_SIZE), commit=True)
@@ -119,9 +120,9 @@ async def main(out: Path) -> None:
                 "meta": json.loads(sidecar.encode_group(g.meta)),
                 "rows": {str(i): list(s.token_ids) for i, s in sorted(g.samples.items())},
             }
-            for g in ctl.buffer.groups.values()
+            for g in ctl.rooms.buffer.groups.values()
         },
-        "cursor": [ctl.sampler.cursor.epoch, ctl.sampler.cursor.offset],
+        "cursor": [ctl.rooms.sampler.cursor.epoch, ctl.rooms.sampler.cursor.offset],
     }
     (out / "expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
     journal = out / "store" / "journal"

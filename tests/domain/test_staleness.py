@@ -2,11 +2,12 @@
 
 import pytest
 
-from rolloutd.domain.admission import GateState, StalenessGate
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.fate import TokenFate
 from rolloutd.domain.group import Prompt
 from rolloutd.domain.sampler import Sampler
+from rolloutd.domain.staleness import GateState, StalenessGate
+from tests.controllers import fetch
 from tests.fakes import GatedEngine, settle
 
 
@@ -118,7 +119,7 @@ async def test_admission_stops_at_what_the_trainer_can_consume_in_time():
     c.start()
 
     async def step(version: int) -> None:
-        lease, groups = await c.fetch(2, 1000, "t")
+        lease, groups = await fetch(c, 2, 1000, "t")
         assert all(version - 1 - g.policy_version <= 1 for g in groups)  # within max_staleness
         await c.ack(lease.lease_id, version)
         await c.update_weights(version, "/w")
@@ -127,20 +128,20 @@ async def test_admission_stops_at_what_the_trainer_can_consume_in_time():
         # before any version change the pace is taken to be max_in_flight: 4 x 2 versions
         await settle(lambda: c.status().buffer.committed == 8)
         # nothing generating, so nothing more is admitted until a fetch or a version change
-        assert not c.generation.can_admit()
-        assert c.counters.admitted_groups == 8
+        assert not c.rooms.admitter.can_admit()
+        assert c.rooms.accounting.counters.admitted_groups == 8
         # the trainer takes 2 a version: what it cannot take of the first 8 in time is evicted,
         # once (8 - 2 x 2); from then on the window is 2 x (max_staleness + 1) = 4 groups
         await step(1)
         assert c.admission_status().consumed_per_version == 2
         await step(2)
-        assert c.counters.evicted_groups == 4
+        assert c.rooms.accounting.counters.evicted_groups == 4
         for version in range(3, 8):
             await settle(lambda: c.status().buffer.committed == 4)
-            assert not c.generation.can_admit()
+            assert not c.rooms.admitter.can_admit()
             assert c.admission_status().staleness_room == 0
             await step(version)
-        assert c.counters.evicted_groups == 4
+        assert c.rooms.accounting.counters.evicted_groups == 4
     finally:
         await c.stop()
 
@@ -153,8 +154,10 @@ async def test_without_gating_admission_fills_the_buffer_and_eviction_throws_it_
         await settle(lambda: c.status().buffer.committed == 20)
         await c.update_weights(1, "/w")
         await c.update_weights(2, "/w")
-        assert c.counters.evicted_groups == 20
-        assert c.counters.evicted_tokens == 20 * 2 * 5  # groups x siblings x tokens
+        assert c.rooms.accounting.counters.evicted_groups == 20
+        assert (
+            c.rooms.accounting.counters.evicted_tokens == 20 * 2 * 5
+        )  # groups x siblings x tokens
     finally:
         await c.stop()
 
@@ -165,11 +168,11 @@ async def test_evicting_a_generating_group_counts_the_tokens_its_siblings_stream
     c.start()
     try:
         await settle(lambda: len(engine.requests) == 2)
-        group = c.buffer.groups[engine.requests[0].group_id]
+        group = c.rooms.buffer.groups[engine.requests[0].group_id]
         engine.release(1)  # one sibling staged whole (10), the other streamed 4 so far
         await settle(lambda: len(group.samples) == 1)
         await c.update_weights(1, "/w")
-        assert c.counters.evicted_groups == 1
+        assert c.rooms.accounting.counters.evicted_groups == 1
         # the evicted fate of the token account, which still adds up with the gate on
         account = c.token_account()
         assert account.fates[TokenFate.EVICTED] == 10 + 4
