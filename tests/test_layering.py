@@ -28,16 +28,7 @@ ALLOWED: dict[str, set[str]] = {
         "psutil",
         "numpy",
     },
-    # scoring: its drop reasons and failure kinds are series labels
-    "telemetry": {
-        "domain",
-        "rolloutd",
-        "opentelemetry",
-        "prometheus_client",
-        "grpc",
-        "v1",
-        "scoring",
-    },
+    "telemetry": {"domain", "rolloutd", "opentelemetry", "prometheus_client", "grpc", "v1"},
     # verifiers behind the finishing stage port: worker processes, HTTP reward models
     "scoring": {"domain", "entrypoints", "httpx"},
     # environments behind the episode runner's port: user classes, environments served over HTTP
@@ -161,6 +152,49 @@ def test_every_import_is_an_allowed_edge():
     assert not offenders, offenders
 
 
+REFUSED: dict[str, set[str]] = {
+    # the kind of a score's failure and an episode's end are typed fields of the domain
+    "scoring": {"rolloutd.domain.episode_runner"},
+    # drop reasons and failure kinds are the domain's; scoring loads worker pools
+    "telemetry": {"rolloutd.scoring"},
+}
+"""Edges a row's wider rule would allow that must not come back: unit -> modules (and what is
+under them) it may not import."""
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The dotted names of the rolloutd modules ``path`` imports (``from a import b`` as ``a.b``
+    too, since ``b`` may be a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {name for name in found if name.split(".")[0] == "rolloutd"}
+
+
+def test_no_refused_edge_comes_back():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        refused = REFUSED.get(unit_of(path), set())
+        bad = {
+            m for m in imported_modules(path) for r in refused if m == r or m.startswith(r + ".")
+        }
+        if bad:
+            offenders[str(path.relative_to(PACKAGE))] = sorted(bad)
+    assert not offenders, offenders
+
+
+def test_the_refusals_catch_an_import(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text(
+        "from rolloutd.domain import episode_runner\nfrom rolloutd.scoring.stage import S\n"
+    )
+    assert {"rolloutd.domain.episode_runner", "rolloutd.scoring.stage"} <= imported_modules(f)
+
+
 def test_the_domain_imports_the_standard_library_only():
     assert ALLOWED["domain"] == set()
 
@@ -184,15 +218,45 @@ def test_the_table_allows_no_edge_that_nothing_takes():
 
 
 ROOMS: dict[str, set[str]] = {
-    "core": set(),
-    "generation": {"core"},
-    "delivery": {"core"},
-    "recovery": {"core", "generation", "delivery"},
-    "controller": {"core", "generation", "delivery", "recovery"},
+    # each owns its state and its part of a snapshot (docs/design.md, "The controller")
+    "ids": set(),
+    "accounting": set(),
+    "ledger": set(),
+    "intake": set(),
+    "flight": {"ids"},
+    "policy": {"accounting", "flight"},
+    "drops": {"accounting", "flight"},
+    "finisher": {"accounting", "drops", "flight"},
+    "generation": {"accounting", "drops", "finisher", "flight", "ids"},
+    "admission": {"accounting", "flight", "generation", "ids", "policy"},
+    "leasing": {"accounting", "drops", "ledger", "policy"},
+    "acking": {"accounting", "leasing", "ledger", "policy"},
+    # the composition of the rooms, recovery (which asks each for its part) and the façade
+    "rooms": {
+        "accounting",
+        "acking",
+        "admission",
+        "drops",
+        "finisher",
+        "flight",
+        "generation",
+        "ids",
+        "intake",
+        "leasing",
+        "ledger",
+        "policy",
+    },
+    # everything a snapshot keeps: one part a room
+    "snapshot": {"accounting", "ledger", "policy"},
+    "recovery": {"ledger", "rooms", "snapshot"},
+    "controller": {"accounting", "acking", "ids", "ledger", "recovery", "rooms", "snapshot"},
 }
-"""The controller's rooms (domain modules, docs/design.md "The controller") -> the rooms each
-may import. Every other domain module (groups, the buffer, ports, reports) is below the rooms:
-any room may import it, and it imports no room."""
+"""The controller's rooms (domain modules) -> the rooms each may import. What is shared (the
+buffer, the sampler, the barrier, the wake-ups, liveness) and every other domain module (groups, ports,
+reports) is below the rooms: any room may import it, and it imports no room."""
+
+SHARED = {"buffer", "sampler", "barrier", "wakeups", "liveness"}
+"""What the rooms share, small and named for what it is."""
 
 
 def _domain_imports(path: Path) -> set[str]:
@@ -214,4 +278,82 @@ def test_the_controllers_rooms_import_only_what_their_row_lists():
         if rooms - allowed:
             offenders[path.stem] = sorted(rooms - allowed)
     assert not offenders, offenders
-    assert all((PACKAGE / "domain" / f"{room}.py").exists() for room in ROOMS)
+    assert all((PACKAGE / "domain" / f"{room}.py").exists() for room in ROOMS.keys() | SHARED)
+
+
+def state_offences(source: str) -> list[str]:
+    """Where a module's classes reach another object's state: an instance attribute set under
+    a public name (state is ``self._x``, read through a property or a method), or a private
+    member of anything but ``self`` or ``cls`` (a private method the module itself defines is
+    the module's: the barrier's mutation calls its barrier's)."""
+    found = []
+    tree = ast.parse(source)
+    friends = {
+        n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if private and not mine and node.attr not in friends:
+                found.append(f"line {node.lineno}: {ast.unparse(node)} (another's private member)")
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for target in targets:
+            if not isinstance(target, ast.Attribute):
+                continue
+            mine = isinstance(target.value, ast.Name) and target.value.id == "self"
+            if mine and not target.attr.startswith("_"):
+                found.append(f"line {node.lineno}: {ast.unparse(target)} (public state)")
+    return found
+
+
+def room_assignments_to_others(source: str, rooms: set[str]) -> list[str]:
+    """Attributes assigned on an object a room holds as another room or a shared part
+    (``self._ledger.x = ...``): a room changes another only through its methods."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for target in targets:
+            held = target.value if isinstance(target, ast.Attribute | ast.Subscript) else None
+            while isinstance(held, ast.Attribute | ast.Subscript):
+                if isinstance(held, ast.Attribute) and held.attr.lstrip("_") in rooms:
+                    found.append(f"line {node.lineno}: {ast.unparse(target)}")
+                    break
+                held = held.value
+    return found
+
+
+def test_each_room_keeps_its_state_to_itself():
+    offenders = {}
+    for room in sorted(ROOMS.keys() | SHARED):
+        source = (PACKAGE / "domain" / f"{room}.py").read_text()
+        found = state_offences(source) + room_assignments_to_others(source, ROOMS.keys() | SHARED)
+        if found:
+            offenders[room] = found
+    assert not offenders, offenders
+
+
+def test_the_room_rules_catch_reaching_in():
+    source = (
+        "class A:\n"
+        "    def __init__(self, ledger):\n"
+        "        self._ledger = ledger\n"
+        "        self.count = 0\n"
+        "    def go(self, buffer):\n"
+        "        self._ledger.acks[1] = 2\n"
+        "        self._ledger.steps += 1\n"
+        "        return buffer._groups\n"
+    )
+    assert [o.split(":")[0] for o in state_offences(source)] == ["line 4", "line 8"]
+    assert room_assignments_to_others(source, {"ledger"}) == [
+        "line 6: self._ledger.acks[1]",
+        "line 7: self._ledger.steps",
+    ]
