@@ -225,7 +225,7 @@ async def sample(served_: Served, engine: SharedEngine, into: Sampled, poll_s: f
         into.usage.append(engine.counters().kv_cache_usage)
         a = controller.admission_status()
         into.limit.append((time.monotonic() - started, a.in_flight_limit, a.in_flight_reason.value))
-        into.in_flight.append(len(controller.generation.siblings))
+        into.in_flight.append(controller.rooms.flight.groups)
         await asyncio.sleep(poll_s)
 
 
@@ -268,15 +268,15 @@ async def warm_up_run(s: Served, plan: Plan, adaptive: bool) -> float:
     controller's next decision comes only after they left). Returns how long it took. Measured
     in groups, not seconds, so that a loaded machine warms up as far as an idle one."""
     started = time.monotonic()
-    generation = s.service.controller.generation
+    rooms = s.service.controller.rooms
     turnovers = plan.warm_up_turnovers + (1 if adaptive else 0)
     deadline = started + plan.max_window_s
     value, since, span = -1, 0, 1
     while time.monotonic() < deadline:
-        if generation.limit.value != value:
-            value, since = generation.limit.value, generation.departed
-            span = max(value, len(generation.siblings))
-        elif generation.departed - since >= turnovers * span:
+        if rooms.admitter.limit.value != value:
+            value, since = rooms.admitter.limit.value, rooms.flight.departed
+            span = max(value, rooms.flight.groups)
+        elif rooms.flight.departed - since >= turnovers * span:
             break
         await asyncio.sleep(0.02)
     return time.monotonic() - started
@@ -293,7 +293,7 @@ async def run_concurrency(
     preempted0 = engine.counters().preemptions
     sampled = Sampled()
     async with served(cfg, engine) as s:
-        counters = s.service.controller.counters
+        counters = s.service.controller.rooms.accounting.counters
         tasks = [
             asyncio.create_task(greedy_trainer(s.stub)),
             asyncio.create_task(sample(s, engine, sampled, plan.poll_s)),
@@ -385,7 +385,7 @@ async def run_staleness(
 
         def settled() -> bool:
             """Admission stopped and nothing is left to deliver."""
-            b = controller.buffer.counts()
+            b = controller.rooms.buffer.counts()
             return not (b.generating or b.finishing or b.committed)
 
         step = 0
@@ -414,9 +414,9 @@ async def run_staleness(
                 pb.UpdateWeightsRequest(version=version, weights_path=str(weights))
             )
             step += 1
-        evicted_groups = controller.counters.evicted_groups
+        evicted_groups = controller.rooms.accounting.counters.evicted_groups
         fates = controller.token_account().fates
-        in_flight = controller.inflight_samples
+        in_flight = controller.rooms.flight.samples
     if fates[TokenFate.DELIVERED] != delivered_tokens:
         common.fail(
             f"the delivered fate holds {fates[TokenFate.DELIVERED]} tokens, the trainer "

@@ -53,8 +53,10 @@ from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.buffer import ACKED_LEASES_REMEMBERED, AckRecord
+from rolloutd.domain.journal import AckRecord
+from rolloutd.domain.ledger import ACKED_LEASES_REMEMBERED
 from rolloutd.domain.controller import Controller, ControllerConfig
+from rolloutd.domain.encoder import AS_IS
 from rolloutd.domain.group import Group, GroupMeta, Prompt, Sample
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
@@ -225,16 +227,15 @@ class Node:
         """Admit, stage and commit groups holding ``samples`` through the buffer's API, each step
         inside a barrier mutation of its kind, as the controller's own loops do."""
         ctl, gs = self.controller, self.plan.group_size
-        core = ctl.core
+        rooms = ctl.rooms
         for lo in range(0, len(samples), batch_groups * gs):
             chunk = samples[lo : lo + batch_groups * gs]
             groups: list[Group] = []
             async with ctl.barrier.mutation(MutationKind.ADMIT):
                 for _ in range(len(chunk) // gs):
-                    admission = ctl.sampler.next()
+                    admission = rooms.sampler.next()
                     assert admission is not None
-                    gid = core.next_group_id
-                    core.next_group_id += 1
+                    gid = rooms.ids.issue()
                     group = Group(
                         GroupMeta(
                             group_id=gid,
@@ -242,30 +243,31 @@ class Node:
                             position=admission.position,
                             group_size=gs,
                             policy_version=ctl.policy_version,
-                            admitted_at=core.clock(),
+                            admitted_at=rooms.clock(),
                             seed=gid * 104_729 % (2**31 - 1),
                         )
                     )
-                    ctl.buffer.add(group)
-                    ctl.counters.admitted_groups += 1
+                    rooms.buffer.add(group)
+                    rooms.accounting.admitted()
                     groups.append(group)
             async with ctl.barrier.mutation(MutationKind.STAGE_SAMPLE):
                 for i, sample in enumerate(chunk):
-                    ctl.buffer.stage(groups[i // gs].group_id, sample)
+                    rooms.buffer.stage(groups[i // gs].group_id, sample)
             async with ctl.barrier.mutation(MutationKind.COMMIT_GROUP):
-                now = core.clock()
+                now = rooms.clock()
                 for group in groups:
-                    ctl.buffer.finish(group.group_id)
-                    ctl.buffer.commit(group.group_id, now)
-                    ctl.counters.committed_groups += 1
-                    ctl.counters.committed_tokens += group.generated_tokens
+                    rooms.buffer.finish(group.group_id)
+                    rooms.buffer.commit(group.group_id, now)
+                    rooms.accounting.committed(
+                        rooms.sampler.source_name(group.meta.position), group.generated_tokens
+                    )
 
     async def consume(self, groups: int) -> None:
         """A trainer step: lease the oldest ``groups`` ready groups, ack them (journaled), and
         finalize through this step, which removes their rows from the buffer."""
         ctl = self.controller
         self.step += 1
-        got = await ctl.fetch(groups, 0, "bench")
+        got = await ctl.fetch_encoded(groups, 0, "bench", AS_IS)
         assert got is not None and len(got[1]) == groups
         await ctl.ack(got[0].lease_id, self.step)
         await ctl.finalize(self.step)
@@ -291,7 +293,7 @@ class Node:
 
     @property
     def rows(self) -> int:
-        return sum(len(g.samples) for g in self.controller.buffer.groups.values())
+        return sum(len(g.samples) for g in self.controller.rooms.buffer.groups.values())
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -491,7 +493,7 @@ def naive_checkpoint(node: Node, path: Path) -> tuple[float, float, int]:
     tmp = path.with_suffix(".partial")
     started = time.perf_counter()
     with open(tmp, "wb") as f:
-        pickle.dump(node.controller.buffer, f, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(node.controller.rooms.buffer, f, protocol=pickle.HIGHEST_PROTOCOL)
         f.flush()
         written = time.perf_counter()
         os.fsync(f.fileno())
@@ -735,12 +737,13 @@ async def aged_ledger(node: Node, plan: Plan, factory: SampleFactory) -> dict[st
     mutation, as ack records without groups; every checkpoint after that is measured as usual.
     """
     ctl = node.controller
+    ledger = ctl.rooms.ledger
     async with ctl.barrier.mutation(MutationKind.FINALIZE):
         node.step += 1
         for i in range(ACKED_LEASES_REMEMBERED):
             lease_id = f"aged-{i:08x}"
-            ctl.buffer.acks[lease_id] = AckRecord(lease_id, (), node.step, ctl.core.clock())
-        ctl.buffer.finalize(node.step)
+            ledger.record_ack(AckRecord(lease_id, (), node.step, ctl.rooms.clock()))
+        ledger.finalize(node.step)
     await node.checkpoint()  # takes the 65,536 newly finalized leases
     series = Series()
     for _ in range(max(plan.hold_checkpoints // 4, 5)):
@@ -748,10 +751,10 @@ async def aged_ledger(node: Node, plan: Plan, factory: SampleFactory) -> dict[st
         series.add(await node.checkpoint(), node)
     figures = series.figures()
     common.progress(
-        f"aged ledger ({len(ctl.buffer.finalized_leases):,} finalized leases): hold p50 "
+        f"aged ledger ({len(ledger.finalized_leases):,} finalized leases): hold p50 "
         f"{figures['hold_ms']['p50']:.3f} ms, p99 {figures['hold_ms']['p99']:.3f} ms"
     )
-    return {"finalized_leases": len(ctl.buffer.finalized_leases), **figures}
+    return {"finalized_leases": len(ledger.finalized_leases), **figures}
 
 
 async def run(plan: Plan, quick: bool) -> dict[str, Any]:

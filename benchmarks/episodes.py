@@ -72,7 +72,7 @@ import yaml
 from rolloutd.checkpoint.store import SnapshotStore
 from rolloutd.client import Lease, RolloutClient
 from rolloutd.domain.episode_log import RecordKind
-from rolloutd.domain.state import JournaledAck, JournaledEpisode
+from rolloutd.domain.journal import JournaledAck, JournaledEpisode
 from rolloutd.engines.tiny_model import ensure_tiny_model
 from rolloutd.v1 import rollout_pb2 as pb
 

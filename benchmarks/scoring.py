@@ -519,7 +519,7 @@ async def run_variant(
     if (service.scoring is not None) != (variant == "on"):
         common.fail(f"variant {variant}: the scoring stage is {service.scoring!r}")
     addresses = await service.start()
-    counters = service.controller.counters
+    counters = service.controller.rooms.accounting.counters
 
     def read(at: float) -> Tick:
         c = counters

@@ -491,7 +491,7 @@ async def run_service(bench: Bench, variant: Variant, plan: Plan, workdir: Path)
     telemetry = telemetry_for(variant, load, sink)
     service = RolloutService(config, engine=bench.shared, telemetry=telemetry)
     addresses = await service.start()
-    counters = service.controller.counters
+    counters = service.controller.rooms.accounting.counters
 
     def read(at: float) -> Tick:
         c = counters
