@@ -62,25 +62,7 @@ ALLOWED: dict[str, set[str]] = {
         "weights",
     },
     # leaves used by the composition root
-    "config": {
-        "pydantic",
-        "yaml",
-        "domain",
-        "checkpoint",
-        "engines",
-        "entrypoints",
-        "scoring",
-        "config_episodes",
-        "config_dataset",
-        "config_endpoints",
-        "config_section",
-    },
-    # the configuration's episodes, dataset and endpoints (grpc, http, auth) sections
-    "config_episodes": {"pydantic", "domain", "config_section"},
-    "config_dataset": {"pydantic", "domain", "config_episodes", "config_section"},
-    "config_endpoints": {"pydantic", "config_section"},
-    # what every section is
-    "config_section": {"pydantic"},
+    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints", "scoring"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},

@@ -6,8 +6,8 @@ which this module composes (:meth:`Config.controller`, :meth:`Config.checkpointe
 :meth:`Config.engine_factory`) instead of restating it. This
 model is the single source of truth for configuration keys (``docs/configuration.md`` is
 generated from it). Errors name the offending key. Sections of their own live beside it:
-``dataset`` (:mod:`rolloutd.config_dataset`), ``episodes`` (:mod:`rolloutd.config_episodes`) and
-the served ports, ``grpc``, ``http`` and ``auth`` (:mod:`rolloutd.config_endpoints`).
+``dataset`` (:mod:`rolloutd.config.dataset`), ``episodes`` (:mod:`rolloutd.config.episodes`) and
+the served ports, ``grpc``, ``http`` and ``auth`` (:mod:`rolloutd.config.endpoints`).
 Environment variables nest with a double underscore: ``ROLLOUTD_LIMITS__MAX_IN_FLIGHT=32`` sets
 ``limits.max_in_flight``; values are parsed as YAML scalars.
 
@@ -36,10 +36,10 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rolloutd.checkpoint.checkpointer import CheckpointerConfig
-from rolloutd.config_dataset import DatasetConfig
-from rolloutd.config_endpoints import AuthConfig, GrpcConfig, HttpConfig, unauthenticated_binds
-from rolloutd.config_episodes import EpisodesSettings
-from rolloutd.config_section import Section
+from rolloutd.config.dataset import DatasetConfig
+from rolloutd.config.endpoints import AuthConfig, GrpcConfig, HttpConfig, unauthenticated_binds
+from rolloutd.config.episodes import EpisodesSettings
+from rolloutd.config.section import Section
 from rolloutd.domain.concurrency import ConcurrencyConfig
 from rolloutd.domain.controller import ControllerConfig
 from rolloutd.domain.engine import SamplingParams
@@ -406,7 +406,7 @@ class Config(Section):
 
     def unauthenticated_binds(self) -> list[str]:
         """The host keys of ports bound beyond this machine that nothing authenticates
-        (:func:`rolloutd.config_endpoints.unauthenticated_binds`)."""
+        (:func:`rolloutd.config.endpoints.unauthenticated_binds`)."""
         return unauthenticated_binds(self.grpc, self.http, self.auth)
 
     def controller(self) -> ControllerConfig:
