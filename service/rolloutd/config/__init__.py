@@ -1,26 +1,21 @@
 """Configuration: one YAML file, overridden by ``ROLLOUTD_*`` environment variables, then flags.
 
-What the rest of rolloutd imports; the modules beside it each hold one part: the model
-(:mod:`~rolloutd.config.model`), the sections of its own (:mod:`~rolloutd.config.dataset`,
-:mod:`~rolloutd.config.episodes`, :mod:`~rolloutd.config.endpoints`) and what every section is
-(:mod:`~rolloutd.config.section`).
+What the rest of rolloutd imports (``from rolloutd.config import Config, load_config``); each
+module beside it has one job:
+
+- :mod:`~rolloutd.config.loader` reads the file, the environment and the flags into a ``Config``;
+- :mod:`~rolloutd.config.model` is ``Config``, the root: every section, the checks across them,
+  and the component configs composed from their keys;
+- :mod:`~rolloutd.config.components` holds the sections of one component each (engine, limits,
+  checkpoint, weights, recovery, scoring, filter, pipeline, fleet);
+- :mod:`~rolloutd.config.dataset`, :mod:`~rolloutd.config.episodes` and
+  :mod:`~rolloutd.config.endpoints` (``grpc``, ``http``, ``auth``) hold the other sections;
+- :mod:`~rolloutd.config.section` is what every section is, and how a key takes its default and
+  meaning from a component's own config.
 """
 
-from rolloutd.config.dataset import DatasetConfig, GenerationSettings, SourceSettings
-from rolloutd.config.endpoints import (
-    AuthConfig,
-    GrpcConfig,
-    HttpConfig,
-    is_loopback,
-    unauthenticated_binds,
-)
-from rolloutd.config.episodes import ENVIRONMENT_PATTERN, EpisodesSettings
-from rolloutd.config.model import (
-    ENV_PREFIX,
-    SERVICE_LINK,
+from rolloutd.config.components import (
     CheckpointConfig,
-    Config,
-    ConfigError,
     EngineConfig,
     FilterSettings,
     FleetConfig,
@@ -31,11 +26,19 @@ from rolloutd.config.model import (
     SyntheticSettings,
     VLLMSettings,
     WeightsConfig,
-    env_overrides,
-    load_config,
-    owned,
 )
-from rolloutd.config.section import Section
+from rolloutd.config.dataset import DatasetConfig, GenerationSettings, SourceSettings
+from rolloutd.config.endpoints import (
+    AuthConfig,
+    GrpcConfig,
+    HttpConfig,
+    is_loopback,
+    unauthenticated_binds,
+)
+from rolloutd.config.episodes import ENVIRONMENT_PATTERN, EpisodesSettings
+from rolloutd.config.loader import ENV_PREFIX, SERVICE_LINK, ConfigError, env_overrides, load_config
+from rolloutd.config.model import Config
+from rolloutd.config.section import Section, owned
 
 __all__ = [
     "ENVIRONMENT_PATTERN",
