@@ -53,11 +53,11 @@ from rolloutd.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from rolloutd.checkpoint.restore import Granularity, restore
 from rolloutd.checkpoint.segments import ArrowSealer
 from rolloutd.checkpoint.store import SnapshotStore
-from rolloutd.domain.journal import AckRecord
-from rolloutd.domain.ledger import ACKED_LEASES_REMEMBERED
 from rolloutd.domain.controller import Controller, ControllerConfig
 from rolloutd.domain.encoder import AS_IS
 from rolloutd.domain.group import Group, GroupMeta, Prompt, Sample
+from rolloutd.domain.journal import AckRecord
+from rolloutd.domain.ledger import ACKED_LEASES_REMEMBERED
 from rolloutd.domain.mutation import MutationKind
 from rolloutd.domain.report import (
     CheckpointPhase,

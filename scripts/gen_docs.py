@@ -238,7 +238,7 @@ def _section(model: type[BaseModel], path: tuple[str, ...]) -> list[str]:
 
 def render_configuration() -> str:
     lines = [
-        HEADER.format(source="service/rolloutd/config.py"),
+        HEADER.format(source="service/rolloutd/config/"),
         "",
         "# Configuration",
         "",

@@ -8,6 +8,7 @@ more must leave it.
 """
 
 import ast
+import graphlib
 import sys
 from pathlib import Path
 
@@ -51,31 +52,16 @@ ALLOWED: dict[str, set[str]] = {
         "prometheus_client",
         "telemetry",
         "weights",
+        "push_codec",
     },
     # leaves used by the composition root
-    "config": {
-        "pydantic",
-        "yaml",
-        "domain",
-        "checkpoint",
-        "engines",
-        "entrypoints",
-        "scoring",
-        "config_episodes",
-        "config_dataset",
-        "config_endpoints",
-        "config_section",
-    },
-    # the configuration's episodes, dataset and endpoints (grpc, http, auth) sections
-    "config_episodes": {"pydantic", "domain", "config_section"},
-    "config_dataset": {"pydantic", "domain", "config_episodes", "config_section"},
-    "config_endpoints": {"pydantic", "config_section"},
-    # what every section is
-    "config_section": {"pydantic"},
+    "config": {"pydantic", "yaml", "domain", "checkpoint", "engines", "entrypoints", "scoring"},
     # user code named by "package.module:attribute" (stages, runners)
     "entrypoints": set(),
     "dataset": {"domain", "pyarrow"},
-    "client": {"v1", "telemetry", "grpc"},
+    # the wire encoding of a pushed chunk, written by the client and read by the service
+    "push_codec": set(),
+    "client": {"v1", "telemetry", "grpc", "push_codec"},
     "trainer": {"client", "v1", "grpc", "opentelemetry"},
     # the composition root and the command line
     "supervisor": set(),
@@ -259,21 +245,10 @@ SHARED = {"buffer", "sampler", "barrier", "wakeups", "liveness"}
 """What the rooms share, small and named for what it is."""
 
 
-def _domain_imports(path: Path) -> set[str]:
-    """The ``rolloutd.domain`` modules ``path`` imports."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            parts = node.module.split(".")
-            if parts[:2] == ["rolloutd", "domain"] and len(parts) > 2:
-                found.add(parts[2])
-    return found
-
-
 def test_the_controllers_rooms_import_only_what_their_row_lists():
     offenders = {}
     for path in sorted((PACKAGE / "domain").glob("*.py")):
-        rooms = _domain_imports(path) & ROOMS.keys()
+        rooms = _modules_imported(path, "domain") & ROOMS.keys()
         allowed = ROOMS.get(path.stem, set())
         if rooms - allowed:
             offenders[path.stem] = sorted(rooms - allowed)
@@ -357,3 +332,78 @@ def test_the_room_rules_catch_reaching_in():
         "line 6: self._ledger.acks[1]",
         "line 7: self._ledger.steps",
     ]
+
+
+EPISODES: dict[str, set[str]] = {
+    "__init__": set(),
+    "results": set(),
+    "http": {"results"},
+    "loader": {"results", "http"},
+    "server": {"loader"},
+}
+"""The modules of ``episodes`` -> those of ``episodes`` each may import. The client the service
+calls (``http``) never imports the server (``server``, FastAPI and uvicorn), which serves an
+environment through the loader's in-process adapter."""
+
+
+def _modules_imported(path: Path, package: str) -> set[str]:
+    """The modules of ``rolloutd.<package>`` that ``path`` imports, however it names them
+    (``from rolloutd.<package>.m import x``, ``from rolloutd.<package> import m``, ``import
+    rolloutd.<package>.m``), inside functions included."""
+    modules = {p.stem for p in (PACKAGE / package).glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            base = node.module.split(".")
+            names = [base, *([*base, a.name] for a in node.names if base == ["rolloutd", package])]
+        else:
+            continue
+        found |= {n[2] for n in names if n[:2] == ["rolloutd", package] and len(n) > 2}
+    return found & modules
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    """Each module of ``rolloutd.<package>`` -> the modules of the package it imports."""
+    return {
+        path.stem: _modules_imported(path, package) - {path.stem}
+        for path in sorted((PACKAGE / package).glob("*.py"))
+    }
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """A circle of imports in ``graph`` (its first module repeated at its end), or ``[]``."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return list(exc.args[1])
+    return []
+
+
+def test_the_episodes_modules_import_exactly_what_their_row_lists():
+    """A new module needs a row, a new edge is added on purpose, and one nothing takes leaves."""
+    assert _import_graph("episodes") == EPISODES
+
+
+def test_the_episodes_client_does_not_import_the_server():
+    assert "server" not in EPISODES["http"]
+    assert "server" not in _import_graph("episodes")["http"]
+
+
+def test_no_episodes_modules_import_each_other_in_a_circle():
+    assert _circle(_import_graph("episodes")) == []
+    assert _circle(EPISODES) == []
+
+
+def test_the_rule_catches_a_circle_and_every_way_of_naming_a_module(tmp_path):
+    assert _circle({"http": {"loader"}, "loader": {"http"}}) in (
+        ["http", "loader", "http"],
+        ["loader", "http", "loader"],
+    )
+    f = tmp_path / "x.py"
+    f.write_text(
+        "from rolloutd.episodes.http import HttpEnvironment\nimport rolloutd.episodes.results\n"
+        "def late():\n    from rolloutd.episodes import loader, LocalEnvironment\n"
+    )
+    assert _modules_imported(f, "episodes") == {"http", "results", "loader"}

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rolloutd.push_codec import encode_chunk
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -131,7 +132,7 @@ class RolloutClient:
             channel = grpc.intercept_channel(channel, *interceptors)
             self._channels[ep] = channel
             self._stubs[ep] = pb_grpc.RolloutServiceStub(channel)
-            # PushWeights sends messages it encoded itself (see _chunk_message).
+            # PushWeights sends messages it encoded itself (see rolloutd.push_codec).
             self._push_calls[ep] = channel.stream_unary(
                 "/rolloutd.v1.RolloutService/PushWeights",
                 request_serializer=None,
@@ -447,7 +448,6 @@ def _push_requests(header: pb.PushWeightsHeader, directory: Path, chunk: int) ->
     for f in header.files:
         if f.size == 0:
             continue  # nothing to map; the service checks the size
-        name = f.name.encode()
         with (
             (directory / f.name).open("rb") as src,
             mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
@@ -456,28 +456,11 @@ def _push_requests(header: pb.PushWeightsHeader, directory: Path, chunk: int) ->
             try:
                 for offset in range(0, len(view), chunk):
                     data = view[offset : offset + chunk]
-                    message = _chunk_message(name, offset, data)
+                    message = encode_chunk(f.name, offset, data)
                     data.release()
                     yield message
             finally:
                 view.release()
-
-
-def _chunk_message(name: bytes, offset: int, data: memoryview) -> bytes:
-    """A ``PushWeightsRequest`` holding one ``WeightsChunk``, encoded around ``data``, which is
-    copied once (protobuf copies it into the message, then again into the encoding)."""
-    fields = b"\x0a" + _varint(len(name)) + name + b"\x10" + _varint(offset) + b"\x1a"
-    fields += _varint(len(data))
-    return b"".join((b"\x12", _varint(len(fields) + len(data)), fields, data))
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _prompt(p: dict[str, Any]) -> pb.Prompt:

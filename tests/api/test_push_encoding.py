@@ -1,8 +1,7 @@
-"""The hand-written wire encoding of PushWeights chunks, on both ends, against protobuf's own.
-
-The service reads a chunk straight off the wire (``convert.push_request``) and the client encodes
-one around its bytes (``client._chunk_message``); both must mean exactly what protobuf means, and
-anything the fast path does not take must come out as protobuf parses it.
+"""PushWeights' request deserializer (``convert.push_request``): a chunk is read straight off the
+wire by the codec the client encodes with (``rolloutd.push_codec``, tested against protobuf in
+``tests/test_push_codec.py``), and anything the codec does not take comes out as protobuf parses
+it, or is refused as protobuf refuses it.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from rolloutd.api.convert import push_request
-from rolloutd.client import _chunk_message
+from rolloutd.push_codec import encode_chunk
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.weights.receive import PushChunk
 
@@ -45,10 +44,9 @@ def test_a_chunk_is_read_off_the_wire_without_copying_its_bytes(chunk):
 
 
 @pytest.mark.parametrize("chunk", CHUNKS, ids=range(len(CHUNKS)))
-def test_the_clients_encoding_is_protobufs(chunk):
-    raw = _chunk_message(chunk.file.encode(), chunk.offset, memoryview(chunk.data))
-    assert pb.PushWeightsRequest.FromString(raw) == pb.PushWeightsRequest(chunk=chunk)
-    assert isinstance(push_request(raw), PushChunk)
+def test_the_clients_chunks_are_read_off_the_wire(chunk):
+    raw = encode_chunk(chunk.file, chunk.offset, memoryview(chunk.data))
+    assert push_request(raw) == PushChunk(chunk.file, chunk.offset, memoryview(chunk.data))
 
 
 def _field(tag: int, payload: bytes) -> bytes:

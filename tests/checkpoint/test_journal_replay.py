@@ -344,8 +344,8 @@ async def test_leases_and_acks_name_prompts_by_reference_and_replay_resolves_the
 def test_lease_and_ack_records_written_before_references_are_still_read():
     from rolloutd.checkpoint import journal_records
     from rolloutd.checkpoint.sidecar import to_json
-    from rolloutd.domain.journal import AckRecord, Lease
     from rolloutd.domain.group import Position
+    from rolloutd.domain.journal import AckRecord, Lease
 
     admission = Admission(Prompt("p3", "question 3", {"a": 1}), Position(0, 3))
     whole = [{"group_id": 7, **to_json(admission)}]

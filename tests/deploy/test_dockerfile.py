@@ -116,7 +116,7 @@ def _glob(pattern: str) -> re.Pattern[str]:
 NEEDED_IN_CONTEXT = (
     "pyproject.toml",
     "README.md",
-    "service/rolloutd/config.py",
+    "service/rolloutd/config/__init__.py",
     "service/rolloutd/data/prompts.jsonl",
     "k8s/base/config/rolloutd.yaml",
 )

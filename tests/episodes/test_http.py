@@ -1,6 +1,6 @@
-"""Environments over HTTP (rolloutd.episodes.http) against real servers: ``serve()`` apps on
-uvicorn in a thread (127.0.0.1, port 0), mounted under prefixes, and the module's own command
-line in a subprocess that is SIGKILLed mid-episode."""
+"""Environments over HTTP, the client (rolloutd.episodes.http) against the server
+(rolloutd.episodes.server): ``serve()`` apps on uvicorn in a thread (127.0.0.1, port 0), mounted
+under prefixes, and the server's command line in a subprocess that is SIGKILLed mid-episode."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from rolloutd.episodes import EnvironmentFailure, EpisodeEnd, EpisodeStart, StepResult
-from rolloutd.episodes.http import HttpEnvironment, main, serve
+from rolloutd.episodes.http import HttpEnvironment
 from rolloutd.episodes.loader import load_environment
+from rolloutd.episodes.server import main, serve
 from tests.episodes.environments import Counting, Echo, Hangs, Returns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,12 +197,12 @@ def test_an_address_that_is_no_environment_is_a_start_up_error(served):
 
 
 class ServedProcess:
-    """``python -m rolloutd.episodes.http`` in a subprocess, its address read from its first
+    """``python -m rolloutd.episodes.server`` in a subprocess, its address read from its first
     line."""
 
     def __init__(self, spec: str, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "service"), str(REPO)])}
-        command = [sys.executable, "-m", "rolloutd.episodes.http", spec, "--port", "0", *args]
+        command = [sys.executable, "-m", "rolloutd.episodes.server", spec, "--port", "0", *args]
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

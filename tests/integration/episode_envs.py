@@ -47,7 +47,7 @@ class ReplayedEnv(_Logged):
 
 
 class ServedEnv(ReplayedEnv):
-    """As :class:`ReplayedEnv`, served over HTTP (``python -m rolloutd.episodes.http``) in a
+    """As :class:`ReplayedEnv`, served over HTTP (``python -m rolloutd.episodes.server``) in a
     process of its own, which outlives the service's SIGKILLs."""
 
 

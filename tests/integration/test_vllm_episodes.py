@@ -4,7 +4,7 @@ control run's token for token, no durable step is called live again, a repeated 
 the same completion, no group is delivered twice, the loss mask marks exactly the model's
 tokens, and re-rendering finds no mismatch. Three sources in one service: an environment restored
 by replaying its steps, one with ``state()``/``restore()``, and one served over HTTP by
-``python -m rolloutd.episodes.http`` (a process the SIGKILLs spare, restored by replaying). Each
+``python -m rolloutd.episodes.server`` (a process the SIGKILLs spare, restored by replaying). Each
 kill waits until a replaying source has an episode in flight past a durable step (one that no
 kill caught in flight yet, while such a one has work left), so the replay path runs for each."""
 
@@ -54,7 +54,7 @@ class ServedEnvironment:
             [
                 sys.executable,
                 "-m",
-                "rolloutd.episodes.http",
+                "rolloutd.episodes.server",
                 "tests.integration.episode_envs:ServedEnv",
                 "--port",
                 "0",

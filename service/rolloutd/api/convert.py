@@ -24,6 +24,7 @@ from rolloutd.domain.lifecycle import ServingState
 from rolloutd.domain.report import CheckpointReport, Outcome, Reason, RowKind, SizePart
 from rolloutd.domain.sampler import SUBMITTED
 from rolloutd.domain.spec import GenerationSpec, SamplingParams
+from rolloutd.push_codec import decode_chunk
 from rolloutd.v1 import rollout_pb2 as pb
 from rolloutd.weights.receive import PushChunk, PushHeader
 from rolloutd.weights.staging import FileSpec
@@ -402,59 +403,11 @@ def admission_to_proto(a: AdmissionStatus) -> pb.AdmissionStatus:
 
 
 def push_request(raw: bytes) -> pb.PushWeightsRequest | PushChunk:
-    """The request deserializer of ``PushWeights``: a chunk is read straight off the wire, its
-    bytes kept as a view of the received message; anything else is parsed by protobuf.
-
-    Parsing a chunk with protobuf copies its payload twice (into the message, then out of it as
-    ``bytes``), on the process whose CPU bounds a push on a small machine (see the weights section
-    of ``benchmarks/README.md``). The fast path takes only the encoding every protobuf library
-    writes for a chunk (one ``chunk`` field holding ``file``, ``offset`` and ``data`` with
-    one-byte tags, any order, the last of a repeated field winning, as protobuf has it); any
-    other message, and any malformed one, goes to protobuf, which parses or refuses it exactly
-    as before.
-    """
-    chunk = _wire_chunk(raw)
-    return pb.PushWeightsRequest.FromString(raw) if chunk is None else chunk
-
-
-def _wire_chunk(raw: bytes) -> PushChunk | None:
-    end = len(raw)
-    if end < 2 or raw[0] != 0x12:  # field 2 (chunk), length-delimited
-        return None
-    length, pos = _varint(raw, 1)
-    if pos + length != end:
-        return None
-    name, offset, data = "", 0, memoryview(raw)[end:]
-    while pos < end:
-        tag = raw[pos]
-        if tag == 0x10:  # offset, varint
-            offset, pos = _varint(raw, pos + 1)
-            continue
-        if tag not in (0x0A, 0x1A):  # file, data: length-delimited
-            return None
-        size, pos = _varint(raw, pos + 1)
-        if pos + size > end:
-            return None
-        if tag == 0x0A:
-            try:
-                name = raw[pos : pos + size].decode()
-            except UnicodeDecodeError:
-                return None
-        else:
-            data = memoryview(raw)[pos : pos + size]
-        pos += size
-    return None if pos != end else PushChunk(name, offset, data)
-
-
-def _varint(raw: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it; one running past the end reads as
-    ``len(raw) + 1``, which every caller refuses (a varint of more than 10 bytes likewise)."""
-    value = 0
-    for i, byte in enumerate(raw[pos : pos + 10]):
-        value |= (byte & 0x7F) << (7 * i)
-        if byte < 0x80:
-            return value, pos + i + 1
-    return 0, len(raw) + 1
+    """The request deserializer of ``PushWeights``: a chunk is read straight off the wire
+    (:func:`rolloutd.push_codec.decode_chunk`), its bytes kept as a view of the received message;
+    anything else, and anything malformed, is parsed by protobuf, which parses or refuses it."""
+    chunk = decode_chunk(raw)
+    return pb.PushWeightsRequest.FromString(raw) if chunk is None else PushChunk(*chunk)
 
 
 async def push_messages(

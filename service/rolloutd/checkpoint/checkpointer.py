@@ -64,7 +64,7 @@ SLOW_S = 1.0
 
 @dataclass(frozen=True)
 class CheckpointerConfig:
-    """The checkpointer's settings; ``config.py`` exposes them as ``checkpoint.*`` keys with
+    """The checkpointer's settings; ``config/components.py`` exposes them as ``checkpoint.*`` keys with
     these defaults and meanings."""
 
     interval_s: float = 60.0

@@ -67,7 +67,7 @@ class InFlightReason(enum.Enum):
 
 @dataclass(frozen=True)
 class ConcurrencyConfig:
-    """The adaptive limit's settings; ``config.py`` exposes ``ceiling`` and ``kv_cache_soft_limit``
+    """The adaptive limit's settings; ``config/components.py`` exposes ``ceiling`` and ``kv_cache_soft_limit``
     as ``limits.max_in_flight_ceiling`` and ``limits.kv_cache_soft_limit``."""
 
     ceiling: int = 64

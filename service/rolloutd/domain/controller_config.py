@@ -12,7 +12,7 @@ from rolloutd.domain.spec import SpecLimits
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """The controller's settings; ``config.py`` exposes them as keys (``limits.*``,
+    """The controller's settings; ``config/components.py`` exposes them as keys (``limits.*``,
     ``group_size``) with these defaults and meanings."""
 
     group_size: int = 4

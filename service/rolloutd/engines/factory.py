@@ -14,8 +14,8 @@ from rolloutd.engines.vllm_config import VLLMConfig
 
 @dataclass(frozen=True)
 class EngineFactoryConfig:
-    """Which engine to build and on what; ``config.py`` exposes these as ``engine.*`` keys with
-    these defaults and meanings. The sampling keys of ``engine`` belong to the controller."""
+    """Which engine to build and on what; ``rolloutd.config`` exposes these as ``engine.*`` keys
+    with these defaults and meanings. The sampling keys of ``engine`` belong to the controller."""
 
     kind: Literal["vllm", "synthetic"] = "vllm"
     """Which engine generates: vLLM, or the deterministic synthetic engine."""

@@ -60,8 +60,8 @@ RECENT_REQUESTS = 1000
 
 @dataclass(frozen=True)
 class SyntheticConfig:
-    """The synthetic engine's settings; ``config.py`` exposes them as ``engine.synthetic.*`` keys
-    with these defaults and meanings."""
+    """The synthetic engine's settings; ``rolloutd.config`` exposes them as
+    ``engine.synthetic.*`` keys with these defaults and meanings."""
 
     tokens_per_s: float = 2000.0
     """Generation speed of one synthetic request (0: instant)."""

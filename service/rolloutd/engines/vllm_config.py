@@ -9,8 +9,8 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """The vLLM engine's settings; ``config.py`` exposes them as ``engine.vllm.*`` keys with these
-    defaults and meanings."""
+    """The vLLM engine's settings; ``rolloutd.config`` exposes them as ``engine.vllm.*`` keys with
+    these defaults and meanings."""
 
     dtype: str = "auto"
     """Weights dtype passed to vLLM (float32 on CPU for exact greedy parity)."""

@@ -49,7 +49,7 @@ class PushChunk:
     file: str
     offset: int
     data: bytes | memoryview
-    """A view of the received message where it can be (see ``rolloutd.api.convert``)."""
+    """A view of the received message where it can be (see ``rolloutd.push_codec``)."""
 
 
 class _Writer:

@@ -1,7 +1,7 @@
-"""The ``dataset`` section of the configuration (``config.py`` composes it): where prompts come
+"""The ``dataset`` section of the configuration (``Config`` composes it): where prompts come
 from, one file or several weighted sources, each with its own generation settings, verifier and
 environment. Checks across sections (a source's settings within ``limits``, its verifier beside
-``pipeline.finishing_stage``) stay in ``config.Config``."""
+``pipeline.finishing_stage``) stay in ``Config``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from rolloutd.config_episodes import ENVIRONMENT_PATTERN
-from rolloutd.config_section import Section
+from rolloutd.config.episodes import ENVIRONMENT_PATTERN
+from rolloutd.config.section import Section
 from rolloutd.domain.spec import GenerationSpec
 
 

@@ -1,4 +1,4 @@
-"""The ``episodes`` section of the configuration (``config.py`` composes it): multi-turn
+"""The ``episodes`` section of the configuration (``Config`` composes it): multi-turn
 episodes of model turns and environment steps (docs/design.md, "Episodes").
 
 Its limits take their defaults and meanings from the domain's :class:`EpisodeLimits`; a
@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
-from rolloutd.config_section import Section
+from rolloutd.config.section import Section
 from rolloutd.domain.episode import EpisodeLimits
 
 _LIMITS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EpisodeLimits)}

@@ -1,8 +1,8 @@
-"""The ``grpc``, ``http`` and ``auth`` sections of the configuration (``config.py`` composes
+"""The ``grpc``, ``http`` and ``auth`` sections of the configuration (``Config`` composes
 them): the two ports ``rolloutd serve`` listens on, their TLS, and who may use them
 (docs/security.md).
 
-The checks ``config.Config`` makes across keys (a certificate and its key set together, metadata
+The checks ``Config`` makes across keys (a certificate and its key set together, metadata
 within a gRPC message) stay there."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ipaddress
 
 from pydantic import Field, field_validator
 
-from rolloutd.config_section import Section
+from rolloutd.config.section import Section
 
 
 class GrpcConfig(Section):
