@@ -7,27 +7,18 @@ import inspect
 import json
 
 import pytest
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.metrics import NoOpMeter
 from opentelemetry.sdk.metrics import Meter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Tracer, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind
 
 from rolloutd.telemetry.light_spans import LightTracer
-from rolloutd.telemetry.otel_sdk import (
-    EncodingSpanExporter,
-    GatedTracerProvider,
-    ScrapeOnlyMeterProvider,
-)
+from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
 from rolloutd.telemetry.sampling import UntilProcessed
-from tests.telemetry.otlp_receiver import OtlpReceiver
-from tests.telemetry.span_shapes import recorded
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -81,23 +72,6 @@ def test_the_gated_provider_samples_through_the_gate_and_keeps_the_configured_sa
     tracer.start_span("kept").end()
     assert [s.name for s in exporter.get_finished_spans()] == ["kept"]
     provider.shutdown()
-
-
-def test_the_grpc_span_exporter_sends_what_its_translate_step_makes():
-    """What EncodingSpanExporter relies on: the stock exporter sends the request its
-    ``_translate_data`` returns; over a real socket, the receiver gets the stock encoding."""
-    assert "_translate_data" in vars(OTLPSpanExporter)
-    spans = list(recorded(Resource({"service.name": "rolloutd"})))
-    receiver = OtlpReceiver().start()
-    try:
-        exporter = EncodingSpanExporter(endpoint=receiver.endpoint("grpc"), timeout=10)
-        assert exporter.export(spans) is SpanExportResult.SUCCESS
-        exporter.shutdown()
-        with receiver.received.lock:
-            [request] = receiver.received.traces
-    finally:
-        receiver.stop()
-    assert request == encode_spans(spans)
 
 
 def test_a_readable_span_holds_the_fields_a_light_span_sets():

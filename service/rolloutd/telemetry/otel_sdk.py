@@ -1,4 +1,4 @@
-"""The places where rolloutd reaches past the OpenTelemetry SDK's public surface: three kept here,
+"""The places where rolloutd reaches past the OpenTelemetry SDK's public surface: two kept here,
 and one in :mod:`rolloutd.telemetry.light_spans`.
 
 - :class:`ScrapeOnlyMeterProvider` clears the meter provider's private ``_disabled`` flag, which
@@ -6,9 +6,6 @@ and one in :mod:`rolloutd.telemetry.light_spans`.
 - :class:`GatedTracerProvider` sets the ``sampler`` of each SDK ``Tracer`` it hands out: the SDK
   copies the provider's sampler into every tracer, and offers no way to give tracers a sampler
   other than the provider's own (which must stay the configured one).
-- :class:`EncodingSpanExporter` overrides the OTLP/gRPC span exporter's ``_translate_data``, the
-  one step between the finished spans and the request it sends, with rolloutd's own encoder
-  (:mod:`rolloutd.telemetry.otlp_spans`), which makes the same request at a tenth of the cost.
 - :class:`~rolloutd.telemetry.light_spans.LightSpan` is a ``ReadableSpan`` that sets the fields
   ``ReadableSpan``'s properties read (``_name``, ``_context``, ``_parent``, ``_kind``,
   ``_attributes``, ``_events``, ``_links``, ``_status``, ``_start_time``, ``_end_time``,
@@ -21,16 +18,12 @@ checked against; ``tests/telemetry/test_otel_sdk.py`` fails when an upgrade move
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, Tracer, TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, Tracer, TracerProvider
 
-from rolloutd.telemetry.otlp_spans import SpanEncoder
 from rolloutd.telemetry.sampling import UntilProcessed
 
 
@@ -69,16 +62,3 @@ class GatedTracerProvider(TracerProvider):
     def records_spans(self) -> bool:
         """False while every span is dropped for want of a processor."""
         return self.gate.processed
-
-
-class EncodingSpanExporter(OTLPSpanExporter):
-    """The OTLP/gRPC span exporter (retries, timeouts, compression, TLS as configured), whose
-    requests :class:`~rolloutd.telemetry.otlp_spans.SpanEncoder` encodes; its argument
-    ``translate`` is the request the stock exporter would send, parsed back from those bytes."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._encoder = SpanEncoder()
-
-    def _translate_data(self, data: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
-        return ExportTraceServiceRequest.FromString(self._encoder.encode(data))

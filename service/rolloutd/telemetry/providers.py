@@ -45,11 +45,7 @@ from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.exemplars import last_in_bucket
 from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import (
-    EncodingSpanExporter,
-    GatedTracerProvider,
-    ScrapeOnlyMeterProvider,
-)
+from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -117,7 +113,9 @@ def _span_exporter(
     if name is ExporterName.CONSOLE:
         return ConsoleSpanExporter()
     if export.protocol is OtlpProtocol.GRPC:
-        return EncodingSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpSpanExporter,
     )
