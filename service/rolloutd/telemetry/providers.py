@@ -45,7 +45,7 @@ from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.exemplars import last_in_bucket
 from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import GatedTracerProvider, ScrapeOnlyMeterProvider
+from rolloutd.telemetry.otel_sdk import ScrapeOnlyMeterProvider
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -54,6 +54,7 @@ from rolloutd.telemetry.settings import (
     env,
     resolve_settings,
 )
+from rolloutd.telemetry.tracer_provider import ServiceTracerProvider
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def _metric_exporter(
 
 @dataclass(frozen=True)
 class _SdkProviders:
-    tracer: GatedTracerProvider
+    tracer: ServiceTracerProvider
     meter: SdkMeterProvider
 
 
@@ -183,7 +184,7 @@ class Telemetry:
     def records_spans(self) -> bool:
         """Whether a span started now could be recorded: false with the SDK disabled and
         until a span processor is added (no trace exporter configured)."""
-        return self._sdk is not None and self._sdk.tracer.records_spans
+        return self._sdk is not None and self._sdk.tracer.has_span_processor
 
     def observer(self) -> TelemetryObserver:
         """A new observer over these providers; build one per service (a second one would
@@ -328,7 +329,7 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
     throttle.install(settings.log_interval_s)
     resource = build_resource(settings)
 
-    tracer_provider = GatedTracerProvider(
+    tracer_provider = ServiceTracerProvider(
         resource=resource, sampler=settings.sampler, shutdown_on_exit=False
     )
     for name in settings.traces.exporters:
