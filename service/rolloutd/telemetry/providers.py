@@ -42,7 +42,6 @@ from prometheus_client import CollectorRegistry
 from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
-from rolloutd.telemetry.exemplars import last_in_bucket
 from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
 from rolloutd.telemetry.otel_sdk import ScrapeOnlyMeterProvider
@@ -95,13 +94,13 @@ def build_resource(settings: TelemetrySettings) -> Resource:
 
 def histogram_views() -> list[View]:
     """The catalogue's buckets: second-scale for seconds (the SDK default suits ms), small
-    integers for policy versions; their exemplars sampled as the SDK's default reservoir does,
-    at less cost (:mod:`rolloutd.telemetry.exemplars`)."""
+    integers for policy versions. Their exemplars are the SDK's: its default reservoir for
+    explicit-bucket histograms keeps the last value offered in each bucket, and its exemplar
+    filter (``OTEL_METRICS_EXEMPLAR_FILTER``, trace-based by default) decides what is offered."""
     return [
         View(
             instrument_name=instrument.name,
             aggregation=ExplicitBucketHistogramAggregation(instrument.buckets),
-            exemplar_reservoir_factory=last_in_bucket,
         )
         for instrument in CATALOGUE
         if instrument.buckets is not None
