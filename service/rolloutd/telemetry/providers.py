@@ -44,7 +44,6 @@ from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
 from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import ScrapeOnlyMeterProvider
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -149,8 +148,10 @@ class Telemetry:
     """The providers of one service, its Prometheus registry, and their orderly shutdown.
 
     ``shutdown`` flushes both providers within a time bound and is idempotent; it blocks, so
-    from the event loop use ``await telemetry.aclose()``. With the SDK disabled the providers
-    are the API's no-op ones, except the meter provider behind /metrics.
+    from the event loop use ``await telemetry.aclose()``. With the SDK disabled
+    (``OTEL_SDK_DISABLED``) both providers are the API's no-op ones, as the specification
+    says: no span is recorded and no metric measured, so the Prometheus registry behind
+    ``/metrics`` holds no instrument of rolloutd's.
     """
 
     def __init__(
@@ -159,9 +160,7 @@ class Telemetry:
         prometheus_registry: CollectorRegistry,
         resource: Resource,
         sdk: _SdkProviders | None,
-        meter: metrics.MeterProvider | None = None,
     ):
-        """``meter``: without the SDK, the provider behind /metrics (else a no-op one)."""
         self.settings = settings
         self.prometheus_registry = prometheus_registry
         self.resource = resource
@@ -170,7 +169,7 @@ class Telemetry:
             trace.NoOpTracerProvider() if sdk is None else sdk.tracer
         )
         self.meter_provider: metrics.MeterProvider = (
-            (meter or metrics.NoOpMeterProvider()) if sdk is None else sdk.meter
+            metrics.NoOpMeterProvider() if sdk is None else sdk.meter
         )
         self._lock = threading.Lock()
         self._closed = False
@@ -316,15 +315,10 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
     registry = CollectorRegistry()
     if settings.disabled:
         logger.info(
-            "OpenTelemetry SDK disabled (OTEL_SDK_DISABLED): no traces, nothing exported; "
-            "/metrics stays on"
+            "OpenTelemetry SDK disabled (OTEL_SDK_DISABLED): no spans, no metrics; "
+            "/metrics serves no rolloutd series"
         )
-        scrape_only = ScrapeOnlyMeterProvider(
-            metric_readers=[PrometheusMetricReader(registry=registry)],
-            views=histogram_views(),
-            shutdown_on_exit=False,
-        )
-        return Telemetry(settings, registry, Resource.get_empty(), sdk=None, meter=scrape_only)
+        return Telemetry(settings, registry, Resource.get_empty(), sdk=None)
     throttle.install(settings.log_interval_s)
     resource = build_resource(settings)
 
