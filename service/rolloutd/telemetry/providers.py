@@ -42,8 +42,9 @@ from prometheus_client import CollectorRegistry
 from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
-from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
+from rolloutd.telemetry.metric_reader import shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
+from rolloutd.telemetry.otel_adapter import PrometheusExportingReader
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -142,6 +143,7 @@ def _metric_exporter(
 class _SdkProviders:
     tracer: ServiceTracerProvider
     meter: SdkMeterProvider
+    readers: tuple[MetricReader, ...]
 
 
 class Telemetry:
@@ -178,6 +180,13 @@ class Telemetry:
     @property
     def enabled(self) -> bool:
         return self._sdk is not None
+
+    @property
+    def metric_readers(self) -> tuple[MetricReader, ...]:
+        """The meter provider's readers: the one behind ``/metrics`` first (which also pushes to
+        the first exporter when it can, :mod:`~rolloutd.telemetry.metric_reader`), then one
+        periodic reader per other exporter; none with the SDK disabled."""
+        return () if self._sdk is None else self._sdk.readers
 
     def records_spans(self) -> bool:
         """Whether a span started now could be recorded: false with the SDK disabled and
@@ -346,7 +355,9 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
         _describe(settings.traces),
         _describe(settings.metrics),
     )
-    return Telemetry(settings, registry, resource, _SdkProviders(tracer_provider, meter_provider))
+    return Telemetry(
+        settings, registry, resource, _SdkProviders(tracer_provider, meter_provider, tuple(readers))
+    )
 
 
 def _metric_readers(settings: TelemetrySettings, registry: CollectorRegistry) -> list[MetricReader]:
