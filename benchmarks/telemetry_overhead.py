@@ -14,7 +14,8 @@ as they come.
   catalogue, exported over OTLP/gRPC to a receiver at the deployment's cadence (metrics every
   15 s, ``k8s/base/config/otel.env``; spans in the SDK's batches), and ``/metrics`` scraped every
   15 s (``otel/prometheus.yml``).
-- **off**: ``OTEL_SDK_DISABLED=true`` (``/metrics`` stays served, and nobody scrapes it).
+- **off**: ``OTEL_SDK_DISABLED=true``: the no-op SDK, no span and no metric at all (``/metrics``
+  serves no ``rolloutd_*`` series, and nobody scrapes it).
 
 The receiver (an OTLP/gRPC sink that counts spans and data points) and the scraper run in
 processes of their own, as a collector and Prometheus would: their CPU is not the service's, and

@@ -11,6 +11,12 @@ from rolloutd.v1 import rollout_pb2 as pb
 from tests.waiting import eventually
 
 
+@pytest.fixture(autouse=True)
+def sdk_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite disables the SDK (the no-op SDK measures nothing); these services measure."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
+
+
 def _samples(service) -> dict[tuple[str, frozenset], float]:
     text = generate_latest(service.telemetry.prometheus_registry).decode()
     return {

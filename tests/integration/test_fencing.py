@@ -53,6 +53,7 @@ def serve(tmp_path, store, name: str, lock_timeout_s: float = LOCK_TIMEOUT_S) ->
             **env,
             "ROLLOUTD_CHECKPOINT__LOCK_TIMEOUT_S": str(lock_timeout_s),
             "ROLLOUTD_ENGINE__MAX_TOKENS": "32",
+            "OTEL_SDK_DISABLED": "false",  # periodic_attempts reads its /metrics
         },
         cwd=tmp_path,
         log_path=tmp_path / f"{name}.log",

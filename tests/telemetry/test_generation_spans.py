@@ -38,8 +38,8 @@ from rolloutd.telemetry.generation import (
     TraceHeaders,
 )
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import GatedTracerProvider
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.telemetry.tracer_provider import ServiceTracerProvider, records_spans
 from tests.fakes import GatedEngine, settle
 from tests.integration.proc import ServeProcess
 from tests.integration.trainer_harness import Trainer
@@ -94,23 +94,26 @@ def test_a_group_is_one_span_from_admission_to_commit_with_genai_attributes(span
     assert len(spans) == 0
 
 
-def test_groups_of_the_same_settings_share_their_common_attributes():
-    """The settings' attributes are one dict for all groups that share them (an encoder writes
-    it once); a temperature given as an integer is still a double, as the GenAI conventions
-    say."""
-    provider = GatedTracerProvider(shutdown_on_exit=False)  # the service's: the default sampler
+def test_groups_of_the_same_settings_share_their_settings_attributes():
+    """The settings' attributes are one dict, built once, for all groups that share them; a
+    temperature given as an integer is still a double, as the GenAI conventions say."""
+    provider = ServiceTracerProvider(shutdown_on_exit=False)  # the service's: the default sampler
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    spans = GenerationSpans(provider.get_tracer("t"))
+    spans = GenerationSpans(provider.get_tracer("t"), records_spans(provider))
     spans.model, spans.engine = "tiny-llama", "vllm"
     now = time.time()
-    spans.started(started(1, now))
-    spans.started(started(2, now))
-    spans.started(GenerationStarted(3, "p3", 4, now, 32, 1, 1, seed=9))
-    spans.started(GenerationStarted(4, "p4", 4, now, 32, 1.0, 1.0, seed=9))
-    first, second, third, fourth = (spans.get(i) for i in range(1, 5))
-    assert first.common is second.common and third.common is fourth.common
-    assert first.common is not third.common
+    events = [
+        started(1, now),
+        started(2, now),
+        GenerationStarted(3, "p3", 4, now, 32, 1, 1, seed=9),
+        GenerationStarted(4, "p4", 4, now, 32, 1.0, 1.0, seed=9),
+    ]
+    for event in events:
+        spans.started(event)
+    first, second, third, fourth = (spans.settings_attributes(e) for e in events)
+    assert first is second and third is fourth
+    assert first is not third
     for group_id in range(1, 5):
         spans.committed(GroupCommitted(group_id, 9, True, 1.0, prompt_tokens=3, group_size=4))
     finished = {s.attributes[GroupAttr.ID]: s.attributes for s in exporter.get_finished_spans()}
@@ -165,8 +168,8 @@ def test_trace_headers_are_what_the_w3c_propagator_writes(state, sampled):
 def test_without_a_span_processor_the_siblings_carry_an_unsampled_context():
     """The service's provider before any processor (no trace exporter): no span, but a context
     whose decision vLLM's parent-based sampler follows; once a processor is added, spans again."""
-    provider = GatedTracerProvider(shutdown_on_exit=False)
-    spans = GenerationSpans(provider.get_tracer("t"))
+    provider = ServiceTracerProvider(shutdown_on_exit=False)
+    spans = GenerationSpans(provider.get_tracer("t"), records_spans(provider))
     headers = spans.started(started(1, time.time()))
     trace_id, span_id, flags = traceparent(headers)
     assert int(trace_id, 16) and int(span_id, 16) and not int(flags, 16) & 1

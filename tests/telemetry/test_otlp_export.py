@@ -140,7 +140,7 @@ def test_metrics_pushed_over_otlp_and_scraped_come_from_one_aggregation(
     if preference:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", preference)
     telemetry = setup_telemetry()
-    all_readers = telemetry.meter_provider._metric_readers
+    all_readers = telemetry.metric_readers
     assert len(all_readers) == readers
     # a scrape-only reader keeps what a flush collects for the next scrape: flush the others
     pushing = [r for r in all_readers if type(r) is not PrometheusMetricReader]

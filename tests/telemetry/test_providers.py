@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 
 import pytest
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -29,7 +29,13 @@ from rolloutd.telemetry.providers import (
     resolve_settings,
     setup_telemetry,
 )
-from tests.telemetry.reports import checkpoint_report, scripted_run
+from tests.telemetry.reports import (
+    CHECKPOINT_STATE,
+    ENGINE,
+    STATUS,
+    checkpoint_report,
+    scripted_run,
+)
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -158,18 +164,25 @@ def test_the_sampler_comes_from_the_environment_unless_given(monkeypatch, teleme
 
 
 @pytest.mark.parametrize("how", ["environment", "argument"])
-def test_sdk_disabled_exports_nothing_and_keeps_metrics_on(how, monkeypatch, telemetry):
-    """OTEL_SDK_DISABLED stops traces and every exporter; /metrics (the admin port's own
-    Prometheus registry) still serves every instrument, as the README says."""
+def test_sdk_disabled_means_no_op_providers_and_no_rolloutd_series_on_metrics(
+    how, monkeypatch, telemetry
+):
+    """OTEL_SDK_DISABLED=true is the specification's no-op SDK: no spans, no metrics measured,
+    nothing exported. /metrics (the admin port's Prometheus registry) still answers, with no
+    series of rolloutd's: its exposition is empty (with the vLLM engine, vLLM's own vllm:*
+    families are added to it by the server, which vLLM records itself)."""
     if how == "environment":
         monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     t = telemetry(disabled=how == "argument")
-    assert not t.enabled
+    assert not t.enabled and not t.records_spans()
     assert isinstance(t.tracer_provider, trace.NoOpTracerProvider)
-    scripted_run(t.observer())
-    exposition = generate_latest(t.prometheus_registry).decode()
-    assert "rolloutd_checkpoint_attempts_total" in exposition
-    assert "rolloutd_checkpoint_duration_seconds_bucket" in exposition
+    assert isinstance(t.meter_provider, metrics.NoOpMeterProvider)
+    observer = t.observer()
+    observer.register_sources(lambda: ENGINE, "synthetic", lambda: STATUS, lambda: CHECKPOINT_STATE)
+    scripted_run(observer)
+    assert generate_latest(t.prometheus_registry) == b""
+    assert list(t.prometheus_registry.collect()) == []
+    assert t.force_flush(timeout_s=1.0)
 
 
 def test_sdk_providers_are_built_when_enabled(telemetry):
@@ -180,12 +193,12 @@ def test_sdk_providers_are_built_when_enabled(telemetry):
 
 
 def test_spans_are_recorded_from_the_first_span_processor_on(telemetry):
-    """What the server interceptor asks before it builds a server span for an RPC."""
+    """What the server interceptor and the generation spans ask before they build a span (the
+    provider's own tracers sample with the configured sampler throughout)."""
     t = telemetry()
     assert isinstance(t.tracer_provider, SdkTracerProvider)
     tracer = t.tracer_provider.get_tracer("test")
     assert not t.records_spans()
-    assert not tracer.start_span("dropped").is_recording()
     t.tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     assert t.records_spans()
     assert tracer.start_span("kept").is_recording()

@@ -1,8 +1,9 @@
 """Methods rolloutd adds to vLLM's workers (``worker_extension_cls``), for loading part of the
 weights: the tensors a delta changed.
 
-Runs inside vLLM's worker processes, so it imports nothing of rolloutd. Two calls, so that the
-pause is only the load:
+Runs inside vLLM's worker processes, so it imports nothing of rolloutd but the torch adapter
+(:mod:`rolloutd.engines.torch_modules`, torch only). Two calls, so that the pause is only the
+load:
 
 1. :meth:`RolloutdWorker.rolloutd_stage` (generation running) reads the named tensors from the
    safetensors files, with every tensor that shares a vLLM layer with one of them (vLLM fuses
@@ -32,13 +33,19 @@ from safetensors import safe_open
 from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
+from rolloutd.engines.torch_modules import (
+    TENSOR_MEMBERS,
+    Tensors,
+    own_tensors,
+    persistent_tensors,
+    restore_tensors,
+    set_parameter,
+)
+
 _RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.layerwise",
     "vllm.model_executor.model_loader.reload.inplace",
 )
-
-_TENSORS = ("_parameters", "_buffers", "_non_persistent_buffers_set")
-"""The parts of a module's ``__dict__`` that hold its tensors; the rest are plain attributes."""
 
 
 class _ExpectedPartialLoad(logging.Filter):
@@ -108,64 +115,44 @@ def _prepare(
     """Each of ``layers`` loaded with ``staged`` and processed as at start-up, on fresh tensors;
     every layer is left as it was. Must run where no forward pass can interleave (a worker call).
     """
-    saved: list[tuple[dict[str, Any], dict[str, Any], set[str], dict[str, Any]]] = []
-    for layer in layers:
-        state = vars(layer)
-        saved.append(
-            (
-                dict(layer._parameters),
-                dict(layer._buffers),
-                set(layer._non_persistent_buffers_set),
-                {k: v for k, v in state.items() if k not in _TENSORS},
-            )
-        )
+    saved: list[tuple[Tensors, dict[str, Any]]] = [
+        (own_tensors(layer), {k: v for k, v in vars(layer).items() if k not in TENSOR_MEMBERS})
+        for layer in layers
+    ]
     prepared: list[_Prepared] = []
     try:
-        for layer, (params, _, _, _) in zip(layers, saved, strict=True):
+        for layer, (served, _) in zip(layers, saved, strict=True):
             info = get_layerwise_info(layer)
             if not info.restore_metadata[0]:
                 raise RuntimeError(f"{type(layer).__name__}: vLLM kept no metadata to reload it")
             restore_layer_on_meta(layer, info)
             materialize_layer(layer, info)
-            for name, current in list(layer._parameters.items()):
+            for name, current in own_tensors(layer).parameters.items():
                 if current is None:
                     continue
                 param: Any = current
-                if param is params.get(name):  # not restored by vLLM (a bias): load a copy
-                    param = _copy(current)
-                    layer._parameters[name] = param
+                if param is served.parameters.get(name):  # not restored by vLLM (a bias)
+                    param = _copy(current)  # load a copy
+                    set_parameter(layer, name, param)
                 loader = _original_loader(param)
                 if loader is not None:
                     param.weight_loader = loader
         model.load_weights(iter(staged))
-        for layer, (_, _, _, attributes) in zip(layers, saved, strict=True):
+        for layer, (_, attributes) in zip(layers, saved, strict=True):
             method = getattr(layer, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(layer)
-            tensors: dict[str, torch.Tensor] = {
-                n: t for n, t in layer._parameters.items() if t is not None
-            }
-            tensors |= {
-                n: t
-                for n, t in layer._buffers.items()
-                if t is not None and n not in layer._non_persistent_buffers_set
-            }
             changed = {
                 k: v
                 for k, v in vars(layer).items()
-                if k not in _TENSORS and (k not in attributes or attributes[k] is not v)
+                if k not in TENSOR_MEMBERS and (k not in attributes or attributes[k] is not v)
             }
-            prepared.append(_Prepared(layer, tensors, changed))
+            prepared.append(_Prepared(layer, persistent_tensors(layer), changed))
     finally:
-        for layer, (params, buffers, non_persistent, attributes) in zip(layers, saved, strict=True):
-            layer._parameters.clear()
-            layer._parameters.update(params)
-            layer._buffers.clear()
-            layer._buffers.update(buffers)
-            layer._non_persistent_buffers_set.clear()
-            layer._non_persistent_buffers_set.update(non_persistent)
+        for layer, (served, attributes) in zip(layers, saved, strict=True):
+            restore_tensors(layer, served)
             state = vars(layer)
-            for key in [k for k in state if k not in _TENSORS and k not in attributes]:
+            for key in [k for k in state if k not in TENSOR_MEMBERS and k not in attributes]:
                 del state[key]
             state.update(attributes)
     return prepared

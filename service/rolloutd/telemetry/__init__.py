@@ -3,7 +3,10 @@
 - :mod:`~rolloutd.telemetry.providers`: ``setup_telemetry()`` -> :class:`Telemetry` (providers
   from the settings, the Prometheus registry, bounded shutdown);
 - :mod:`~rolloutd.telemetry.settings`: the ``OTEL_*`` environment, resolved once;
-- :mod:`~rolloutd.telemetry.otel_sdk`: the SDK overrides that no public API offers;
+- :mod:`~rolloutd.telemetry.tracer_provider`: the SDK's tracer provider, which knows whether
+  spans have a processor;
+- :mod:`~rolloutd.telemetry.otel_adapter`: the one module that uses private members of the
+  OpenTelemetry packages, each listed there with its test;
 - :mod:`~rolloutd.telemetry.observer`: :class:`TelemetryObserver`, the domain's observer;
 - :mod:`~rolloutd.telemetry.sources`: the snapshots behind the observable instruments;
 - :mod:`~rolloutd.telemetry.interceptors`: gRPC server and client tracing;

@@ -31,7 +31,6 @@ from opentelemetry.trace import (
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd.domain.observer import GenerationStarted, GroupCommitted
-from rolloutd.telemetry.light_spans import LightTracer
 
 GENERATE_SPAN = "rolloutd.group.generate"
 TRACEPARENT = "traceparent"
@@ -111,12 +110,15 @@ class TraceHeaders(Mapping[str, str]):
 
 
 class GenerationSpans:
-    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only): light spans
-    (:mod:`rolloutd.telemetry.light_spans`), a hundred of them a second on a busy node. With a
-    tracer that is not the SDK's (telemetry off) nothing is traced."""
+    """The open ``rolloutd.group.generate`` spans, by group id (event-loop only), a hundred of
+    them a second on a busy node: SDK spans, whose attributes that follow from a group's settings
+    are built once for all groups of the same settings. With a tracer that is not the SDK's
+    (telemetry off) nothing is traced; while ``records()`` says no span would reach a processor,
+    a group gets a context and no span."""
 
-    def __init__(self, tracer: Tracer) -> None:
-        self._tracer = LightTracer(tracer) if isinstance(tracer, SdkTracer) else None
+    def __init__(self, tracer: Tracer, records: Callable[[], bool] = lambda: True) -> None:
+        self._tracer = tracer if isinstance(tracer, SdkTracer) else None
+        self._records = records
         self._spans: dict[int, Span] = {}
         self._settings: dict[tuple[object, ...], dict[str, AttributeValue]] = {}
         self.model: str | None = None
@@ -126,31 +128,33 @@ class GenerationSpans:
         return len(self._spans)
 
     def started(self, event: GenerationStarted) -> Mapping[str, str]:
-        if self._tracer is None:
+        tracer = self._tracer
+        if tracer is None:
             return {}  # telemetry off: nothing to propagate, nothing to end
-        if not self._tracer.records:  # no span processor: the context alone, unsampled
-            span = self._tracer.start(GENERATE_SPAN, _ROOT, SpanKind.INTERNAL, {})
-            return TraceHeaders(span.get_span_context())
+        if not self._records():  # no span processor: the context alone, unsampled
+            ids = tracer.id_generator
+            context = SpanContext(ids.generate_trace_id(), ids.generate_span_id(), is_remote=False)
+            return TraceHeaders(context)
         attributes: dict[str, AttributeValue] = {
+            **self.settings_attributes(event),
             GroupAttr.ID: event.group_id,
             GroupAttr.PROMPT_ID: event.prompt_id,
             GenAIAttr.REQUEST_SEED: event.seed,
         }
-        span = self._tracer.start(  # a root, whatever span is current
+        span = tracer.start_span(  # a root, whatever span is current
             GENERATE_SPAN,
-            _ROOT,
-            SpanKind.INTERNAL,
-            attributes,
-            int(event.admitted_at * 1e9),
-            self._settings_of(event),
+            context=_ROOT,
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=int(event.admitted_at * 1e9),
         )
         if span.is_recording():
             self._spans[event.group_id] = span
         return TraceHeaders(span.get_span_context())
 
-    def _settings_of(self, event: GenerationStarted) -> dict[str, AttributeValue]:
-        """The attributes of the group's sampling settings, model and engine: one dict for all
-        groups of the same ones, the common attributes of their spans (never changed)."""
+    def settings_attributes(self, event: GenerationStarted) -> Mapping[str, AttributeValue]:
+        """The attributes of the group's sampling settings, model and engine: one dict, built
+        once, for all groups of the same ones (never changed; each span copies it)."""
         key = (
             event.max_tokens,
             float(event.temperature),

@@ -25,12 +25,10 @@ from opentelemetry import trace
 from opentelemetry.context import attach, detach
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, client_interceptor
 from opentelemetry.propagate import extract
-from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.util.types import AttributeValue
 
 from rolloutd import __version__
-from rolloutd.telemetry.light_spans import LightTracer
 
 TRACER_NAME = "rolloutd"
 
@@ -225,9 +223,7 @@ _ERROR_CODES = frozenset(
 
 
 def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
-    """``behavior`` in a server span of its own (see :class:`_ServerInterceptor`): a light one
-    (:mod:`rolloutd.telemetry.light_spans`) from an SDK tracer."""
-    light = LightTracer(tracer) if isinstance(tracer, SdkTracer) else None
+    """``behavior`` in a server span of its own (see :class:`_ServerInterceptor`)."""
     name = span_name(path)
     service, _, method = name.partition("/")
     base: dict[str, AttributeValue] = {
@@ -239,7 +235,7 @@ def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
 
     starting: dict[tuple[str, str | None], dict[str, AttributeValue]] = {}
     """The attributes a span starts with, by peer and user agent (both repeat on a
-    connection): each dict is the common attributes of its spans, never changed once made."""
+    connection): built once, never changed; each span copies them."""
 
     def attributes_of(peer: str, agent: str | None) -> dict[str, AttributeValue]:
         known = starting.get((peer, agent))
@@ -256,12 +252,8 @@ def _in_server_span(tracer: Tracer, path: str, behavior: Handler) -> Handler:
         metadata = context.invocation_metadata()
         carrier = {m.key: m.value for m in metadata} if metadata else {}
         parent = extract(carrier) if carrier else None
-        common = attributes_of(context.peer(), carrier.get("user-agent"))
-        span = (
-            light.start(name, parent, SpanKind.SERVER, {}, None, common)
-            if light is not None
-            else tracer.start_span(name, parent, SpanKind.SERVER, dict(common))
-        )
+        starts_with = attributes_of(context.peer(), carrier.get("user-agent"))
+        span = tracer.start_span(name, parent, SpanKind.SERVER, starts_with)
         token = attach(trace.set_span_in_context(span, parent))
         try:
             return await behavior(request, context)

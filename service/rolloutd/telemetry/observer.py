@@ -37,6 +37,7 @@ from rolloutd.telemetry.generation import GenerationSpans
 from rolloutd.telemetry.metrics import MetricsObserver
 from rolloutd.telemetry.score import record_score, scored
 from rolloutd.telemetry.sources import CheckpointState, StatusSnapshot
+from rolloutd.telemetry.tracer_provider import records_spans
 from rolloutd.telemetry.weights import record_weights_update
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class TelemetryObserver:
     def __init__(self, tracer_provider: TracerProvider, meter_provider: MeterProvider):
         self.metrics = MetricsObserver(meter_provider)
         self._tracer = tracer_provider.get_tracer(TRACER_NAME, __version__)
-        self.generation = GenerationSpans(self._tracer)
+        self.generation = GenerationSpans(self._tracer, records_spans(tracer_provider))
         self.episodes = EpisodeSpans(self._tracer, self.generation)
 
     def register_sources(

@@ -3,22 +3,14 @@
 Derived with the exporter's own mapping (the OpenTelemetry-to-Prometheus compatibility rules: dots
 to underscores, unit suffix, ``_total`` for counters); a test checks every name against a real
 ``/metrics`` scrape, so a change in the exporter shows up as a failing test, not a stale document.
-
-The exporter keeps that mapping in a private module (``_mapping``) and exposes no public way to ask
-for a name; this module is the one place that imports it. ``pyproject.toml`` pins
-``opentelemetry-exporter-prometheus`` to the versions it was checked against, and
-``tests/telemetry/test_prometheus.py`` fails when an upgrade moves or changes the three functions.
+The exporter keeps that mapping in a private module, which only
+:mod:`rolloutd.telemetry.otel_adapter` imports.
 """
 
 from __future__ import annotations
 
-from opentelemetry.exporter.prometheus._mapping import (
-    map_unit,
-    sanitize_attribute,
-    sanitize_full_name,
-)
-
 from rolloutd.telemetry.catalogue import Instrument, Kind
+from rolloutd.telemetry.otel_adapter import map_unit, sanitize_attribute, sanitize_full_name
 
 _MONOTONIC = (Kind.COUNTER, Kind.OBSERVABLE_COUNTER)
 

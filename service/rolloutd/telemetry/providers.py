@@ -42,14 +42,9 @@ from prometheus_client import CollectorRegistry
 from rolloutd import __version__
 from rolloutd.telemetry import throttle
 from rolloutd.telemetry.catalogue import CATALOGUE
-from rolloutd.telemetry.exemplars import last_in_bucket
-from rolloutd.telemetry.metric_reader import PrometheusExportingReader, shares_collection
+from rolloutd.telemetry.metric_reader import shares_collection
 from rolloutd.telemetry.observer import TelemetryObserver
-from rolloutd.telemetry.otel_sdk import (
-    EncodingSpanExporter,
-    GatedTracerProvider,
-    ScrapeOnlyMeterProvider,
-)
+from rolloutd.telemetry.otel_adapter import PrometheusExportingReader
 from rolloutd.telemetry.settings import (
     ExporterName,
     OtlpProtocol,
@@ -58,6 +53,7 @@ from rolloutd.telemetry.settings import (
     env,
     resolve_settings,
 )
+from rolloutd.telemetry.tracer_provider import ServiceTracerProvider
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +94,13 @@ def build_resource(settings: TelemetrySettings) -> Resource:
 
 def histogram_views() -> list[View]:
     """The catalogue's buckets: second-scale for seconds (the SDK default suits ms), small
-    integers for policy versions; their exemplars sampled as the SDK's default reservoir does,
-    at less cost (:mod:`rolloutd.telemetry.exemplars`)."""
+    integers for policy versions. Their exemplars are the SDK's: its default reservoir for
+    explicit-bucket histograms keeps the last value offered in each bucket, and its exemplar
+    filter (``OTEL_METRICS_EXEMPLAR_FILTER``, trace-based by default) decides what is offered."""
     return [
         View(
             instrument_name=instrument.name,
             aggregation=ExplicitBucketHistogramAggregation(instrument.buckets),
-            exemplar_reservoir_factory=last_in_bucket,
         )
         for instrument in CATALOGUE
         if instrument.buckets is not None
@@ -117,7 +113,9 @@ def _span_exporter(
     if name is ExporterName.CONSOLE:
         return ConsoleSpanExporter()
     if export.protocol is OtlpProtocol.GRPC:
-        return EncodingSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=export.endpoint, timeout=timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpSpanExporter,
     )
@@ -143,16 +141,19 @@ def _metric_exporter(
 
 @dataclass(frozen=True)
 class _SdkProviders:
-    tracer: GatedTracerProvider
+    tracer: ServiceTracerProvider
     meter: SdkMeterProvider
+    readers: tuple[MetricReader, ...]
 
 
 class Telemetry:
     """The providers of one service, its Prometheus registry, and their orderly shutdown.
 
     ``shutdown`` flushes both providers within a time bound and is idempotent; it blocks, so
-    from the event loop use ``await telemetry.aclose()``. With the SDK disabled the providers
-    are the API's no-op ones, except the meter provider behind /metrics.
+    from the event loop use ``await telemetry.aclose()``. With the SDK disabled
+    (``OTEL_SDK_DISABLED``) both providers are the API's no-op ones, as the specification
+    says: no span is recorded and no metric measured, so the Prometheus registry behind
+    ``/metrics`` holds no instrument of rolloutd's.
     """
 
     def __init__(
@@ -161,9 +162,7 @@ class Telemetry:
         prometheus_registry: CollectorRegistry,
         resource: Resource,
         sdk: _SdkProviders | None,
-        meter: metrics.MeterProvider | None = None,
     ):
-        """``meter``: without the SDK, the provider behind /metrics (else a no-op one)."""
         self.settings = settings
         self.prometheus_registry = prometheus_registry
         self.resource = resource
@@ -172,7 +171,7 @@ class Telemetry:
             trace.NoOpTracerProvider() if sdk is None else sdk.tracer
         )
         self.meter_provider: metrics.MeterProvider = (
-            (meter or metrics.NoOpMeterProvider()) if sdk is None else sdk.meter
+            metrics.NoOpMeterProvider() if sdk is None else sdk.meter
         )
         self._lock = threading.Lock()
         self._closed = False
@@ -182,10 +181,17 @@ class Telemetry:
     def enabled(self) -> bool:
         return self._sdk is not None
 
+    @property
+    def metric_readers(self) -> tuple[MetricReader, ...]:
+        """The meter provider's readers: the one behind ``/metrics`` first (which also pushes to
+        the first exporter when it can, :mod:`~rolloutd.telemetry.metric_reader`), then one
+        periodic reader per other exporter; none with the SDK disabled."""
+        return () if self._sdk is None else self._sdk.readers
+
     def records_spans(self) -> bool:
         """Whether a span started now could be recorded: false with the SDK disabled and
         until a span processor is added (no trace exporter configured)."""
-        return self._sdk is not None and self._sdk.tracer.records_spans
+        return self._sdk is not None and self._sdk.tracer.has_span_processor
 
     def observer(self) -> TelemetryObserver:
         """A new observer over these providers; build one per service (a second one would
@@ -318,19 +324,14 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
     registry = CollectorRegistry()
     if settings.disabled:
         logger.info(
-            "OpenTelemetry SDK disabled (OTEL_SDK_DISABLED): no traces, nothing exported; "
-            "/metrics stays on"
+            "OpenTelemetry SDK disabled (OTEL_SDK_DISABLED): no spans, no metrics; "
+            "/metrics serves no rolloutd series"
         )
-        scrape_only = ScrapeOnlyMeterProvider(
-            metric_readers=[PrometheusMetricReader(registry=registry)],
-            views=histogram_views(),
-            shutdown_on_exit=False,
-        )
-        return Telemetry(settings, registry, Resource.get_empty(), sdk=None, meter=scrape_only)
+        return Telemetry(settings, registry, Resource.get_empty(), sdk=None)
     throttle.install(settings.log_interval_s)
     resource = build_resource(settings)
 
-    tracer_provider = GatedTracerProvider(
+    tracer_provider = ServiceTracerProvider(
         resource=resource, sampler=settings.sampler, shutdown_on_exit=False
     )
     for name in settings.traces.exporters:
@@ -354,7 +355,9 @@ def build_telemetry(settings: TelemetrySettings, *, announce: bool = True) -> Te
         _describe(settings.traces),
         _describe(settings.metrics),
     )
-    return Telemetry(settings, registry, resource, _SdkProviders(tracer_provider, meter_provider))
+    return Telemetry(
+        settings, registry, resource, _SdkProviders(tracer_provider, meter_provider, tuple(readers))
+    )
 
 
 def _metric_readers(settings: TelemetrySettings, registry: CollectorRegistry) -> list[MetricReader]:

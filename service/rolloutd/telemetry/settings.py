@@ -12,7 +12,7 @@ and ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc``, ``http/protobuf``) with their per
 Two deliberate defaults: the OTLP protocol defaults to ``grpc`` (as the Python SDK's ``otlp``
 exporter does), and when neither an exporter nor any OTLP endpoint is configured nothing is
 exported over OTLP (a laptop without a collector should not log export errors); the Prometheus
-reader behind the admin app's ``/metrics`` is always there.
+reader behind the admin app's ``/metrics`` is there whenever the SDK is enabled.
 """
 
 from __future__ import annotations

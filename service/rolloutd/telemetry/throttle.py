@@ -12,22 +12,21 @@ import threading
 import time
 from collections.abc import Callable
 
+from rolloutd.telemetry.otel_adapter import PRIVATE_EXPORT_LOGGERS
+
 EXPORT_LOGGERS: tuple[str, ...] = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.common.http",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.proto.http.metric_exporter",
-    "opentelemetry.exporter.otlp.proto.http._common",
-    "opentelemetry.sdk._shared_internal",
     "opentelemetry.sdk.trace.export",
-    "opentelemetry.sdk.metrics._internal",
-    "opentelemetry.sdk.metrics._internal.export",
-    "opentelemetry.sdk.metrics._internal.instrument",
+    *PRIVATE_EXPORT_LOGGERS,
     "rolloutd.telemetry.observer",
 )
 """Loggers on the export and callback paths. A logger filter sees only its own logger's records
-(not its children's), so each emitting module is named here; modules of the same families that are
-already imported are found by prefix as well."""
+(not its children's), so each emitting module is named here (those of the SDK's private modules
+in :mod:`rolloutd.telemetry.otel_adapter`); modules of the same families that are already imported
+are found by prefix as well."""
 
 _PREFIXES = ("opentelemetry.exporter.", "opentelemetry.sdk.")
 _MAX_KEYS = 1024
