@@ -49,3 +49,17 @@ def test_field_names_clients_rely_on():
     for message, fields in expected.items():
         have = set(pb.DESCRIPTOR.message_types_by_name[message].fields_by_name)
         assert fields <= have, f"{message} lacks {fields - have}"
+
+
+def test_the_stub_generator_is_pinned_to_the_version_the_stubs_demand():
+    """A fresh install resolves the newest grpcio-tools unless it is pinned, and a newer generator
+    writes a newer GRPC_GENERATED_VERSION, which the drift check above reads as out of date; the
+    grpcio floor must be that version too, or the stubs refuse to import."""
+    import re
+    import tomllib
+
+    stub = (ROOT / "service" / "rolloutd" / "v1" / "rollout_pb2_grpc.py").read_text()
+    generated = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", stub).group(1)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"grpcio-tools=={generated}" in project["optional-dependencies"]["dev"]
+    assert f"grpcio>={generated}" in project["dependencies"]
