@@ -425,5 +425,5 @@ def open_backend(url: str, options: Mapping[str, Any]) -> LocalBackend | ObjectB
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in (None, "file", "local"):
         return LocalBackend(path)
-    fs = fsspec.filesystem(protocol, **options)
-    return ObjectBackend(fs, fs._strip_protocol(url), url)
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    return ObjectBackend(fs, root, url)
