@@ -235,6 +235,8 @@ class Node:
                 for _ in range(len(chunk) // gs):
                     admission = rooms.sampler.next()
                     assert admission is not None
+                    if not rooms.ids.reserved:  # journaled before issued, as admission does
+                        await rooms.ids.reserve()
                     gid = rooms.ids.issue()
                     group = Group(
                         GroupMeta(
