@@ -69,9 +69,11 @@ class MemoryJournal:
             self.sync()
         return durable
 
-    def sync(self) -> None:
-        """Makes every queued record durable (or fails them with ``fail``)."""
-        queued, self._queued = self._queued, []
+    def sync(self, count: int | None = None) -> None:
+        """Makes the first ``count`` queued records (all: None) durable, or fails them with
+        ``fail``."""
+        count = len(self._queued) if count is None else count
+        queued, self._queued = self._queued[:count], self._queued[count:]
         for durable in queued:
             if self.fail is not None:
                 durable.set_exception(self.fail)
