@@ -8,6 +8,7 @@ from array import array
 import pytest
 
 from rolloutd.domain.accounting import Accounting, Counters
+from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.fate import DropReason, EngineState, TokenFate
 from rolloutd.domain.group import GroupState
 from rolloutd.domain.partial import PartialSibling, TokenDelta
@@ -113,9 +114,9 @@ def test_a_dropped_group_is_counted_once_by_its_reason_and_its_tokens_by_their_f
 def test_a_group_dropped_without_a_reason_or_leaving_without_a_token_fate_is_refused():
     shared = Shared()
     g = shared.finishing(1, size=1)
-    with pytest.raises(ValueError, match="for a reason"):
+    with pytest.raises(InvariantError, match="for a reason"):
         shared.accounting.left(g, GroupState.DROPPED)
-    with pytest.raises(ValueError, match="finalized"):
+    with pytest.raises(InvariantError, match="finalized"):
         shared.accounting.left(g, GroupState.FINALIZED)
     assert shared.accounting.counters.dropped_groups == 0
 

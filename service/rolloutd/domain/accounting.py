@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from rolloutd.domain.engine import DeltaSink
+from rolloutd.domain.errors import InvariantError
 from rolloutd.domain.fate import DropReason, EngineState, TokenAccount, TokenFate, drop_fate
 from rolloutd.domain.group import Group, GroupState, Sample
 from rolloutd.domain.partial import PartialSibling, TokenDelta, delta_tokens
@@ -166,12 +167,12 @@ class Accounting:
             self._counters.evicted_tokens += tokens
         elif fate is GroupState.DROPPED:
             if reason is None:
-                raise ValueError("a group is dropped for a reason")
+                raise InvariantError("a group is dropped for a reason")
             self.dropped(reason, tokens)
         elif fate is GroupState.LOST:
             self._counters.delivered_tokens += tokens
         else:
-            raise ValueError(f"a group leaves as {fate.value} without tokens to count")
+            raise InvariantError(f"a group leaves as {fate.value} without tokens to count")
         return tokens
 
     def dropped(self, reason: DropReason | str, tokens: int) -> None:
