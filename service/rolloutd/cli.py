@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         "--unreachable-timeout-s",
         type=float,
         default=120.0,
-        help="give up on an endpoint that has not answered at all for this long",
+        help="give up on an endpoint that has not answered at all for this long (at start-up,"
+        " and mid-run: a restart shorter than this is waited for)",
     )
     trainer.add_argument(
         "--token-file",

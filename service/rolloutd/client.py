@@ -7,8 +7,14 @@ a lease it brings back is kept and returned by the next ``fetch``, never strande
 that fails (down, draining: UNAVAILABLE) is left out with exponential backoff and probed again
 later, so a dead one does not slow every call. An ack goes back to the endpoint that issued the
 lease. Other calls that are safe to repeat (every RPC here: acks and prompt submissions are
-idempotent) are retried on UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED with exponential
-backoff and jitter.
+idempotent) are retried with exponential backoff and jitter: DEADLINE_EXCEEDED and
+RESOURCE_EXHAUSTED a few times, UNAVAILABLE for as long as an outage may last (``outage_s``).
+
+A service that restarts (a SIGKILL, a rollout of its pod, a vLLM start of a minute) is an outage
+the client rides out: leases, acks and finalized steps are durable and an ack is idempotent, so a
+call that waits for the endpoint to come back loses nothing and trains nothing twice. The client
+logs one warning when an endpoint stops answering and one line when it answers again, whatever
+the number of calls that waited meanwhile.
 
 :func:`client_stream` runs a client-streaming call (``PushWeights``) from ``grpc.aio`` code.
 """
@@ -24,6 +30,7 @@ import mmap
 import os
 import queue
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -74,6 +81,8 @@ class _Endpoint:
     in_flight: bool = False
     sent: list[float] = field(default_factory=list)
     """When each fetch was sent (monotonic): what a test or a log can count."""
+    down_since: float | None = None
+    """``time.monotonic()`` of the first UNAVAILABLE of the outage under way; None: it answers."""
 
 
 class RolloutClient:
@@ -84,6 +93,7 @@ class RolloutClient:
         token: str | None = None,
         timeout_s: float = 30.0,
         retries: int = 5,
+        outage_s: float = 300.0,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         secure: bool = False,
@@ -98,16 +108,25 @@ class RolloutClient:
         certificate and key, for a server that requires them (``grpc.tls_client_ca``).
         ``max_message_mb``: the largest message sent or received, the service's
         ``grpc.max_message_mb`` (gRPC's own default, 4 MiB, would refuse a fetch of groups
-        with large metadata that the service sends)."""
+        with large metadata that the service sends).
+
+        ``retries``: how often a call is repeated on DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED.
+        ``outage_s``: how long a call keeps trying an endpoint that answers UNAVAILABLE or not
+        at all (restarting, a vLLM start, a pod rescheduled) before it raises; ``retries=0``
+        repeats nothing, UNAVAILABLE included. Waits between tries grow from ``backoff_s`` to
+        ``max_backoff_s``."""
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise ValueError("at least one endpoint is required")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout_s
         self._retries = retries
+        self._outage_s = outage_s
         self._backoff = backoff_s
         self._max_backoff = max_backoff_s
         self._fleet = {ep: _Endpoint(ep) for ep in self.endpoints}
+        self._outage_lock = threading.Lock()
+        """Orders the outage warnings of calls that fail at once (pushes run in threads)."""
         self._answers: queue.Queue[tuple[_Endpoint, grpc.Future]] = queue.Queue()
         """Fetches that completed, in the order they did (filled from gRPC's threads)."""
         self._spare: deque[Lease] = deque()
@@ -150,18 +169,66 @@ class RolloutClient:
             channel.close()
 
     def _call(self, endpoint: str, fn: Callable[[pb_grpc.RolloutServiceStub], T]) -> T:
+        """``fn`` on ``endpoint``'s stub, repeated as the module docstring says."""
+        ep = self._fleet[endpoint]
         delay = self._backoff
-        for attempt in range(self._retries + 1):
+        attempt = 0
+        while True:
             try:
-                return fn(self._stubs[endpoint])
+                result = fn(self._stubs[endpoint])
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
-                if code not in RETRYABLE or attempt == self._retries:
+                if code not in RETRYABLE or self._retries == 0:
                     raise
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    if self._unavailable(ep, exc) >= self._outage_s:
+                        raise
+                else:
+                    attempt += 1
+                    if attempt > self._retries:
+                        raise
                 log.debug("%s: %s, retrying in %.2fs", endpoint, code.name, delay)
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, self._max_backoff)
-        raise AssertionError("unreachable")
+                continue
+            self._answered(ep)
+            return result
+
+    def _unavailable(self, ep: _Endpoint, exc: grpc.RpcError) -> float:
+        """``ep`` answered UNAVAILABLE (or nothing): the outage's length so far, which begins,
+        with a warning, at the first."""
+        now = time.monotonic()
+        with self._outage_lock:
+            if ep.down_since is None:
+                ep.down_since = now
+                log.warning(
+                    "%s is unavailable (%s); waiting up to %.0f s for it to come back: leases "
+                    "and acks are durable, so nothing is lost",
+                    ep.name,
+                    exc.details() or "no answer",  # type: ignore[attr-defined]
+                    self._outage_s,
+                )
+            return now - ep.down_since
+
+    def _answered(self, ep: _Endpoint) -> None:
+        if ep.down_since is None:
+            return
+        with self._outage_lock:
+            if ep.down_since is not None:
+                log.warning(
+                    "%s answers again after %.1f s", ep.name, time.monotonic() - ep.down_since
+                )
+                ep.down_since = None
+
+    @property
+    def outage_s(self) -> float | None:
+        """How long every endpoint has been unavailable, or None while any answers (a trainer
+        that counts idle time can leave an outage out of it)."""
+        now = time.monotonic()
+        since = [ep.down_since for ep in self._fleet.values()]
+        if any(s is None for s in since):
+            return None
+        return now - max(s for s in since if s is not None)
 
     def _kw(self, extra_s: float = 0.0) -> dict[str, Any]:
         return {"timeout": self._timeout + extra_s, "metadata": self._metadata}
@@ -172,7 +239,9 @@ class RolloutClient:
 
         A lease kept from an earlier call's fetch, still in flight then, comes first; it may
         hold up to that call's ``max_groups``. Raises the first error that retrying cannot cure
-        (INVALID_ARGUMENT, UNAUTHENTICATED...); endpoints that are down are backed off from."""
+        (INVALID_ARGUMENT, UNAUTHENTICATED...); endpoints that are down are backed off from, and
+        None is returned while they are (a restart), until every endpoint has been unavailable
+        for ``outage_s``: then the last UNAVAILABLE is raised."""
         deadline = time.monotonic() + wait_ms / 1000
         sent: set[str] = set()
         while True:
@@ -224,12 +293,17 @@ class RolloutClient:
                 code = exc.code()  # type: ignore[attr-defined]
                 if code not in RETRYABLE:
                     raise
+                if code is grpc.StatusCode.UNAVAILABLE and self._retries:
+                    self._unavailable(ep, exc)
+                    if (outage := self.outage_s) is not None and outage >= self._outage_s:
+                        raise  # every endpoint, for longer than an outage may last
                 ep.failures += 1
                 pause = min(self._backoff * 2 ** (ep.failures - 1), self._max_backoff)
                 ep.retry_at = time.monotonic() + pause * random.uniform(0.5, 1.5)
                 log.debug("%s: %s; asked again in %.2fs at the earliest", ep.name, code.name, pause)
                 continue
             ep.failures, ep.retry_at = 0, 0.0
+            self._answered(ep)
             if response.lease_id:
                 self._spare.append(
                     Lease(response.lease_id, ep.name, response.groups, response.lease_expires_at)

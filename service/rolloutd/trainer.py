@@ -42,7 +42,9 @@ class TrainerConfig:
     """How long to wait for every endpoint to be ready (a vLLM start takes a minute or more)."""
     unreachable_timeout_s: float = 120.0
     """How long an endpoint may go without answering at all before the trainer gives up on it: a
-    service that is starting answers (not ready), one that exited does not."""
+    service that is starting answers (not ready), one that exited does not. Mid-run, how long
+    the trainer waits for a service that restarts (the client's ``outage_s``); the wait is not
+    idle time."""
     token: str | None = None
     tls_ca: str | None = None
     """PEM CA bundle that signed the service's certificate; set, the trainer speaks TLS."""
@@ -145,10 +147,11 @@ def wait_until_ready(
 
 def run(cfg: TrainerConfig, out: Callable[[str], object] = print) -> int:
     """Returns the number of steps taken. A request the service refuses (a missing token, a
-    batch above its limits) or a service gone for longer than the client retries raises
-    ``RequestFailed`` with one line that says what to do."""
+    batch above its limits) or a service gone for longer than ``unreachable_timeout_s`` raises
+    ``RequestFailed`` with one line that says what to do; a restart within it is waited out."""
     with RolloutClient(
         cfg.endpoints,
+        outage_s=cfg.unreachable_timeout_s,
         token=cfg.token,
         tls_ca=cfg.tls_ca,
         tls_cert=cfg.tls_cert,
@@ -174,6 +177,9 @@ def _train(cfg: TrainerConfig, client: RolloutClient, out: Callable[[str], objec
                 span.set_attribute(STEP_ATTR, step)
         now = time.monotonic()
         if not batch:
+            if client.outage_s is not None:  # the service is restarting: waited for, not idle
+                last_data = now
+                continue
             if now - last_data > cfg.idle_exit_s:
                 out(f"no groups for {cfg.idle_exit_s:.0f}s; stopping")
                 break
