@@ -310,6 +310,9 @@ class RolloutClient:
                 )
 
     def ack(self, lease: Lease, trainer_step: int) -> pb.AckGroupsResponse:
+        """Tells the endpoint that leased ``lease`` that trainer step ``trainer_step`` consumed
+        its groups: durable when this returns, so they are not delivered again. Idempotent: an
+        ack repeated (after a restart, say) gets the answer the first one got."""
         request = pb.AckGroupsRequest(lease_id=lease.lease_id, trainer_step=trainer_step)
         return self._call(lease.endpoint, lambda s: s.AckGroups(request, **self._kw()))
 
@@ -341,6 +344,9 @@ class RolloutClient:
         }
 
     def rewind(self, trainer_step: int) -> dict[str, pb.RewindResponse]:
+        """Every endpoint makes the groups acked after ``trainer_step`` available again (or admits
+        their prompts again): call it from a trainer restarted from its checkpoint
+        ``trainer_step``, before fetching (docs/api.md, the delivery contract)."""
         request = pb.RewindRequest(trainer_step=trainer_step)
         return {
             ep: self._call(ep, lambda s: s.Rewind(request, **self._kw())) for ep in self.endpoints
@@ -417,6 +423,8 @@ class RolloutClient:
         return self._stubs[endpoint].GetStatus(pb.GetStatusRequest(), **self._kw())
 
     def status(self) -> dict[str, pb.GetStatusResponse]:
+        """Every endpoint's ``GetStatus`` (state, buffer, counters, policy version), by
+        endpoint."""
         return {
             ep: self._call(ep, lambda s: s.GetStatus(pb.GetStatusRequest(), **self._kw()))
             for ep in self.endpoints
