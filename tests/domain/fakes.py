@@ -19,6 +19,8 @@ from rolloutd.domain.accounting import Accounting
 from rolloutd.domain.barrier import MutationBarrier
 from rolloutd.domain.buffer import RolloutBuffer
 from rolloutd.domain.drops import Drops
+from rolloutd.domain.finisher import Finisher
+from rolloutd.domain.finishing import CommitAll, FinishingStage
 from rolloutd.domain.flight import Flight
 from rolloutd.domain.group import Group, GroupMeta, Position, Prompt, Sample
 from rolloutd.domain.journal import AckRecord, JournaledDrop, Lease
@@ -197,6 +199,22 @@ class Shared:
             self.journal,
             self.observer,
             self.wakeups,
+        )
+
+    def finisher(self, drops: Drops, stage: FinishingStage | None = None) -> Finisher:
+        """A finisher over these parts, committing every group unless ``stage`` says otherwise."""
+        return Finisher(
+            CommitAll() if stage is None else stage,
+            self.buffer,
+            self.barrier,
+            self.flight,
+            self.accounting,
+            drops,
+            self.sampler,
+            self.observer,
+            self.wakeups,
+            self.liveness,
+            self.clock,
         )
 
     # --- groups in the buffer, each moved along the life cycle's own steps -----------------

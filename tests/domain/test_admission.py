@@ -11,8 +11,6 @@ import pytest
 
 from rolloutd.domain.admission import AdmissionConfig, Admitter
 from rolloutd.domain.concurrency import ConcurrencyConfig, ConcurrencyState, InFlightReason
-from rolloutd.domain.finisher import Finisher
-from rolloutd.domain.finishing import CommitAll
 from rolloutd.domain.generation import Generation, GenerationConfig
 from rolloutd.domain.group import GroupState, Position, Prompt
 from rolloutd.domain.ids import ID_BLOCK, GroupIds
@@ -43,19 +41,7 @@ class Room:
         self.policy = s.policy(self.policy_config)
         self.ids = GroupIds(0, s.journal.reserve_ids)
         drops = s.drops()
-        finisher = Finisher(
-            CommitAll(),
-            s.buffer,
-            s.barrier,
-            s.flight,
-            s.accounting,
-            drops,
-            s.sampler,
-            s.observer,
-            s.wakeups,
-            s.liveness,
-            s.clock,
-        )
+        finisher = s.finisher(drops)
         generation = Generation(
             GenerationConfig(SamplingParams(max_tokens=8)),
             s.engine,

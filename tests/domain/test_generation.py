@@ -10,8 +10,6 @@ from array import array
 import pytest
 
 from rolloutd.domain.engine import EngineDeadError, EngineError, RequestRefused
-from rolloutd.domain.finisher import Finisher
-from rolloutd.domain.finishing import CommitAll
 from rolloutd.domain.generation import Generation, GenerationConfig
 from rolloutd.domain.group import Group, GroupMeta, GroupState, Prompt
 from rolloutd.domain.mutation import MutationKind
@@ -50,19 +48,7 @@ async def rooms():
         s = Shared(engine=engine or GatedEngine())
         made.append(s)
         drops = s.drops()
-        finisher = Finisher(
-            CommitAll(),
-            s.buffer,
-            s.barrier,
-            s.flight,
-            s.accounting,
-            drops,
-            s.sampler,
-            s.observer,
-            s.wakeups,
-            s.liveness,
-            s.clock,
-        )
+        finisher = s.finisher(drops)
         generation = Generation(
             GenerationConfig(SAMPLING, **{"sibling_retries": 1, **config}),
             s.engine,
